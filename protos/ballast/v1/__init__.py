@@ -1,0 +1,1 @@
+"""Generated protobuf stubs; see scripts/gen_protos.py."""

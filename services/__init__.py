@@ -1,0 +1,1 @@
+"""Ballast services: router, worker, cache, backfill, and the code they share."""

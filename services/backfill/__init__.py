@@ -1,0 +1,1 @@
+"""The backfill service: replays degraded requests on the full model."""

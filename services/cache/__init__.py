@@ -1,0 +1,1 @@
+"""The KV-cache store service over Redis."""

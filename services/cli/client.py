@@ -1,0 +1,70 @@
+"""A small asyncio client of the public Inference API (used by `ballast chat`, tests, benches)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.common.grpc_server import CHANNEL_OPTIONS
+
+TIERS = {"AUTO": common_pb2.TIER_AUTO, "S": common_pb2.TIER_S, "A": common_pb2.TIER_A, "B": common_pb2.TIER_B}
+
+
+@dataclass
+class StreamResult:
+    """Everything one Generate stream delivered."""
+
+    started: inference_pb2.Started | None = None
+    token_ids: list[int] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: inference_pb2.Finished | None = None
+    events: int = 0
+
+
+def chat_request(text: str, model: str = "tiny", max_tokens: int = 32, temperature: float = 0.0,
+                 seed: int | None = None, tier: str = "AUTO", session_id: str = "",
+                 raw_prompt: bool = False, request_id: str = "") -> inference_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    if seed is not None:
+        sampling.seed = seed
+    request = inference_pb2.GenerateRequest(
+        request_id=request_id, session_id=session_id, model=model, sampling=sampling, tier=TIERS[tier]
+    )
+    if raw_prompt:
+        request.prompt = text
+    else:
+        request.conversation.messages.add(role="user", content=text)
+    return request
+
+
+def api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("x-api-key", api_key),) if api_key else ()
+
+
+async def collect(stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest,
+                  api_key: str | None, timeout: float = 60.0, on_tokens=None) -> StreamResult:
+    """Runs one stream to its end; `on_tokens(Tokens)` sees each tokens event as it arrives."""
+    result = StreamResult()
+    call = stub.Generate(request, metadata=api_key_metadata(api_key), timeout=timeout)
+    async for event in call:
+        result.events += 1
+        kind = event.WhichOneof("event")
+        if kind == "started":
+            result.started = event.started
+        elif kind == "tokens":
+            tokens = event.tokens
+            result.indices.extend(range(tokens.first_index, tokens.first_index + len(tokens.token_ids)))
+            result.token_ids.extend(tokens.token_ids)
+            result.text += tokens.text
+            if on_tokens is not None:
+                on_tokens(tokens)
+        elif kind == "finished":
+            result.finished = event.finished
+    return result
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

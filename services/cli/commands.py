@@ -1,0 +1,143 @@
+"""The `ballast` subcommands (parsing lives in services/cli/main.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from services.cli.mesh import CONFIG_FILE, LOCAL_API_KEY, Mesh, MeshSpec, read_state, running_state, stop_recorded
+
+
+def _model_present(model_dir: Path) -> bool:
+    return (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
+
+
+def cmd_build_tiny(args) -> int:
+    from services.worker.tiny_model import build_tiny_model
+
+    if _model_present(args.dir) and not args.force:
+        print(f"model already built in {args.dir} (use --force to rebuild)")
+        return 0
+    started = time.monotonic()
+    build_tiny_model(args.dir, preset=args.preset, progress=lambda msg: print(f"  {msg}", flush=True))
+    print(f"built {args.preset} model in {args.dir} ({time.monotonic() - started:.1f}s)")
+    return 0
+
+
+def cmd_up(args) -> int:
+    if running_state(args.state_dir):
+        state = read_state(args.state_dir)
+        print(f"mesh already running (router {state['router']}); `ballast down` stops it")
+        return 0
+    if read_state(args.state_dir):
+        # A mesh that died without `down`: clean up what is left of it first.
+        stop_recorded(args.state_dir)
+    if not _model_present(args.model_dir):
+        from services.worker.tiny_model import build_tiny_model
+
+        print(f"building the tiny model in {args.model_dir}")
+        build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
+    spec = MeshSpec(state_dir=args.state_dir, model_dir=args.model_dir, workers=args.workers,
+                    router_port=args.router_port)
+    mesh = Mesh(spec)
+    print(f"starting the local mesh in {args.state_dir}/ ...", flush=True)
+    started = time.monotonic()
+    mesh.start()
+    for server in mesh.infra:
+        print(f"  {server.name:<9} {server.address:<22} pid {server.pid}")
+    for service in mesh.services:
+        print(f"  {service.name:<9} {service.address:<22} pid {service.pid}  metrics :{service.metrics_port}")
+    print(f"mesh up in {time.monotonic() - started:.1f}s; router at {mesh.router_address}")
+    print(f"  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
+    return 0
+
+
+def cmd_down(args) -> int:
+    results = stop_recorded(args.state_dir)
+    if not results:
+        print("no local mesh recorded")
+    for name, pid, outcome in results:
+        print(f"  {name:<9} pid {pid:<8} {outcome}")
+    return 0
+
+
+def _local_config(args):
+    from services.common.config import load_config
+
+    path = getattr(args, "config", None) or (Path(args.state_dir) / CONFIG_FILE)
+    return load_config(path)
+
+
+def cmd_status(args) -> int:
+    from services.cli.etcd_view import list_workers
+
+    config = _local_config(args)
+    try:
+        rows = asyncio.run(list_workers(config.etcd, with_lease_ttl=True))
+    except Exception as exc:
+        print(f"cannot read etcd at {config.etcd.host}:{config.etcd.port}: {exc}", file=sys.stderr)
+        return 1
+    header = f"{'id':<12} {'pool':<8} {'model':<8} {'version':<17} {'load':>7} {'kv':>5} {'temp':>6} {'health':<9} {'lease':>5}  address"
+    print(header)
+    print("-" * len(header))
+    for record, ttl in rows:
+        health = "draining" if record.draining else ("serving" if record.healthy else "down")
+        temp = "-" if record.temperature_c is None else f"{record.temperature_c:.0f}C"
+        load = f"{record.in_flight}/{record.capacity}"
+        print(f"{record.id:<12} {record.pool:<8} {record.model:<8} {record.model_version:<17} {load:>7} "
+              f"{record.kv_used * 100:>4.0f}% {temp:>6} {health:<9} {ttl if ttl is not None else '-':>4}s  {record.address}")
+    if not rows:
+        print("(no workers registered)")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from services.cli.client import chat_request, collect, open_channel
+
+    from ballast.v1 import inference_pb2_grpc
+
+    state = read_state(args.state_dir)
+    router = args.router or (state["router"] if state else "127.0.0.1:50051")
+    api_key = args.api_key
+    if api_key is None:
+        try:
+            keys = _local_config(args).auth.api_keys
+            api_key = next(iter(keys), LOCAL_API_KEY)
+        except Exception:
+            api_key = LOCAL_API_KEY
+
+    def show(tokens) -> None:
+        sys.stdout.write(tokens.text)
+        sys.stdout.flush()
+
+    async def run() -> int:
+        async with open_channel(router) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            request = chat_request(args.text, model=args.model, max_tokens=args.max_tokens,
+                                   temperature=args.temperature, seed=args.seed, tier=args.tier,
+                                   session_id=args.session)
+            try:
+                result = await collect(stub, request, api_key, timeout=args.timeout, on_tokens=show)
+            except grpc.aio.AioRpcError as exc:
+                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        finished = result.finished
+        print()
+        if result.started and finished:
+            print(f"[{result.started.model}@{result.started.model_version} tier {args.tier}->"
+                  f"{result.started.tier} | {finished.usage.prompt_tokens} prompt + "
+                  f"{finished.usage.completion_tokens} generated tokens | finish "
+                  f"{finished.reason}]", file=sys.stderr)
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_bench_overhead(args) -> int:
+    from bench.overhead import run_benchmark
+
+    return run_benchmark(requests=args.requests, max_tokens=args.max_tokens, preset=args.preset, out=args.out)

@@ -1,0 +1,95 @@
+"""`ballast`: the command line for the local mesh, models and benchmarks.
+
+  ballast up / down / status       run the local mesh in the background, stop it, look at it
+  ballast chat "text"              stream an answer through the router
+  ballast model build-tiny DIR     build the small CPU model
+  ballast bench overhead           measure what the router adds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_STATE_DIR = Path(".ballast")
+DEFAULT_MODEL_DIR = DEFAULT_STATE_DIR / "models" / "tiny"
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="start etcd, Redis, Kafka broker and the services in the background")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--router-port", type=int, default=50051)
+    p.set_defaults(handler="services.cli.commands:cmd_up")
+
+
+def _add_down(sub) -> None:
+    p = sub.add_parser("down", help="stop everything `up` started, by PID, in reverse order")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    p.set_defaults(handler="services.cli.commands:cmd_down")
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="table of workers from etcd")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    p.add_argument("--config", help="ballast.yaml (default: the local mesh's)")
+    p.set_defaults(handler="services.cli.commands:cmd_status")
+
+
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="stream an answer through the router")
+    p.add_argument("text")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    p.add_argument("--router", help="router address (default: the local mesh's)")
+    p.add_argument("--api-key", help="API key (default: the local mesh's)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--tier", choices=["AUTO", "S", "A", "B"], default="AUTO")
+    p.add_argument("--session", default="")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    p.set_defaults(handler="services.cli.commands:cmd_chat")
+
+
+def _add_model(sub) -> None:
+    p = sub.add_parser("model", help="model tools")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    b = msub.add_parser("build-tiny", help="build the small Llama-architecture model in Hugging Face format")
+    b.add_argument("dir", type=Path)
+    b.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
+    b.add_argument("--force", action="store_true", help="rebuild even if the folder holds a model")
+    b.set_defaults(handler="services.cli.commands:cmd_build_tiny")
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (each prints a table and writes bench/results/<name>.json)")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    o = bsub.add_parser("overhead", help="router overhead vs direct worker calls")
+    o.add_argument("--requests", type=int, default=200)
+    o.add_argument("--max-tokens", type=int, default=32)
+    o.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
+    o.add_argument("--out", type=Path, default=Path("bench/results/overhead.json"))
+    o.set_defaults(handler="services.cli.commands:cmd_bench_overhead")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ballast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_up, _add_down, _add_status, _add_chat, _add_model, _add_bench):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Handlers are imported lazily: `ballast chat` must not pay for torch's import.
+    module_name, func_name = args.handler.split(":")
+    module = __import__(module_name, fromlist=[func_name])
+    return getattr(module, func_name)(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

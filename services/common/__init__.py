@@ -1,0 +1,1 @@
+"""Code shared by every Ballast service: config, errors, telemetry, membership."""

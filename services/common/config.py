@@ -1,0 +1,203 @@
+"""Typed configuration for every Ballast service, loaded from one YAML file plus env overrides.
+
+One file (`ballast.yaml`) holds every section; each service reads the sections it needs.
+Environment variables override any field: `BALLAST__ROUTER__PORT=50051` sets
+`router.port` (double underscores separate levels). A bad value fails at start-up with a
+message naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "BALLAST__"
+CONFIG_PATH_ENV = "BALLAST_CONFIG"
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EtcdConfig(Section):
+    host: str = Field("127.0.0.1", description="etcd client host.")
+    port: int = Field(2379, ge=1, le=65535, description="etcd client port.")
+    prefix: str = Field("/ballast/", description="Root of every Ballast key.")
+    timeout_s: float = Field(2.0, gt=0, description="Deadline of each etcd call.")
+    lease_ttl_s: int = Field(3, ge=2, le=60, description="TTL of a worker's membership lease.")
+    heartbeat_s: float = Field(1.0, gt=0, description="How often a worker refreshes its record.")
+    reconnect_backoff_s: float = Field(0.5, gt=0, description="First wait before reconnecting.")
+
+    @field_validator("prefix")
+    @classmethod
+    def _slash_terminated(cls, value: str) -> str:
+        if not value.startswith("/") or not value.endswith("/"):
+            raise ValueError("must start and end with '/'")
+        return value
+
+
+class RedisConfig(Section):
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis (or Redis Cluster seed) URL.")
+    timeout_s: float = Field(1.0, gt=0, description="Deadline of each Redis call.")
+
+
+class KafkaConfig(Section):
+    bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers.")
+    timeout_s: float = Field(5.0, gt=0, description="Deadline of admin and produce calls.")
+
+
+class AuthConfig(Section):
+    enabled: bool = Field(True, description="Require an API key on public calls.")
+    api_keys: dict[str, str] = Field(
+        default_factory=dict, description="API key -> tenant name."
+    )
+    default_tenant: str = Field("local", description="Tenant of every call when auth is off.")
+
+
+class TelemetryConfig(Section):
+    metrics_host: str = Field("127.0.0.1", description="Bind address of /metrics.")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Port of /metrics; 0 picks one.")
+    enabled: bool = Field(True, description="Serve Prometheus metrics.")
+
+
+class RouterConfig(Section):
+    models: list[str] = Field(
+        default_factory=lambda: ["tiny"],
+        description="Logical models this router serves; others are NOT_FOUND.",
+    )
+    host: str = Field("127.0.0.1", description="Bind address of the public API.")
+    port: int = Field(50051, ge=0, le=65535, description="Port of the public API; 0 picks one.")
+    default_max_tokens: int = Field(128, gt=0, description="max_tokens when a request sets none.")
+    max_tokens_limit: int = Field(4096, gt=0, description="Largest max_tokens a request may ask.")
+    max_request_bytes: int = Field(
+        1 << 20, gt=0, description="Largest serialized request accepted (bytes)."
+    )
+    max_prompt_chars: int = Field(
+        200_000, gt=0, description="Longest prompt text accepted before tokenizing."
+    )
+    worker_connect_timeout_s: float = Field(
+        2.0, gt=0, description="Deadline to open a worker stream and get its first reply."
+    )
+    default_deadline_s: float = Field(
+        120.0, gt=0, description="Deadline applied when the client sets none."
+    )
+    shutdown_grace_s: float = Field(10.0, ge=0, description="Time streams get to finish on stop.")
+    max_attempts: int = Field(
+        3, ge=1, description="Workers tried before the first token when one refuses or is down."
+    )
+
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> "RouterConfig":
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        return self
+
+
+class WorkerConfig(Section):
+    id: str = Field("", description="Worker id in etcd; empty: host-port-pid.")
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(0, ge=0, le=65535, description="Port; 0 picks one.")
+    advertise_host: str = Field("", description="Address the router dials; empty: host.")
+    engine: Literal["torch", "vllm"] = Field("torch", description="Model runtime.")
+    model_dir: str = Field(".ballast/models/tiny", description="Hugging Face model folder.")
+    model_name: str = Field("tiny", description="Logical model name clients ask for.")
+    pool: str = Field("primary", description="Pool of the model: primary or light.")
+    device: str = Field("auto", description="torch device: auto, cpu or cuda.")
+    max_concurrency: int = Field(8, ge=1, description="Sequences generated at once (capacity).")
+    max_queue: int = Field(16, ge=0, description="Requests allowed to wait for a slot.")
+    temperature_file: str = Field(
+        "", description="File holding a GPU temperature in C, read instead of NVML (tests)."
+    )
+    drain_grace_s: float = Field(20.0, ge=0, description="Time in-flight streams get on SIGTERM.")
+
+
+class CacheConfig(Section):
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(50061, ge=0, le=65535, description="Port; 0 picks one.")
+
+
+class BackfillConfig(Section):
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(50071, ge=0, le=65535, description="Port; 0 picks one.")
+
+
+class BallastConfig(Section):
+    etcd: EtcdConfig = Field(default_factory=EtcdConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    backfill: BackfillConfig = Field(default_factory=BackfillConfig)
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the field."""
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX):].split("__") if part]
+        if not path:
+            continue
+        node = overrides
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        # JSON lets env values carry numbers, booleans and maps; plain strings stay strings.
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node[path[-1]] = value
+    return overrides
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        lines.append(f"config field '{field}': {item['msg']}")
+    return "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> BallastConfig:
+    """Reads the YAML file (if any), applies env overrides, validates everything."""
+    environ = dict(os.environ if environ is None else environ)
+    path = path or environ.get(CONFIG_PATH_ENV) or None
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = loaded
+    data = _merge(data, _env_overrides(environ))
+    try:
+        return BallastConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

@@ -1,0 +1,134 @@
+"""Building blocks every Ballast gRPC server shares: the error interceptor, health, reflection.
+
+Core code raises the typed errors of `services.common.errors`; `DomainErrorInterceptor` is
+the one place they become gRPC status codes. Anything else escaping a handler is a bug and
+becomes INTERNAL (logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import BallastError, ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+# Large enough for a tokenizer.json in ModelInfo; requests are bounded separately.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Notice a dead peer quickly even when no message is due.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: BallastError) -> None:
+    if isinstance(error, ResourceExhausted):
+        # A retry hint any client can read, whatever its language.
+        context.set_trailing_metadata((("retry-after-ms", str(int(error.retry_after_s * 1000))),))
+    await context.abort(error.code, error.message)
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
+    async def wrapper(request, context):
+        try:
+            return await behavior(request, context)
+        except BallastError as error:
+            await abort_with(context, error)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception:
+            log.exception("bug in %s", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable[..., Any], method: str):
+    async def wrapper(request, context):
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except BallastError as error:
+            await abort_with(context, error)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception:
+            log.exception("bug in %s", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+
+    return wrapper
+
+
+class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps typed domain errors to status codes for unary and server-streaming methods."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
+    return grpc.aio.server(
+        interceptors=[DomainErrorInterceptor(), *(interceptors or [])],
+        options=SERVER_OPTIONS,
+    )
+
+
+def add_health_and_reflection(
+    server: grpc.aio.Server, service_names: list[str]
+) -> health.aio.HealthServicer:
+    """Serves grpc.health.v1 (overall "" and each service) and server reflection."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return health_servicer
+
+
+async def set_serving(health_servicer, service_names: list[str], serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ["", *service_names]:
+        await health_servicer.set(name, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Binds an insecure port (port 0 picks one) and returns the port bound."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return bound

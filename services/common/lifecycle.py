@@ -1,0 +1,58 @@
+"""Process entrypoint helpers: logging set-up and waiting for SIGTERM/SIGINT on the loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any, Awaitable, Callable
+
+
+def setup_logging(service: str) -> None:
+    level = os.environ.get("BALLAST_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def wait_for_stop_signal() -> str:
+    """Returns the name of the first SIGTERM/SIGINT received."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[str] = loop.create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s.name))
+    try:
+        return await received
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_until_signal(create_server: Callable[[Any], Awaitable[Any]], name: str, config: Any) -> None:
+    """Starts a service app, prints one READY line (launchers wait for it), stops on signal."""
+    app = await create_server(config)
+    print(f"READY {name} {app.address} metrics={app.telemetry.port}", flush=True)
+    signal_name = await wait_for_stop_signal()
+    logging.getLogger(f"ballast.{name}").info("%s received, shutting down", signal_name)
+    await app.shutdown()
+
+
+def run_main(prog: str, description: str | None, serve: Callable[[Any], Awaitable[None]], argv: list[str] | None) -> int:
+    """The shared `main()`: parse args, load typed config (fail fast naming the field), serve."""
+    from services.common.config import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help="ballast.yaml (default: $BALLAST_CONFIG)")
+    args = parser.parse_args(argv)
+    setup_logging(prog.removeprefix("ballast-"))
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0

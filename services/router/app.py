@@ -1,0 +1,83 @@
+"""The router process: membership watch + the public Inference server.
+
+Stateless: run as many replicas as needed behind any L4/L7 balancer. Shutdown order:
+health NOT_SERVING, server.stop(grace) lets open streams finish, then the membership
+watch, worker channels and telemetry close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from ballast.v1 import inference_pb2, inference_pb2_grpc
+from services.common.config import BallastConfig
+from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.membership import MembershipWatcher
+from services.common.telemetry import Telemetry
+from services.router.metrics import RouterMetrics
+from services.router.servicer import InferenceServicer
+from services.router.worker_clients import WorkerClients
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+@dataclass
+class RouterApp:
+    config: BallastConfig
+    server: grpc.aio.Server
+    port: int
+    membership: MembershipWatcher
+    clients: WorkerClients
+    servicer: InferenceServicer
+    telemetry: Telemetry
+    health: object
+    _sweeper: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.router.host}:{self.port}"
+
+    async def _sweep_channels(self) -> None:
+        # Close channels of workers that left, whenever the membership changes.
+        while True:
+            before = {w.address for w in self.membership.workers().values()}
+            await self.membership.wait_for(
+                lambda workers: {w.address for w in workers.values()} != before, timeout=30.0
+            )
+            await self.clients.retain({w.address for w in self.membership.workers().values()})
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        grace = self.config.router.shutdown_grace_s if grace_s is None else grace_s
+        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.server.stop(grace)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.membership.stop()
+        await self.clients.close()
+        self.telemetry.stop()
+
+
+async def create_server(config: BallastConfig) -> RouterApp:
+    """Starts watching membership and serving on the configured port (0 picks one)."""
+    telemetry = Telemetry("router", config.telemetry)
+    membership = MembershipWatcher(config.etcd, telemetry.dependencies)
+    await membership.start()
+    clients = WorkerClients()
+    servicer = InferenceServicer(config, membership, clients, RouterMetrics(telemetry))
+    server = new_server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    port = bind(server, config.router.host, config.router.port)
+    await server.start()
+    telemetry.start()
+    await set_serving(health, [SERVICE_NAME], True)
+    app = RouterApp(config, server, port, membership, clients, servicer, telemetry, health)
+    app._sweeper = asyncio.create_task(app._sweep_channels())
+    log.info("router serving on %s", app.address)
+    return app

@@ -1,0 +1,103 @@
+"""The router's view of a client request: validated once at the edge into a domain object."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from ballast.v1 import common_pb2, inference_pb2
+from services.common.config import RouterConfig
+from services.common.errors import InvalidArgument
+from services.common.generation import Sampling
+from services.common.sampling_pb import sampling_from_pb
+
+TIER_NAMES = {
+    common_pb2.TIER_AUTO: "AUTO",
+    common_pb2.TIER_S: "S",
+    common_pb2.TIER_A: "A",
+    common_pb2.TIER_B: "B",
+}
+ROLES = frozenset({"system", "user", "assistant"})
+MAX_ID_CHARS = 128
+MAX_SCHEMA_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Signals:
+    platform: str = ""
+    regenerate: bool = False
+    business_tag: str = ""
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    request_id: str
+    session_id: str
+    tenant: str
+    model: str
+    sampling: Sampling
+    tier: str
+    messages: tuple[Message, ...] = ()
+    prompt: str | None = None
+    signals: Signals = field(default_factory=Signals)
+    response_format: str = ""
+    allow_degraded: bool = True
+
+
+def _check_id(name: str, value: str) -> str:
+    if len(value) > MAX_ID_CHARS or any(ord(ch) < 32 for ch in value):
+        raise InvalidArgument(f"{name} must be at most {MAX_ID_CHARS} printable characters")
+    return value
+
+
+def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config: RouterConfig) -> InferenceRequest:
+    """Validates a GenerateRequest; raises InvalidArgument or NotFound naming the field."""
+    size = request.ByteSize()
+    if size > config.max_request_bytes:
+        raise InvalidArgument(f"request is {size} bytes; the limit is {config.max_request_bytes}")
+    if request.tier not in TIER_NAMES:
+        raise InvalidArgument(f"unknown tier {request.tier}; use TIER_AUTO, TIER_S, TIER_A or TIER_B")
+    if not request.model:
+        raise InvalidArgument("model must be set")
+    which = request.WhichOneof("input")
+    messages: tuple[Message, ...] = ()
+    prompt: str | None = None
+    if which == "conversation":
+        if not request.conversation.messages:
+            raise InvalidArgument("conversation.messages must not be empty")
+        for i, message in enumerate(request.conversation.messages):
+            if message.role not in ROLES:
+                raise InvalidArgument(f"conversation.messages[{i}].role must be one of {sorted(ROLES)}")
+        messages = tuple(Message(m.role, m.content) for m in request.conversation.messages)
+        chars = sum(len(m.content) for m in messages)
+    elif which == "prompt":
+        if not request.prompt:
+            raise InvalidArgument("prompt must not be empty")
+        prompt = request.prompt
+        chars = len(prompt)
+    else:
+        raise InvalidArgument("set either conversation or prompt")
+    if chars > config.max_prompt_chars:
+        raise InvalidArgument(f"prompt is {chars} characters; the limit is {config.max_prompt_chars}")
+    if len(request.response_format) > MAX_SCHEMA_CHARS:
+        raise InvalidArgument(f"response_format is over {MAX_SCHEMA_CHARS} characters")
+    sampling = sampling_from_pb(request.sampling, config.default_max_tokens, config.max_tokens_limit)
+    return InferenceRequest(
+        request_id=_check_id("request_id", request.request_id) or uuid.uuid4().hex,
+        session_id=_check_id("session_id", request.session_id),
+        tenant=tenant,
+        model=request.model,
+        sampling=sampling,
+        tier=TIER_NAMES[request.tier],
+        messages=messages,
+        prompt=prompt,
+        signals=Signals(request.signals.platform, request.signals.regenerate, request.signals.business_tag),
+        response_format=request.response_format,
+        allow_degraded=request.allow_degraded if request.HasField("allow_degraded") else True,
+    )

@@ -1,0 +1,54 @@
+"""One gRPC channel per worker address, opened lazily, closed once the worker has left.
+
+A channel that still carries streams is kept even when its worker left the membership
+(etcd may flap while the worker is fine); it is closed at a later sweep once idle.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
+
+import grpc
+
+from ballast.v1 import worker_pb2_grpc
+from services.common.grpc_server import CHANNEL_OPTIONS
+
+
+class WorkerClients:
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._active: Counter[str] = Counter()
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+        return stub
+
+    @contextmanager
+    def in_use(self, address: str) -> Iterator[worker_pb2_grpc.WorkerStub]:
+        self._active[address] += 1
+        try:
+            yield self.stub(address)
+        finally:
+            self._active[address] -= 1
+            if self._active[address] <= 0:
+                del self._active[address]
+
+    async def retain(self, addresses: set[str]) -> None:
+        """Closes idle channels to addresses no longer in the membership."""
+        for address in [a for a in self._channels if a not in addresses and not self._active.get(a)]:
+            channel = self._channels.pop(address)
+            self._stubs.pop(address, None)
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace=None)
+        self._channels.clear()
+        self._stubs.clear()

@@ -1,0 +1,1 @@
+"""The worker: one model replica behind ballast.v1.Worker, registered in etcd."""

@@ -1,0 +1,21 @@
+"""`ballast-worker`: runs one model replica until SIGTERM, then drains."""
+
+from __future__ import annotations
+
+import sys
+
+from services.common.config import BallastConfig
+from services.common.lifecycle import run_main, serve_until_signal
+from services.worker.app import create_server
+
+
+async def serve(config: BallastConfig) -> None:
+    await serve_until_signal(create_server, "worker", config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("ballast-worker", __doc__, serve, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The worker process: engine + gRPC server + etcd registration, started and stopped in order.
+
+Shutdown order (SIGTERM): health NOT_SERVING and draining published at once, in-flight
+streams finish within the grace period, the lease is revoked, the server stops, the engine
+is released, telemetry stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import grpc
+
+from ballast.v1 import worker_pb2, worker_pb2_grpc
+from services.common.config import BallastConfig
+from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.membership import WorkerRecord, WorkerRegistration
+from services.common.telemetry import Telemetry
+from services.worker.engine import Engine
+from services.worker.metrics import WorkerMetrics
+from services.worker.servicer import WorkerServicer, WorkerState
+from services.worker.temperature import TemperatureSource
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def make_engine(config: BallastConfig) -> Engine:
+    worker = config.worker
+    if worker.engine == "torch":
+        from services.worker.torch_engine import TorchEngine
+
+        return TorchEngine(
+            model_dir=worker.model_dir,
+            model_name=worker.model_name,
+            max_concurrency=worker.max_concurrency,
+            device=worker.device,
+        )
+    raise ValueError(f"config field 'worker.engine': engine {worker.engine!r} is not available here")
+
+
+@dataclass
+class WorkerApp:
+    config: BallastConfig
+    worker_id: str
+    engine: Engine
+    server: grpc.aio.Server
+    port: int
+    state: WorkerState
+    telemetry: Telemetry
+    registration: WorkerRegistration
+    health: object
+    temperature: TemperatureSource
+
+    @property
+    def address(self) -> str:
+        host = self.config.worker.advertise_host or self.config.worker.host
+        return f"{host}:{self.port}"
+
+    def record(self) -> WorkerRecord:
+        stats = self.engine.stats()
+        model = self.engine.model
+        return WorkerRecord(
+            id=self.worker_id,
+            address=self.address,
+            model=model.name,
+            model_version=model.version,
+            pool=self.config.worker.pool,
+            capacity=self.state.capacity,
+            in_flight=self.state.in_flight,
+            queued=stats.waiting,
+            kv_used=round(stats.kv_used, 4),
+            temperature_c=self.temperature.read(),
+            healthy=not self.state.draining,
+            draining=self.state.draining,
+            max_context=model.max_context,
+        )
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Drains and stops; safe to call twice."""
+        grace = self.config.worker.drain_grace_s if grace_s is None else grace_s
+        if not self.state.draining:
+            self.state.draining = True
+            await set_serving(self.health, [SERVICE_NAME], False)
+            self.registration.publish_now()
+            log.info("draining: %d in flight, grace %.1fs", self.state.in_flight, grace)
+            if not await self.state.wait_idle(grace):
+                log.warning("grace period over with %d streams in flight", self.state.in_flight)
+        await self.registration.stop()
+        await self.server.stop(1.0)
+        await self.engine.stop()
+        self.telemetry.stop()
+
+
+def _default_worker_id(host: str, port: int) -> str:
+    return f"{socket.gethostname()}-{port}-{os.getpid()}"
+
+
+async def create_server(config: BallastConfig, engine: Engine | None = None) -> WorkerApp:
+    """Loads the engine, starts serving on the configured port (0 picks one), registers."""
+    engine = engine or make_engine(config)
+    await engine.start()
+    telemetry = Telemetry("worker", config.telemetry)
+    state = WorkerState(config.worker.max_concurrency, config.worker.max_queue)
+    server = new_server()
+    port = bind(server, config.worker.host, config.worker.port)
+    worker_id = config.worker.id or _default_worker_id(config.worker.host, port)
+    metrics = WorkerMetrics(telemetry, engine.stats, lambda: state.in_flight)
+    servicer = WorkerServicer(engine, state, metrics, worker_id, config.worker.pool)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    app = WorkerApp(
+        config=config,
+        worker_id=worker_id,
+        engine=engine,
+        server=server,
+        port=port,
+        state=state,
+        telemetry=telemetry,
+        registration=None,  # type: ignore[arg-type]  # set just below; needs app.record
+        health=health,
+        temperature=TemperatureSource(config.worker.temperature_file),
+    )
+    app.registration = WorkerRegistration(config.etcd, app.record, telemetry.dependencies)
+    await server.start()
+    telemetry.start()
+    await set_serving(health, [SERVICE_NAME], True)
+    await app.registration.start()
+    log.info("worker %s serving %s (%s) on %s", worker_id, engine.model.name, engine.model.version, app.address)
+    return app

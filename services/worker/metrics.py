@@ -1,0 +1,53 @@
+"""The worker's metrics: requests by outcome, latency, tokens, and its load."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from services.common.telemetry import Telemetry
+from services.worker.engine import EngineStats
+
+
+class WorkerMetrics:
+    def __init__(self, telemetry: Telemetry, stats: Callable[[], EngineStats], in_flight: Callable[[], int]) -> None:
+        meter = telemetry.meter
+        self.requests = meter.create_counter(
+            "ballast_worker_requests", description="Generate calls by outcome."
+        )
+        self.tokens = meter.create_counter(
+            "ballast_worker_generated_tokens", description="Tokens generated."
+        )
+        self.prefill_tokens = meter.create_counter(
+            "ballast_worker_prefill_tokens", description="Prompt tokens computed by prefill."
+        )
+        self.ttft = telemetry.latency_histogram(
+            "ballast_worker_ttft", "Time from request to first token."
+        )
+        self.e2e = telemetry.latency_histogram(
+            "ballast_worker_e2e", "Time from request to last token."
+        )
+        self._stats = stats
+        self._in_flight = in_flight
+        meter.create_observable_gauge(
+            "ballast_worker_in_flight", callbacks=[self._observe_in_flight],
+            description="Requests admitted and not finished.",
+        )
+        meter.create_observable_gauge(
+            "ballast_worker_queued", callbacks=[self._observe_queued],
+            description="Requests waiting for an engine slot.",
+        )
+        meter.create_observable_gauge(
+            "ballast_worker_kv_used_ratio", callbacks=[self._observe_kv],
+            description="Share of the KV-cache capacity in use.",
+        )
+
+    def _observe_in_flight(self, _options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self._in_flight())
+
+    def _observe_queued(self, _options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self._stats().waiting)
+
+    def _observe_kv(self, _options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self._stats().kv_used)

@@ -1,0 +1,148 @@
+"""`ballast.v1.Worker`: admission, protobuf <-> engine conversion, and token streaming.
+
+Protobuf stops here: the engine sees only `EngineRequest` and yields `TokenDelta`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from ballast.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.sampling_pb import FINISH_TO_PB, sampling_from_pb
+from services.common.streams import Coalescer
+from services.worker.engine import Engine, EngineRequest, TokenDelta
+from services.worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+# A worker trusts the router for policy but still refuses nonsense sizes.
+MAX_TOKENS_HARD_LIMIT = 1 << 20
+
+
+def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta | None:
+    if first.finish_reason is not None:
+        return None
+    return TokenDelta(first.token_ids + second.token_ids, first.text + second.text, second.finish_reason)
+
+
+class WorkerState:
+    """Admission and drain bookkeeping of one worker."""
+
+    def __init__(self, capacity: int, max_queue: int) -> None:
+        self.capacity = capacity
+        self.max_queue = max_queue
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def admit(self) -> None:
+        if self.draining:
+            raise Unavailable("worker is draining")
+        if self.in_flight >= self.capacity + self.max_queue:
+            raise ResourceExhausted(
+                f"worker full: {self.in_flight} in flight, capacity {self.capacity}", retry_after_s=0.5
+            )
+        self.in_flight += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+def engine_request_from_pb(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
+    if not request.prompt_ids:
+        raise InvalidArgument("prompt_ids must not be empty")
+    sampling = sampling_from_pb(request.sampling, default_max_tokens=0, max_tokens_limit=MAX_TOKENS_HARD_LIMIT)
+    return EngineRequest(
+        request_id=request.request_id,
+        prompt_ids=tuple(request.prompt_ids),
+        generated_ids=tuple(request.generated_ids),
+        sampling=sampling,
+        tenant=request.tenant,
+        session_id=request.session_id,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: Engine, state: WorkerState, metrics: WorkerMetrics, worker_id: str, pool: str) -> None:
+        self.engine = engine
+        self.state = state
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.pool = pool
+
+    async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfo:
+        model = self.engine.model
+        return worker_pb2.ModelInfo(
+            model=model.name,
+            model_version=model.version,
+            max_context=model.max_context,
+            tokenizer_json=model.tokenizer_json,
+            chat_template=model.chat_template,
+            bos_token=model.bos_token,
+            eos_token=model.eos_token,
+            eos_token_ids=list(model.eos_token_ids),
+            worker_id=self.worker_id,
+            pool=self.pool,
+        )
+
+    async def Generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerGenerateEvent]:
+        engine_request = engine_request_from_pb(request)
+        self.state.admit()
+        started = time.perf_counter()
+        outcome = "error"
+        first_token_at: float | None = None
+        index = len(engine_request.generated_ids)
+        stream = Coalescer(self.engine.generate(engine_request), merge_deltas)
+        try:
+            self.metrics.prefill_tokens.add(len(engine_request.prompt_ids) + index)
+            async for delta in stream:
+                if delta.token_ids:
+                    if first_token_at is None:
+                        first_token_at = time.perf_counter()
+                        self.metrics.ttft.record((first_token_at - started) * 1000)
+                    yield worker_pb2.WorkerGenerateEvent(
+                        tokens=common_pb2.Tokens(text=delta.text, token_ids=delta.token_ids, first_index=index)
+                    )
+                    index += len(delta.token_ids)
+                    self.metrics.tokens.add(len(delta.token_ids))
+                if delta.finish_reason is not None:
+                    outcome = delta.finish_reason.value
+                    yield worker_pb2.WorkerGenerateEvent(
+                        finished=worker_pb2.WorkerFinished(
+                            reason=FINISH_TO_PB[delta.finish_reason],
+                            usage=common_pb2.Usage(
+                                prompt_tokens=len(engine_request.prompt_ids), completion_tokens=index
+                            ),
+                        )
+                    )
+                    break
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except InvalidArgument:
+            outcome = "invalid"
+            raise
+        finally:
+            await stream.aclose()
+            self.state.release()
+            self.metrics.requests.add(1, {"outcome": outcome})
+            self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"outcome": outcome})

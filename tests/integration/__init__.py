@@ -1,0 +1,1 @@
+"""Integration tests: real etcd, Redis and Kafka-protocol servers on loopback."""
