@@ -131,5 +131,11 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
     telemetry.start()
     await set_serving(health, [SERVICE_NAME], True)
     await app.registration.start()
+    try:
+        # Ready means registered, when etcd is there; without etcd the worker still serves
+        # direct calls and keeps trying to register in the background.
+        await asyncio.wait_for(app.registration.registered.wait(), config.etcd.timeout_s * 2)
+    except asyncio.TimeoutError:
+        log.warning("not registered in etcd yet; retrying in the background")
     log.info("worker %s serving %s (%s) on %s", worker_id, engine.model.name, engine.model.version, app.address)
     return app

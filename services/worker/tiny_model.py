@@ -58,7 +58,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(512, 64, 176, 2, 4, 2048, train_steps=200),
     # Large enough that a decode step costs a few ms on a CPU core, so benchmarks measure
     # the mesh under real compute rather than relay overhead; untrained to build fast.
-    "bench": Preset(2048, 384, 1024, 6, 6, 8192, train_steps=0),
+    "bench": Preset(2048, 256, 768, 4, 4, 8192, train_steps=0),
 }
 
 # --- corpus -----------------------------------------------------------------------------

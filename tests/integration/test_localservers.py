@@ -181,6 +181,9 @@ def test_kafka_produce_consume_commit(tmp_path, stop_after):
                      on_delivery=lambda err, msg: delivered.append((err, msg)))
     assert producer.flush(15) == 0
     assert len(delivered) == 1 and delivered[0][0] is None
+    # Dropping the last reference closes the producer; a live one would keep reconnecting
+    # (and logging) once the broker stops below.
+    del producer
 
     consumer = Consumer({
         "bootstrap.servers": broker.bootstrap,

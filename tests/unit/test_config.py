@@ -43,3 +43,8 @@ def test_bad_values_name_the_field(env, field):
 def test_unreadable_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml", environ={})
+
+
+def test_shipped_local_config_is_valid():
+    config = load_config("deploy/local/ballast.yaml", environ={})
+    assert config.auth.enabled and config.auth.api_keys

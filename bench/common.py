@@ -1,0 +1,51 @@
+"""Helpers shared by the benchmarks: percentiles, tables, JSON results, model folders."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+RESULTS_DIR = Path("bench/results")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    rows = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()}
+
+
+def write_result(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**data, "machine": machine()}, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def model_dir_for(preset: str) -> Path:
+    """The preset's model folder under .ballast/models, built on first use."""
+    from services.worker.tiny_model import build_tiny_model
+
+    folder = Path(".ballast/models") / preset
+    if not (folder / "model.safetensors").exists():
+        print(f"building the {preset} model in {folder} ...", flush=True)
+        build_tiny_model(folder, preset=preset)
+    return folder

@@ -1,0 +1,200 @@
+"""Router and worker as real gRPC servers on port 0 (in process), membership through real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from ballast.v1 import common_pb2, inference_pb2
+from services.cli.client import api_key_metadata, chat_request, collect
+from services.worker.engine import EngineRequest, Sampling
+from tests.component.conftest import API_KEY
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = "Where is my order? I paid for a blue phone case yesterday."
+
+
+async def engine_greedy(engine, prompt_ids, max_tokens):
+    ids, text = [], ""
+    request = EngineRequest("direct", tuple(prompt_ids), (), Sampling(max_tokens=max_tokens, temperature=0.0))
+    async for delta in engine.generate(request):
+        ids.extend(delta.token_ids)
+        text += delta.text
+    return ids, text
+
+
+async def test_greedy_stream_equals_engine_output(router_stub, worker_app, router_app):
+    request = chat_request(PROMPT, max_tokens=40, raw_prompt=True)
+    result = await collect(router_stub, request, API_KEY)
+    expected_ids, expected_text = await engine_greedy(worker_app.engine, worker_app.engine.tokenize(PROMPT), 40)
+    assert result.token_ids == expected_ids
+    assert result.text == expected_text
+    assert result.indices == list(range(len(expected_ids)))
+    assert result.started.model_version == worker_app.engine.model.version
+    assert result.started.tier == common_pb2.TIER_A and result.started.tier_reason == "default"
+    assert result.finished.usage.completion_tokens == len(expected_ids)
+    assert result.finished.usage.prompt_tokens == len(worker_app.engine.tokenize(PROMPT))
+
+
+async def test_chat_messages_use_the_chat_template(router_stub):
+    result = await collect(router_stub, chat_request("hello there", max_tokens=8), API_KEY)
+    assert result.finished is not None
+    assert result.finished.usage.prompt_tokens > len("hello there".split())
+
+
+async def test_two_clients_at_once_get_their_own_streams(router_stub):
+    a = chat_request(PROMPT, max_tokens=30, raw_prompt=True)
+    b = chat_request("Please summarise the refund policy.", max_tokens=30, raw_prompt=True)
+    alone_a = await collect(router_stub, a, API_KEY)
+    alone_b = await collect(router_stub, b, API_KEY)
+    together_a, together_b = await asyncio.gather(collect(router_stub, a, API_KEY), collect(router_stub, b, API_KEY))
+    assert together_a.token_ids == alone_a.token_ids
+    assert together_b.token_ids == alone_b.token_ids
+    assert together_a.token_ids != together_b.token_ids
+
+
+async def test_seeded_sampling_is_reproducible(router_stub):
+    request = chat_request(PROMPT, max_tokens=24, temperature=1.0, seed=7, raw_prompt=True)
+    first = await collect(router_stub, request, API_KEY)
+    second = await collect(router_stub, request, API_KEY)
+    assert first.token_ids == second.token_ids
+
+
+async def _wait_until(predicate, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_client_cancellation_frees_the_worker(router_stub, worker_app):
+    request = chat_request(PROMPT, max_tokens=1500, raw_prompt=True)
+    call = router_stub.Generate(request, metadata=api_key_metadata(API_KEY))
+    seen = 0
+    async for event in call:
+        if event.HasField("tokens"):
+            seen += 1
+            if seen == 3:
+                break
+    assert worker_app.state.in_flight == 1
+    call.cancel()
+    assert await _wait_until(lambda: worker_app.state.in_flight == 0 and worker_app.engine.stats().running == 0)
+    assert worker_app.engine.stats().kv_tokens == 0
+
+
+async def test_deadline_is_passed_downstream(router_stub, worker_app):
+    request = chat_request(PROMPT, max_tokens=1500, raw_prompt=True)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(router_stub, request, API_KEY, timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await _wait_until(lambda: worker_app.state.in_flight == 0)
+
+
+def _bad(**fields):
+    request = chat_request(PROMPT, raw_prompt=True)
+    for name, value in fields.items():
+        if name == "sampling":
+            request.sampling.CopyFrom(value)
+        elif name == "conversation":
+            request.conversation.CopyFrom(value)
+        else:
+            setattr(request, name, value)
+    return request
+
+
+@pytest.mark.parametrize(
+    "request_, code",
+    [
+        (_bad(conversation=inference_pb2.Conversation()), grpc.StatusCode.INVALID_ARGUMENT),
+        (_bad(sampling=common_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT),
+        (_bad(sampling=common_pb2.SamplingParams(max_tokens=-1)), grpc.StatusCode.INVALID_ARGUMENT),
+        (_bad(sampling=common_pb2.SamplingParams(max_tokens=100000)), grpc.StatusCode.INVALID_ARGUMENT),
+        (_bad(tier=9), grpc.StatusCode.INVALID_ARGUMENT),
+        (_bad(prompt="x" * 300_000), grpc.StatusCode.INVALID_ARGUMENT),
+        # Fits the character limit but not the model's context window.
+        (_bad(prompt="word " * 20_000), grpc.StatusCode.INVALID_ARGUMENT),
+        (_bad(model="no-such-model"), grpc.StatusCode.NOT_FOUND),
+        (_bad(model="tiny-unserved"), grpc.StatusCode.UNAVAILABLE),
+    ],
+    ids=["empty-messages", "max-tokens-0", "max-tokens-negative", "max-tokens-over-limit", "unknown-tier",
+         "oversized", "over-context", "unknown-model", "no-live-worker"],
+)
+async def test_bad_input_gets_its_status_code(router_stub, request_, code, worker_app):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(router_stub, request_, API_KEY)
+    assert err.value.code() == code
+    assert err.value.details()
+    assert worker_app.state.in_flight == 0
+    # The service is undisturbed: the next good request streams normally.
+    ok = await collect(router_stub, chat_request(PROMPT, max_tokens=4, raw_prompt=True), API_KEY)
+    assert ok.finished is not None
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+async def test_unauthenticated_calls_are_refused(router_stub, key):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(router_stub, chat_request(PROMPT, raw_prompt=True), key)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_worker_rejects_bad_internal_requests(worker_stub):
+    from ballast.v1 import worker_pb2
+
+    cases = [
+        worker_pb2.WorkerGenerateRequest(prompt_ids=[], sampling=common_pb2.SamplingParams(max_tokens=4)),
+        worker_pb2.WorkerGenerateRequest(prompt_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=0)),
+        worker_pb2.WorkerGenerateRequest(prompt_ids=[10**6], sampling=common_pb2.SamplingParams(max_tokens=4)),
+    ]
+    for request in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in worker_stub.Generate(request, timeout=5):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_worker_continues_from_generated_ids(worker_stub, worker_app):
+    from ballast.v1 import worker_pb2
+
+    prompt = worker_app.engine.tokenize(PROMPT)
+    full, _ = await engine_greedy(worker_app.engine, prompt, 20)
+    request = worker_pb2.WorkerGenerateRequest(
+        prompt_ids=prompt, generated_ids=full[:8],
+        sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0.0),
+    )
+    ids, first_indices = [], []
+    async for event in worker_stub.Generate(request, timeout=10):
+        if event.HasField("tokens"):
+            first_indices.append(event.tokens.first_index)
+            ids.extend(event.tokens.token_ids)
+    assert ids == full[8:]
+    assert first_indices[0] == 8
+
+
+async def test_health_and_reflection(router_app, worker_app):
+    for address, service in [(router_app.address, "ballast.v1.Inference"), (worker_app.address, "ballast.v1.Worker")]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
+            names = [s.name async for reply in stream for s in reply.list_services_response.service]
+            assert service in names and "grpc.health.v1.Health" in names
+
+
+async def test_metrics_count_requests_by_tier_and_outcome(router_stub, router_app, worker_app):
+    await collect(router_stub, chat_request(PROMPT, max_tokens=4, raw_prompt=True, tier="S"), API_KEY)
+    text = router_app.telemetry.render()
+    assert 'ballast_router_requests_total{outcome="ok",tier="S"}' in text
+    assert "ballast_router_ttft_milliseconds_bucket" in text
+    assert 'ballast_dependency_up{dependency="etcd"} 1.0' in text
+    worker_text = worker_app.telemetry.render()
+    assert "ballast_worker_generated_tokens_total" in worker_text
+    assert "ballast_worker_kv_used_ratio" in worker_text

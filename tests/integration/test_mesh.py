@@ -1,0 +1,156 @@
+"""The whole local mesh as subprocesses: real etcd, Redis, Kafka broker, router, cache,
+backfill and two workers, started by the same launcher as `ballast up`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ballast.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.cli.client import chat_request, collect, open_channel
+from services.cli.etcd_view import list_workers
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.common.config import load_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
+
+PROMPT = "Is the red charger in stock, and what does it cost?"
+LEASE_TTL_S = 3
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_model_dir):
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("mesh"),
+        model_dir=tiny_model_dir,
+        workers=2,
+        lease_ttl_s=LEASE_TTL_S,
+        worker_capacity=4,
+        overrides={"worker": {"drain_grace_s": 15}},
+    )
+    running = Mesh(spec).start()
+    yield running
+    running.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def router(mesh):
+    async with open_channel(mesh.router_address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+def etcd_config(mesh):
+    return load_config(mesh.config_path, environ={}).etcd
+
+
+async def registered_ids(mesh) -> set[str]:
+    return {record.id for record, _ in await list_workers(etcd_config(mesh))}
+
+
+async def scrape(port: int) -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+    await writer.drain()
+    body = await reader.read()
+    writer.close()
+    return body.decode()
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def direct_greedy(address: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    async with open_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        request = worker_pb2.WorkerGenerateRequest(prompt_ids=prompt_ids)
+        request.sampling.max_tokens = max_tokens
+        request.sampling.temperature = 0.0
+        ids = []
+        async for event in stub.Generate(request, timeout=30):
+            ids.extend(event.tokens.token_ids)
+        return ids
+
+
+async def test_every_service_is_healthy_with_its_dependencies(mesh):
+    for service in mesh.services:
+        async with open_channel(service.address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service.name
+    cache = next(s for s in mesh.services if s.name == "cache")
+    backfill = next(s for s in mesh.services if s.name == "backfill")
+    assert metric_value(await scrape(cache.metrics_port), "ballast_dependency_up", dependency="redis") == 1
+    assert metric_value(await scrape(backfill.metrics_port), "ballast_dependency_up", dependency="kafka") == 1
+    assert await registered_ids(mesh) == {w.name for w in mesh.workers()}
+
+
+async def test_stream_through_router_equals_worker_greedy_output(mesh, router):
+    result = await collect(router, chat_request(PROMPT, max_tokens=32, raw_prompt=True), LOCAL_API_KEY)
+    from services.router.tokenization import ModelTokenizer
+
+    worker = mesh.workers()[0]
+    async with open_channel(worker.address) as channel:
+        info = await worker_pb2_grpc.WorkerStub(channel).GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=5)
+    prompt_ids = ModelTokenizer.from_model_info(info).tokenizer.encode(PROMPT).ids
+    for worker in mesh.workers():
+        assert await direct_greedy(worker.address, prompt_ids, 32) == result.token_ids
+    assert result.indices == list(range(len(result.token_ids)))
+    assert result.text
+
+
+async def test_sigterm_drain_finishes_in_flight_streams(mesh, router):
+    # Long streams on both workers; SIGTERM one worker while they run.
+    requests = [chat_request(f"{PROMPT} #{i}", max_tokens=1200, raw_prompt=True) for i in range(4)]
+    tasks = [asyncio.create_task(collect(router, r, LOCAL_API_KEY, timeout=60)) for r in requests]
+    victim = mesh.workers()[0]
+    worker_metrics_before = metric_value(await scrape(victim.metrics_port), "ballast_worker_requests_total")
+    await asyncio.sleep(0.5)
+    os.kill(victim.pid, signal.SIGTERM)
+    results = await asyncio.gather(*tasks)
+    for result in results:
+        assert result.finished is not None
+        assert len(result.token_ids) == result.finished.usage.completion_tokens
+        assert result.indices == list(range(len(result.token_ids)))
+    status = await asyncio.to_thread(victim.process.wait, 30)
+    assert status == 0
+    assert victim.name not in await registered_ids(mesh)
+    assert worker_metrics_before >= 0
+    mesh.restart_service(victim)
+    assert victim.name in await registered_ids(mesh)
+
+
+async def test_killed_worker_gets_no_requests_after_lease_ttl(mesh, router):
+    victim, survivor = mesh.workers()
+    router_metrics_port = next(s for s in mesh.services if s.name == "router").metrics_port
+    victim.process.kill()
+    killed_at = time.monotonic()
+    while victim.name in await registered_ids(mesh):
+        assert time.monotonic() - killed_at < LEASE_TTL_S + 2, "lease did not expire in time"
+        await asyncio.sleep(0.1)
+    gone_after = time.monotonic() - killed_at
+    # Give the router's watch a moment to apply the delete it was sent.
+    await asyncio.sleep(0.2)
+    retries_before = metric_value(await scrape(router_metrics_port), "ballast_router_worker_retries_total")
+    survivor_before = metric_value(await scrape(survivor.metrics_port), "ballast_worker_requests_total")
+    results = await asyncio.gather(*[
+        collect(router, chat_request(f"{PROMPT} {i}", max_tokens=8, raw_prompt=True), LOCAL_API_KEY)
+        for i in range(10)
+    ])
+    assert all(r.finished is not None for r in results)
+    assert metric_value(await scrape(router_metrics_port), "ballast_router_worker_retries_total") == retries_before
+    assert metric_value(await scrape(survivor.metrics_port), "ballast_worker_requests_total") == survivor_before + 10
+    assert gone_after <= LEASE_TTL_S + 2
+    mesh.restart_service(victim)
+    assert victim.name in await registered_ids(mesh)

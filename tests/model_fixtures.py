@@ -1,0 +1,22 @@
+"""The tiny model, built once per test session into a temporary folder.
+
+Modules that import the fixture register their own copy of it with pytest; the build is
+cached here so every copy returns the same folder and the model is built only once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_built: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    if "tiny" not in _built:
+        from services.worker.tiny_model import build_tiny_model
+
+        _built["tiny"] = build_tiny_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny")
+    return _built["tiny"]
