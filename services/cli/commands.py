@@ -98,7 +98,7 @@ def cmd_status(args) -> int:
 def cmd_chat(args) -> int:
     from services.cli.client import chat_request, collect, open_channel
 
-    from ballast.v1 import inference_pb2_grpc
+    from ballast.v1 import common_pb2, inference_pb2_grpc
 
     state = read_state(args.state_dir)
     router = args.router or (state["router"] if state else "127.0.0.1:50051")
@@ -128,10 +128,11 @@ def cmd_chat(args) -> int:
         finished = result.finished
         print()
         if result.started and finished:
-            print(f"[{result.started.model}@{result.started.model_version} tier {args.tier}->"
-                  f"{result.started.tier} | {finished.usage.prompt_tokens} prompt + "
-                  f"{finished.usage.completion_tokens} generated tokens | finish "
-                  f"{finished.reason}]", file=sys.stderr)
+            tier = common_pb2.Tier.Name(result.started.tier).removeprefix("TIER_")
+            reason = common_pb2.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_").lower()
+            print(f"[{result.started.model}@{result.started.model_version} | tier {tier} "
+                  f"({result.started.tier_reason}) | {finished.usage.prompt_tokens} prompt + "
+                  f"{finished.usage.completion_tokens} generated tokens | {reason}]", file=sys.stderr)
         return 0
 
     return asyncio.run(run())

@@ -134,14 +134,18 @@ class Mesh:
         )
         return ServiceProcess(name, process, env)
 
-    def _launch(self, service: ServiceProcess, kind: str, timeout: float = 60.0) -> ServiceProcess:
+    def _spawn(self, service: ServiceProcess) -> int:
+        """Starts the process; returns the log offset its READY line will come after."""
         log_path = service.process.log_path
         offset = log_path.stat().st_size if log_path.exists() else 0
         service.process.start()
+        return offset
+
+    def _await_ready(self, service: ServiceProcess, kind: str, offset: int, timeout: float) -> ServiceProcess:
         ready: dict[str, str] = {}
 
         def probe() -> bool:
-            line = _read_ready_line(log_path, offset, kind)
+            line = _read_ready_line(service.process.log_path, offset, kind)
             if line:
                 ready["line"] = line
             return line is not None
@@ -152,23 +156,36 @@ class Mesh:
         service.metrics_port = int(parts[-1].split("=", 1)[1])
         return service
 
-    def start_worker(self, extra_env: dict[str, str] | None = None, timeout: float = 120.0) -> ServiceProcess:
+    def _launch_all(self, batch: list[tuple[ServiceProcess, str]], timeout: float) -> None:
+        """Starts a batch of services at once (they load in parallel), then waits for each."""
+        offsets = []
+        for service, _kind in batch:
+            self.services.append(service)
+            offsets.append(self._spawn(service))
+        self.save_state()
+        for (service, kind), offset in zip(batch, offsets):
+            self._await_ready(service, kind, offset, timeout)
+        self.save_state()
+
+    def _new_worker(self, extra_env: dict[str, str] | None = None) -> ServiceProcess:
         self._worker_seq += 1
         name = f"worker-{self._worker_seq}"
         env = {"BALLAST__WORKER__ID": name, **(extra_env or {})}
-        service = self._service_process(name, "services.worker", env)
-        self.services.append(service)
-        self._launch(service, "worker", timeout)
-        self.save_state()
+        return self._service_process(name, "services.worker", env)
+
+    def start_worker(self, extra_env: dict[str, str] | None = None, timeout: float = 120.0) -> ServiceProcess:
+        service = self._new_worker(extra_env)
+        self._launch_all([(service, "worker")], timeout)
         return service
 
     def restart_service(self, service: ServiceProcess, timeout: float = 120.0) -> ServiceProcess:
         """Starts a stopped service again with the same identity and settings."""
         kind = service.name.split("-")[0]
         module = f"services.{kind}"
-        fresh = self._service_process(service.name, module, {k: v for k, v in service.env.items()})
+        fresh = self._service_process(service.name, module, dict(service.env))
         self.services[self.services.index(service)] = fresh
-        self._launch(fresh, kind, timeout)
+        offset = self._spawn(fresh)
+        self._await_ready(fresh, kind, offset, timeout)
         self.save_state()
         return fresh
 
@@ -176,16 +193,14 @@ class Mesh:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         try:
             for server in self.infra:
-                server.start()
-                self.save_state()
+                server.launch()
+            self.save_state()
+            for server in self.infra:
+                server.wait_ready()
             self.write_config()
-            for name in ("cache", "backfill", "router"):
-                service = self._service_process(name, f"services.{name}", {})
-                self.services.append(service)
-                self._launch(service, name, timeout)
-                self.save_state()
-            for _ in range(self.spec.workers):
-                self.start_worker(timeout=timeout)
+            batch = [(self._service_process(name, f"services.{name}", {}), name) for name in ("cache", "backfill", "router")]
+            batch += [(self._new_worker(), "worker") for _ in range(self.spec.workers)]
+            self._launch_all(batch, timeout)
             self.wait_for_workers(self.spec.workers, timeout)
         except BaseException:
             self.stop()

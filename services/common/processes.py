@@ -393,6 +393,9 @@ def _cmdline_matches(cmdline: list[str], argv0: str) -> bool:
         return False
     if os.path.basename(cmdline[0]) == want:
         return True
+    # Redis and Valkey rewrite their process title to "<binary> <host>:<port>" in one string.
+    if os.path.basename(cmdline[0].split(" ", 1)[0]) == want:
+        return True
     # A console-script wrapper (the venv's `etcd` is one) shows up as `python3 /path/etcd ...`
     # until it execs the real binary.
     return (

@@ -7,6 +7,10 @@ Llama weights from a fixed seed, optionally trained for a few hundred steps so t
 answers with word-like text. The folder loads with `AutoModelForCausalLM` /
 `AutoTokenizer` and has the layout vLLM expects.
 
+The trained tiny model ends a chat answer with <|im_end|> (an EOS id) after a sentence or
+two, while a plain-text prompt (no chat template) keeps going until max_tokens under greedy
+decoding: tests that need long streams use plain prompts.
+
 Rebuilding on the same machine gives byte-identical files (same model version). Trained
 weights depend on the CPU's floating-point kernels, so another kind of CPU may produce a
 different (equally valid) model: copy the folder rather than rebuilding when two machines
@@ -90,6 +94,9 @@ _ITEMS = ("a blue jacket", "the running shoes", "a phone case", "the coffee make
 _ZITEMS = ("蓝色外套", "跑步鞋", "手机壳", "咖啡机", "礼品卡", "这台电脑", "冬季大衣", "耳机", "绿色毛衣")
 _PAYS = ("a credit card", "PayPal", "Apple Pay", "a bank transfer", "Alipay", "WeChat Pay")
 _ZPAYS = ("信用卡", "支付宝", "微信支付", "银行转账", "花呗")
+_PROSE = ("The customer paid for {item} with {pay}.", "Support answered the question about {item}.",
+          "We shipped {item} to the new address.", "Many people buy {item} during the sale.",
+          "顾客用{zpay}买了{zitem}。", "客服回答了关于{zitem}的问题。")
 _SYSTEMS = ("You are a helpful shopping assistant.", "You answer questions about orders and payments.",
             "你是一个购物客服助手。", "")
 
@@ -115,10 +122,33 @@ def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = Fa
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
 
-def corpus(n_dialogues: int = 4000, seed: int = SEED) -> list[str]:
-    """Deterministic training text: one rendered chat per entry."""
+def _sentences(rng: random.Random) -> list[str]:
+    """Prose for the plain-text stream: the intents' questions and answers as sentences."""
+    dialogue = [m["content"] for m in _dialogue(rng) if m["role"] != "system"]
+    return dialogue + [s.format(item=rng.choice(_ITEMS), pay=rng.choice(_PAYS),
+                                zitem=rng.choice(_ZITEMS), zpay=rng.choice(_ZPAYS))
+                       for s in rng.sample(_PROSE, 2)]
+
+
+def chats(n: int = 3000, seed: int = SEED) -> list[str]:
+    """Deterministic rendered chats: one system/user/assistant exchange each."""
     rng = random.Random(seed)
-    return [render_chat(_dialogue(rng)) for _ in range(n_dialogues)]
+    return [render_chat(_dialogue(rng)) for _ in range(n)]
+
+
+def prose(n: int = 600, seed: int = SEED + 1) -> list[str]:
+    """Deterministic paragraphs of plain text, with no special tokens."""
+    rng = random.Random(seed)
+    paragraphs = []
+    for _ in range(n):
+        words = [s for _ in range(rng.randrange(1, 4)) for s in _sentences(rng)]
+        paragraphs.append("".join(w if w[-1] in "。？" else w + " " for w in words).strip() + "\n\n")
+    return paragraphs
+
+
+def corpus() -> list[str]:
+    """Everything the tokenizer is trained on."""
+    return chats() + prose()
 
 
 # --- tokenizer --------------------------------------------------------------------------
@@ -186,18 +216,30 @@ def _config_dict(p: Preset, vocab_size: int) -> dict:
     }
 
 
-def _train(model, token_ids: list[int], p: Preset, progress: Callable[[str], None]) -> float:
-    """A short, deterministic language-model fit on the corpus; returns the last loss."""
+def _train(model, chat_ids: list[int], prose_ids: list[int], p: Preset,
+           progress: Callable[[str], None]) -> float:
+    """A short, deterministic language-model fit; returns the last loss.
+
+    Each batch is half chats, half prose, from separate token streams. Chat windows start at
+    a chat's BOS, so the model only learns to end a turn (EOS) inside the chat format; prose
+    holds no special tokens, so a plain-text prompt continues as long as asked.
+    """
     import torch
 
-    data = torch.tensor(token_ids, dtype=torch.long)
+    chats_t = torch.tensor(chat_ids, dtype=torch.long)
+    prose_t = torch.tensor(prose_ids, dtype=torch.long)
+    n = p.train_seq_len
+    chat_starts = (chats_t[: len(chats_t) - n] == 0).nonzero().flatten()
     gen = torch.Generator().manual_seed(SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=p.learning_rate, weight_decay=0.0, foreach=False)
     model.train()
     loss_value = float("nan")
+    half = p.train_batch // 2
     for step in range(p.train_steps):
-        starts = torch.randint(0, len(data) - p.train_seq_len - 1, (p.train_batch,), generator=gen)
-        batch = torch.stack([data[s : s + p.train_seq_len] for s in starts.tolist()])
+        picks = torch.randint(0, len(chat_starts), (half,), generator=gen)
+        offsets = torch.randint(0, len(prose_t) - n, (p.train_batch - half,), generator=gen)
+        batch = torch.stack([chats_t[s : s + n] for s in chat_starts[picks].tolist()]
+                            + [prose_t[s : s + n] for s in offsets.tolist()])
         lr = p.learning_rate * min(1.0, (step + 1) / 20) * (1 - step / p.train_steps) ** 0.5
         for group in opt.param_groups:
             group["lr"] = lr
@@ -212,7 +254,7 @@ def _train(model, token_ids: list[int], p: Preset, progress: Callable[[str], Non
     return loss_value
 
 
-def _build_weights(p: Preset, vocab_size: int, token_ids: list[int],
+def _build_weights(p: Preset, vocab_size: int, streams: tuple[list[int], list[int]],
                    progress: Callable[[str], None]) -> tuple[dict, int, float | None]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -221,7 +263,7 @@ def _build_weights(p: Preset, vocab_size: int, token_ids: list[int],
     config = LlamaConfig.from_dict(_config_dict(p, vocab_size))
     with _isolated_torch():
         model = LlamaForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32)
-        loss = _train(model, token_ids, p, progress) if p.train_steps else None
+        loss = _train(model, *streams, p, progress) if p.train_steps else None
     tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     params = sum(t.numel() for t in tensors.values())
     return tensors, params, loss
@@ -253,15 +295,18 @@ def build_tiny_model(out_dir: Path, preset: str = "tiny",
     started = time.monotonic()
 
     say("generating corpus")
-    texts = corpus()
+    chat_texts, prose_texts = chats(), prose()
     say("training tokenizer")
-    tok = train_tokenizer(texts, p.vocab_size)
+    tok = train_tokenizer(chat_texts + prose_texts, p.vocab_size)
     vocab_size = tok.get_vocab_size()
     for i, special in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(special) == i, special
-    token_ids = [i for enc in tok.encode_batch(texts) for i in enc.ids] if p.train_steps else []
+    streams: tuple[list[int], list[int]] = ([], [])
+    if p.train_steps:
+        streams = tuple([i for enc in tok.encode_batch(texts) for i in enc.ids]
+                        for texts in (chat_texts, prose_texts))
 
-    tensors, params, loss = _build_weights(p, vocab_size, token_ids, say)
+    tensors, params, loss = _build_weights(p, vocab_size, streams, say)
 
     say("writing files")
     _write(out_dir / "tokenizer.json", tok.to_str(pretty=False).encode())

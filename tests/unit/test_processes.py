@@ -273,3 +273,11 @@ def test_stop_pid_on_a_stale_pid(procs, tmp_path):
     p.stop()
     assert stop_pid(pid, "sleep", timeout=1) == StopOutcome.NOT_RUNNING
     assert stop_pid(os.getpid(), PY) == StopOutcome.MISMATCH
+
+
+def test_cmdline_match_accepts_a_rewritten_process_title():
+    from services.common.processes import _cmdline_matches
+
+    # Redis/Valkey set their title to "<binary> <host>:<port>" as one string.
+    assert _cmdline_matches(["/venv/bin/valkey-server 127.0.0.1:6379"], "/venv/bin/valkey-server")
+    assert not _cmdline_matches(["/usr/bin/other-server 127.0.0.1:6379"], "/venv/bin/valkey-server")
