@@ -154,3 +154,64 @@ async def test_killed_worker_gets_no_requests_after_lease_ttl(mesh, router):
     assert gone_after <= LEASE_TTL_S + 2
     mesh.restart_service(victim)
     assert victim.name in await registered_ids(mesh)
+
+
+async def _wait_metric(port: int, name: str, value: float, timeout: float = 15.0, **labels) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric_value(await scrape(port), name, **labels) == value:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def _health(address: str) -> int:
+    async with open_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status
+
+
+async def _wait_health(address: str, status: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await _health(address) == status:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def test_etcd_loss_keeps_serving_and_recovers(mesh, router):
+    router_service = next(s for s in mesh.services if s.name == "router")
+    worker = mesh.workers()[0]
+    await asyncio.to_thread(mesh.etcd.stop)
+    try:
+        assert await _wait_metric(router_service.metrics_port, "ballast_dependency_up", 0, dependency="etcd")
+        assert await _wait_metric(worker.metrics_port, "ballast_dependency_up", 0, dependency="etcd")
+        # The router keeps routing on the last membership it saw.
+        result = await collect(router, chat_request(PROMPT, max_tokens=8, raw_prompt=True), LOCAL_API_KEY)
+        assert result.finished is not None
+    finally:
+        await asyncio.to_thread(mesh.etcd.restart)
+    assert await _wait_metric(router_service.metrics_port, "ballast_dependency_up", 1, timeout=20, dependency="etcd")
+    assert await _wait_metric(worker.metrics_port, "ballast_dependency_up", 1, timeout=20, dependency="etcd")
+    deadline = time.monotonic() + 20
+    while await registered_ids(mesh) != {w.name for w in mesh.workers()}:
+        assert time.monotonic() < deadline, "workers did not re-register after etcd returned"
+        await asyncio.sleep(0.2)
+    result = await collect(router, chat_request(PROMPT, max_tokens=8, raw_prompt=True), LOCAL_API_KEY)
+    assert result.finished is not None
+
+
+@pytest.mark.parametrize("dependency, service_name", [("redis", "cache"), ("kafka", "backfill")])
+async def test_storage_loss_is_reported_and_recovered(mesh, dependency, service_name):
+    service = next(s for s in mesh.services if s.name == service_name)
+    server = mesh.redis if dependency == "redis" else mesh.kafka
+    await asyncio.to_thread(server.stop)
+    try:
+        assert await _wait_health(service.address, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert await _wait_metric(service.metrics_port, "ballast_dependency_up", 0, dependency=dependency)
+        assert service.process.alive()
+    finally:
+        await asyncio.to_thread(server.restart)
+    assert await _wait_health(service.address, health_pb2.HealthCheckResponse.SERVING, timeout=30)
+    assert await _wait_metric(service.metrics_port, "ballast_dependency_up", 1, timeout=30, dependency=dependency)
