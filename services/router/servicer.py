@@ -167,8 +167,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             if event.HasField("tokens"):
                                 if relayed == 0:
                                     self.metrics.ttft.record((time.perf_counter() - started) * 1000, {"tier": tier})
+                                # Counted once per stream (below), not per message: this loop is the hot path.
                                 relayed += len(event.tokens.token_ids)
-                                self.metrics.tokens.add(len(event.tokens.token_ids), {"tier": tier})
                                 yield inference_pb2.GenerateEvent(tokens=event.tokens)
                             elif event.HasField("finished"):
                                 yield inference_pb2.GenerateEvent(
@@ -191,6 +191,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     continue
                 raise error_from_worker(exc, worker.id) from None
             finally:
+                if relayed:
+                    self.metrics.tokens.add(relayed, {"tier": tier})
                 count = self.local_in_flight.get(worker.id, 1) - 1
                 if count <= 0:
                     self.local_in_flight.pop(worker.id, None)

@@ -123,7 +123,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         tokens=common_pb2.Tokens(text=delta.text, token_ids=delta.token_ids, first_index=index)
                     )
                     index += len(delta.token_ids)
-                    self.metrics.tokens.add(len(delta.token_ids))
                 if delta.finish_reason is not None:
                     outcome = delta.finish_reason.value
                     yield worker_pb2.WorkerGenerateEvent(
@@ -144,5 +143,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             await stream.aclose()
             self.state.release()
+            self.metrics.tokens.add(index - len(engine_request.generated_ids))
             self.metrics.requests.add(1, {"outcome": outcome})
             self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"outcome": outcome})
