@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ballast.v1 import common_pb2, inference_pb2
 from services.common.config import RouterConfig
@@ -50,6 +51,16 @@ class InferenceRequest:
     allow_degraded: bool = True
 
 
+def derived_seed(tenant: str, request_id: str) -> int:
+    """A seed for a request that set none, stable for its idempotency key.
+
+    Every attempt at the same request (a resume on another worker, or the client retrying the
+    same request_id on another router replica) then samples exactly the same tokens.
+    """
+    digest = hashlib.sha256(f"{tenant}\0{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
 def _check_id(name: str, value: str) -> str:
     if len(value) > MAX_ID_CHARS or any(ord(ch) < 32 for ch in value):
         raise InvalidArgument(f"{name} must be at most {MAX_ID_CHARS} printable characters")
@@ -88,8 +99,11 @@ def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config:
     if len(request.response_format) > MAX_SCHEMA_CHARS:
         raise InvalidArgument(f"response_format is over {MAX_SCHEMA_CHARS} characters")
     sampling = sampling_from_pb(request.sampling, config.default_max_tokens, config.max_tokens_limit)
+    request_id = _check_id("request_id", request.request_id) or uuid.uuid4().hex
+    if sampling.seed is None and sampling.temperature > 0:
+        sampling = replace(sampling, seed=derived_seed(tenant, request_id))
     return InferenceRequest(
-        request_id=_check_id("request_id", request.request_id) or uuid.uuid4().hex,
+        request_id=request_id,
         session_id=_check_id("session_id", request.session_id),
         tenant=tenant,
         model=request.model,

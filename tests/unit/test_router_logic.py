@@ -106,3 +106,25 @@ class TestBalancer:
         rng = random.Random(1)
         picks = {pick_worker([worker("1"), worker("2")], "tiny", {}, rng=rng).id for _ in range(20)}
         assert picks == {"1", "2"}
+
+
+class TestIdempotentSampling:
+    config = RouterConfig()
+
+    def test_unseeded_sampling_gets_a_seed_stable_for_the_request_id(self):
+        request = make_request(request_id="order-42", sampling=common_pb2.SamplingParams(temperature=0.8))
+        first = request_from_pb(request, "acme", self.config)
+        again = request_from_pb(request, "acme", self.config)
+        assert first.sampling.seed is not None and first.sampling.seed == again.sampling.seed
+
+    def test_derived_seed_differs_by_tenant_and_request(self):
+        a = request_from_pb(make_request(request_id="r1", sampling=common_pb2.SamplingParams(temperature=1)), "acme", self.config)
+        b = request_from_pb(make_request(request_id="r1", sampling=common_pb2.SamplingParams(temperature=1)), "other", self.config)
+        c = request_from_pb(make_request(request_id="r2", sampling=common_pb2.SamplingParams(temperature=1)), "acme", self.config)
+        assert len({a.sampling.seed, b.sampling.seed, c.sampling.seed}) == 3
+
+    def test_client_seed_and_greedy_are_left_alone(self):
+        seeded = request_from_pb(make_request(sampling=common_pb2.SamplingParams(temperature=1, seed=5)), "acme", self.config)
+        greedy = request_from_pb(make_request(sampling=common_pb2.SamplingParams(temperature=0)), "acme", self.config)
+        assert seeded.sampling.seed == 5
+        assert greedy.sampling.seed is None

@@ -87,12 +87,24 @@ class Finished(_message.Message):
     resumes: int
     def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., degradation: _Optional[_Union[_common_pb2.DegradationLevel, str]] = ..., backfill_ticket: _Optional[str] = ..., structured_status: _Optional[_Union[_common_pb2.StructuredStatus, str]] = ..., structured_repairs: _Optional[_Iterable[str]] = ..., resumes: _Optional[int] = ...) -> None: ...
 
+class Resumed(_message.Message):
+    __slots__ = ("next_index", "reason", "resumes")
+    NEXT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
+    next_index: int
+    reason: str
+    resumes: int
+    def __init__(self, next_index: _Optional[int] = ..., reason: _Optional[str] = ..., resumes: _Optional[int] = ...) -> None: ...
+
 class GenerateEvent(_message.Message):
-    __slots__ = ("started", "tokens", "finished")
+    __slots__ = ("started", "tokens", "finished", "resumed")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     started: Started
     tokens: _common_pb2.Tokens
     finished: Finished
-    def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    resumed: Resumed
+    def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., resumed: _Optional[_Union[Resumed, _Mapping]] = ...) -> None: ...
