@@ -16,6 +16,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.router.resilience.breaker import BreakerConfig
+from services.router.resilience.retry_budget import RetryBudgetConfig
+from services.router.resilience.stall import StallConfig
+from services.router.resilience.temperature import TemperatureConfig
+
 ENV_PREFIX = "BALLAST__"
 CONFIG_PATH_ENV = "BALLAST_CONFIG"
 
@@ -89,9 +94,12 @@ class RouterConfig(Section):
         120.0, gt=0, description="Deadline applied when the client sets none."
     )
     shutdown_grace_s: float = Field(10.0, ge=0, description="Time streams get to finish on stop.")
-    max_attempts: int = Field(
-        3, ge=1, description="Workers tried before the first token when one refuses or is down."
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="Per-worker circuit breaker.")
+    retry: RetryBudgetConfig = Field(default_factory=RetryBudgetConfig, description="Retry and resume budget.")
+    temperature: TemperatureConfig = Field(
+        default_factory=TemperatureConfig, description="GPU temperature limit with hysteresis."
     )
+    stall: StallConfig = Field(default_factory=StallConfig, description="Per-tier silence that counts as a stall.")
 
 
     @model_validator(mode="after")
@@ -117,11 +125,30 @@ class WorkerConfig(Section):
         "", description="File holding a GPU temperature in C, read instead of NVML (tests)."
     )
     drain_grace_s: float = Field(20.0, ge=0, description="Time in-flight streams get on SIGTERM.")
+    cache_address: str = Field("", description="KV-cache service host:port; empty: no KV persistence.")
+    kv_block_tokens: int = Field(32, ge=1, le=4096, description="Tokens per stored KV block.")
+    kv_restore_policy: Literal["adaptive", "always", "never"] = Field(
+        "adaptive", description="Restore a cached prefix by measured cost, always, or never.")
+    kv_memory_sessions: int = Field(
+        4, ge=0, description="Recent sessions whose KV the engine keeps in memory (0: none).")
+    kv_save_queue: int = Field(8, ge=1, description="Pending session saves; more are dropped.")
+    kv_timeout_s: float = Field(0.5, gt=0, description="Deadline of a KV lookup or health check.")
+    kv_restore_timeout_s: float = Field(5.0, gt=0, description="Longest a KV restore may take.")
+    kv_save_timeout_s: float = Field(10.0, gt=0, description="Longest a KV save may take.")
+    kv_ttl_s: int = Field(0, ge=0, description="TTL of saved blocks; 0: the cache's default.")
 
 
 class CacheConfig(Section):
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(50061, ge=0, le=65535, description="Port; 0 picks one.")
+    key_prefix: str = Field("ballast:kv:", min_length=1, description="Prefix of every block key in Redis.")
+    ttl_s: int = Field(3600, ge=1, description="TTL of a block unless Put asks less; reads refresh it.")
+    max_ttl_s: int = Field(86400, ge=1, description="Longest TTL a Put may ask.")
+    max_block_bytes: int = Field(16 << 20, ge=1, description="Largest block accepted (bytes).")
+    max_blocks_per_call: int = Field(16384, ge=1, description="Most blocks one call may name.")
+    chunk_bytes: int = Field(
+        1 << 20, ge=4096, le=4 << 20, description="Largest data chunk in one Get message (bytes).")
+    batch_bytes: int = Field(8 << 20, ge=1, description="Block bytes per Redis pipeline batch.")
 
 
 class BackfillConfig(Section):

@@ -73,6 +73,16 @@ class Coalescer(Generic[T]):
             await self._ready.wait()
         return self._pending.pop(0)
 
+    def fail(self, error: BaseException) -> None:
+        """Ends the stream from outside: the consumer gets what is pending, then `error`."""
+        if self._finished:
+            return
+        if self._task is not None:
+            self._task.cancel()
+        self._error = error
+        self._finished = True
+        self._ready.set()
+
     async def aclose(self) -> None:
         """Stops the producer (closing its source, which aborts upstream work)."""
         if self._task is not None and not self._task.done():

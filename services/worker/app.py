@@ -90,7 +90,9 @@ class WorkerApp:
             self.registration.publish_now()
             log.info("draining: %d in flight, grace %.1fs", self.state.in_flight, grace)
             if not await self.state.wait_idle(grace):
-                log.warning("grace period over with %d streams in flight", self.state.in_flight)
+                handed = self.state.hand_off_all()
+                log.warning("grace period over: handed %d streams back to the router", handed)
+                await self.state.wait_idle(5.0)
         await self.registration.stop()
         await self.server.stop(1.0)
         await self.engine.stop()

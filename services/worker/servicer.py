@@ -39,6 +39,8 @@ class WorkerState:
         self.max_queue = max_queue
         self.in_flight = 0
         self.draining = False
+        # Open streams, so a drain that runs out of grace can hand them to the router.
+        self.streams: set[Coalescer] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -56,6 +58,13 @@ class WorkerState:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
+
+    def hand_off_all(self) -> int:
+        """Ends every open stream with UNAVAILABLE; the router resumes each one elsewhere."""
+        streams = list(self.streams)
+        for stream in streams:
+            stream.fail(Unavailable("worker drained before the answer was complete; resume elsewhere"))
+        return len(streams)
 
     async def wait_idle(self, timeout: float) -> bool:
         try:
@@ -112,6 +121,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         first_token_at: float | None = None
         index = len(engine_request.generated_ids)
         stream = Coalescer(self.engine.generate(engine_request), merge_deltas)
+        self.state.streams.add(stream)
         try:
             self.metrics.prefill_tokens.add(len(engine_request.prompt_ids) + index)
             async for delta in stream:
@@ -140,7 +150,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except InvalidArgument:
             outcome = "invalid"
             raise
+        except Unavailable:
+            outcome = "handed_off"
+            raise
         finally:
+            self.state.streams.discard(stream)
             await stream.aclose()
             self.state.release()
             self.metrics.tokens.add(index - len(engine_request.generated_ids))

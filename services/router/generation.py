@@ -1,0 +1,247 @@
+"""One request's life on the workers: pick, stream, and resume elsewhere when a worker fails.
+
+The client sees one unbroken stream. When a worker dies, stalls, drains or errors after
+some tokens were sent, the request continues on another worker of the same model version
+from the prompt plus every token already sent (`generated_ids`), with `max_tokens` reduced:
+no token lost, none repeated, indices continuous. Sampling resumes exactly because the
+random state at each position derives from the seed and the position (the router gives
+unseeded requests a seed derived from their idempotency key). Attempts draw on a retry
+budget so a failing pool cannot become a retry storm; worker faults feed the breakers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from ballast.v1 import common_pb2, inference_pb2, worker_pb2
+from services.common.config import RouterConfig
+from services.common.errors import (
+    BallastError,
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from services.common.membership import MembershipWatcher, WorkerRecord
+from services.common.sampling_pb import sampling_to_pb
+from services.router.balancer import pick_worker
+from services.router.metrics import RouterMetrics
+from services.router.model_registry import ModelRegistry
+from services.router.requests import InferenceRequest
+from services.router.resilience.breaker import Outcome, classify_exception
+from services.router.resilience.health_view import WorkerHealthView
+from services.router.resilience.resume import plan_resume
+from services.router.resilience.retry_budget import Refusal, RetryBudget, RetryBudgetExhausted
+from services.router.resilience.stall import StreamStalled, with_stall_timeout
+from services.router.worker_clients import WorkerClients
+
+log = logging.getLogger(__name__)
+
+TIER_TO_PB = {"S": common_pb2.TIER_S, "A": common_pb2.TIER_A, "B": common_pb2.TIER_B}
+# Codes after which the same request may succeed on another worker.
+RETRIABLE_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,  # the worker's server went away under the call
+}
+
+
+class StreamEndedEarly(Unavailable):
+    """The worker closed the stream without a finished event."""
+
+
+def error_from_worker(exc: grpc.aio.AioRpcError, worker_id: str) -> BallastError:
+    code = exc.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(exc.details() or "invalid request")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded("deadline exceeded while generating")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"worker {worker_id} is full", retry_after_s=0.5)
+    return Unavailable(f"worker {worker_id} failed: {code.name}: {exc.details()}")
+
+
+def _resume_reason(error: BaseException) -> str:
+    if isinstance(error, StreamStalled):
+        return "stalled"
+    if isinstance(error, grpc.aio.AioRpcError) and "drain" in (error.details() or ""):
+        return "drained"
+    return "worker_lost"
+
+
+@dataclass
+class StreamState:
+    """What one request has delivered so far, across attempts."""
+
+    sent_ids: list[int] = field(default_factory=list)
+    resumes: int = 0
+    model_version: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+
+
+class GenerationRunner:
+    def __init__(
+        self,
+        config: RouterConfig,
+        membership: MembershipWatcher,
+        clients: WorkerClients,
+        models: ModelRegistry,
+        health: WorkerHealthView,
+        retry_budget: RetryBudget,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.membership = membership
+        self.clients = clients
+        self.models = models
+        self.health = health
+        self.retry_budget = retry_budget
+        self.metrics = metrics
+        # Streams this router has open per worker: exact, unlike the published counts.
+        self.local_in_flight: dict[str, int] = {}
+
+    def _pick(self, request: InferenceRequest, state: StreamState, excluded: set[str]) -> WorkerRecord | None:
+        workers = self.membership.workers()
+        self.health.update(workers)
+        candidates = self.health.routable(workers.values())
+        if state.model_version:
+            # A resumed stream must continue on the same weights and tokenizer.
+            candidates = [w for w in candidates if w.model_version == state.model_version]
+        return pick_worker(candidates, request.model, self.local_in_flight, frozenset(excluded))
+
+    def _track(self, worker_id: str, delta: int) -> None:
+        count = self.local_in_flight.get(worker_id, 0) + delta
+        if count <= 0:
+            self.local_in_flight.pop(worker_id, None)
+        else:
+            self.local_in_flight[worker_id] = count
+
+    async def run(
+        self, request: InferenceRequest, tier: str, reason: str, deadline: float, started: float
+    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        state = StreamState()
+        attempts = self.retry_budget.start()
+        excluded: set[str] = set()
+        stall_s = self.config.stall.timeout_for(tier)
+        while True:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded("deadline exceeded before the answer was complete")
+            worker = self._pick(request, state, excluded)
+            if worker is None:
+                raise Unavailable(f"no live worker for model {request.model!r}")
+            permit = self.health.acquire(worker.id)
+            if permit is None:
+                excluded.add(worker.id)  # breaker probes busy: not an attempt
+                continue
+            try:
+                if not state.model_version:
+                    tokenizer = await self.models.tokenizer_for(worker, deadline - time.monotonic())
+                    state.prompt_ids = tokenizer.encode(request)
+                    tokenizer.check_fits(len(state.prompt_ids), request.sampling.max_tokens)
+                    state.model_version = worker.model_version
+                    yield inference_pb2.GenerateEvent(
+                        started=inference_pb2.Started(
+                            request_id=request.request_id, tier=TIER_TO_PB[tier], tier_reason=reason,
+                            model=request.model, model_version=worker.model_version,
+                        )
+                    )
+                async for event in self._attempt(request, worker, state, tier, deadline, started, stall_s):
+                    yield event
+                permit.record(Outcome.SUCCESS)
+                return
+            except InvalidArgument:
+                permit.record(Outcome.IGNORE)
+                raise
+            except (grpc.aio.AioRpcError, Unavailable) as error:
+                permit.record(classify_exception(error))
+                if isinstance(error, grpc.aio.AioRpcError):
+                    if time.monotonic() >= deadline or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise DeadlineExceeded("deadline exceeded while generating") from None
+                    if error.code() not in RETRIABLE_CODES:
+                        raise error_from_worker(error, worker.id) from None
+                if not attempts.try_again():
+                    if attempts.refusal is Refusal.BUDGET:
+                        raise RetryBudgetExhausted(
+                            f"retry budget spent; worker {worker.id} failed: {error}"
+                        ) from None
+                    if isinstance(error, grpc.aio.AioRpcError):
+                        raise error_from_worker(error, worker.id) from None
+                    raise
+                excluded.add(worker.id)
+                why = _resume_reason(error)
+                self.metrics.worker_attempts.add(1, {"reason": why})
+                log.info("request %s: worker %s failed (%s) after %d tokens; trying another",
+                         request.request_id, worker.id, why, len(state.sent_ids))
+                if state.sent_ids:
+                    state.resumes += 1
+                    self.metrics.resumes.add(1, {"tier": tier, "reason": why})
+                    yield inference_pb2.GenerateEvent(
+                        resumed=inference_pb2.Resumed(next_index=len(state.sent_ids), reason=why, resumes=state.resumes)
+                    )
+            finally:
+                permit.release()
+
+    async def _attempt(
+        self, request: InferenceRequest, worker: WorkerRecord, state: StreamState, tier: str,
+        deadline: float, started: float, stall_s: float,
+    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        plan = plan_resume(state.prompt_ids, request.sampling, state.sent_ids)
+        if plan.nothing_left:
+            yield self._finished(common_pb2.FINISH_REASON_LENGTH, plan.prompt_tokens, plan.completion_tokens, state)
+            return
+        worker_request = worker_pb2.WorkerGenerateRequest(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            session_id=request.session_id,
+            prompt_ids=plan.prompt_ids,
+            generated_ids=plan.generated_ids,
+            sampling=sampling_to_pb(plan.sampling),
+            response_format=request.response_format,
+        )
+        relayed = 0
+        self._track(worker.id, +1)
+        try:
+            with self.clients.in_use(worker.address) as stub:
+                call = stub.Generate(worker_request, timeout=max(0.001, deadline - time.monotonic()))
+                first_wait = max(stall_s, self.config.worker_connect_timeout_s)
+                async for event in with_stall_timeout(call, stall_s, first_timeout_s=first_wait):
+                    if event.HasField("tokens"):
+                        if state.first_token_at is None:
+                            state.first_token_at = time.perf_counter()
+                            self.metrics.ttft.record((state.first_token_at - started) * 1000, {"tier": tier})
+                        # Counted once per attempt (below), not per message: this loop is the hot path.
+                        ids = event.tokens.token_ids
+                        relayed += len(ids)
+                        state.sent_ids.extend(ids)
+                        yield inference_pb2.GenerateEvent(tokens=event.tokens)
+                    elif event.HasField("finished"):
+                        finished = event.finished
+                        yield self._finished(
+                            finished.reason, finished.usage.prompt_tokens, len(state.sent_ids), state
+                        )
+                        return
+                raise StreamEndedEarly(f"worker {worker.id} ended the stream without finishing")
+        finally:
+            if relayed:
+                self.metrics.tokens.add(relayed, {"tier": tier})
+            self._track(worker.id, -1)
+
+    @staticmethod
+    def _finished(reason: int, prompt_tokens: int, completion_tokens: int, state: StreamState) -> inference_pb2.GenerateEvent:
+        return inference_pb2.GenerateEvent(
+            finished=inference_pb2.Finished(
+                reason=reason,
+                usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+                resumes=state.resumes,
+            )
+        )
