@@ -44,6 +44,8 @@ class MeshSpec:
     worker_capacity: int = 8
     # Extra config laid over the generated file (same shape as ballast.yaml).
     overrides: dict = field(default_factory=dict)
+    # Per-worker files for tests: temperature override and fault injection, under state_dir.
+    worker_test_files: bool = False
 
 
 @dataclass
@@ -167,10 +169,21 @@ class Mesh:
             self._await_ready(service, kind, offset, timeout)
         self.save_state()
 
+    def temperature_file(self, worker_name: str) -> Path:
+        return self.state_dir / "test-files" / f"{worker_name}.temperature"
+
+    def fault_file(self, worker_name: str) -> Path:
+        return self.state_dir / "test-files" / f"{worker_name}.fault"
+
     def _new_worker(self, extra_env: dict[str, str] | None = None) -> ServiceProcess:
         self._worker_seq += 1
         name = f"worker-{self._worker_seq}"
-        env = {"BALLAST__WORKER__ID": name, **(extra_env or {})}
+        env = {"BALLAST__WORKER__ID": name}
+        if self.spec.worker_test_files:
+            self.temperature_file(name).parent.mkdir(parents=True, exist_ok=True)
+            env["BALLAST__WORKER__TEMPERATURE_FILE"] = str(self.temperature_file(name))
+            env["BALLAST__WORKER__FAULT_FILE"] = str(self.fault_file(name))
+        env.update(extra_env or {})
         return self._service_process(name, "services.worker", env)
 
     def start_worker(self, extra_env: dict[str, str] | None = None, timeout: float = 120.0) -> ServiceProcess:

@@ -88,7 +88,10 @@ class RouterConfig(Section):
         200_000, gt=0, description="Longest prompt text accepted before tokenizing."
     )
     worker_connect_timeout_s: float = Field(
-        2.0, gt=0, description="Deadline to open a worker stream and get its first reply."
+        2.0, gt=0, description="Deadline of a worker's unary calls (model info)."
+    )
+    first_token_timeout_s: float = Field(
+        10.0, gt=0, description="Longest wait for a worker's first token (prefill and queueing) before failing over."
     )
     default_deadline_s: float = Field(
         120.0, gt=0, description="Deadline applied when the client sets none."
@@ -100,6 +103,21 @@ class RouterConfig(Section):
         default_factory=TemperatureConfig, description="GPU temperature limit with hysteresis."
     )
     stall: StallConfig = Field(default_factory=StallConfig, description="Per-tier silence that counts as a stall.")
+    scheduling: dict = Field(
+        default_factory=dict,
+        description="Tier policy overrides (budgets, queues, shares, preemption; see scheduling/tiers.py).",
+    )
+    tiering_rules_file: str = Field(
+        "", description="Auto-tagging rules (YAML); empty: the bundled defaults. etcd's copy wins."
+    )
+
+    @field_validator("scheduling")
+    @classmethod
+    def _valid_policy(cls, value: dict) -> dict:
+        from services.router.scheduling.tiers import TierPolicy
+
+        TierPolicy.from_mapping(value)  # raises ValueError naming the field
+        return value
 
 
     @model_validator(mode="after")
@@ -125,6 +143,9 @@ class WorkerConfig(Section):
         "", description="File holding a GPU temperature in C, read instead of NVML (tests)."
     )
     drain_grace_s: float = Field(20.0, ge=0, description="Time in-flight streams get on SIGTERM.")
+    fault_file: str = Field(
+        "", description="Chaos testing: while this file says 'unavailable', Generate fails at once."
+    )
     cache_address: str = Field("", description="KV-cache service host:port; empty: no KV persistence.")
     kv_block_tokens: int = Field(32, ge=1, le=4096, description="Tokens per stored KV block.")
     kv_restore_policy: Literal["adaptive", "always", "never"] = Field(

@@ -184,12 +184,31 @@ class MembershipWatcher:
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Condition()
         self.synced = asyncio.Event()
+        # Bumped on every change, so waiters can tell "changed since I looked".
+        self.version = 0
+        # One event per worker that someone waits on, set when its record disappears.
+        self._gone: dict[str, asyncio.Event] = {}
 
     def workers(self) -> dict[str, WorkerRecord]:
         return dict(self._workers)
 
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
+
+    def gone_event(self, worker_id: str) -> asyncio.Event:
+        """An event set once the worker's record leaves etcd (lease expired or revoked)."""
+        event = self._gone.get(worker_id)
+        if event is None:
+            event = self._gone[worker_id] = asyncio.Event()
+            if worker_id not in self._workers:
+                event.set()
+        return event
+
+    def _mark_gone(self, worker_ids) -> None:
+        for worker_id in worker_ids:
+            event = self._gone.pop(worker_id, None)
+            if event is not None:
+                event.set()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="etcd-membership")
@@ -215,7 +234,12 @@ class MembershipWatcher:
         except asyncio.TimeoutError:
             return False
 
+    async def changed(self, since: int, timeout: float) -> bool:
+        """Waits until the membership changed after version `since`; False on timeout."""
+        return await self.wait_for(lambda _workers: self.version != since, timeout)
+
     async def _notify(self) -> None:
+        self.version += 1
         async with self._changed:
             self._changed.notify_all()
 
@@ -231,6 +255,7 @@ class MembershipWatcher:
                 fresh[self._worker_id(kv.key)] = WorkerRecord.from_json(kv.value, kv.lease)
             except (ValueError, TypeError) as exc:
                 log.warning("ignoring malformed worker record %s: %s", kv.key, exc)
+        self._mark_gone([w for w in self._workers if w not in fresh])
         self._workers = fresh
         self._dependencies.set("etcd", True)
         self.synced.set()
@@ -240,6 +265,7 @@ class MembershipWatcher:
             worker_id = self._worker_id(event.kv.key)
             if event.kind == "DELETE":
                 self._workers.pop(worker_id, None)
+                self._mark_gone([worker_id])
             else:
                 try:
                     self._workers[worker_id] = WorkerRecord.from_json(event.kv.value, event.kv.lease)

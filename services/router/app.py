@@ -16,9 +16,11 @@ import grpc
 from ballast.v1 import inference_pb2, inference_pb2_grpc
 from services.common.config import BallastConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.etcd_watch import KeyWatcher
 from services.common.membership import MembershipWatcher
 from services.common.telemetry import Telemetry
 from services.router.metrics import RouterMetrics
+from services.router.scheduling.tagging import TIERING_KEY
 from services.router.servicer import InferenceServicer
 from services.router.worker_clients import WorkerClients
 
@@ -37,6 +39,7 @@ class RouterApp:
     servicer: InferenceServicer
     telemetry: Telemetry
     health: object
+    rules_watch: KeyWatcher
     _sweeper: asyncio.Task | None = None
 
     @property
@@ -58,6 +61,8 @@ class RouterApp:
         await self.server.stop(grace)
         if self._sweeper is not None:
             self._sweeper.cancel()
+        await self.rules_watch.stop()
+        await self.servicer.pools.stop()
         await self.membership.stop()
         await self.clients.close()
         self.telemetry.stop()
@@ -70,6 +75,9 @@ async def create_server(config: BallastConfig) -> RouterApp:
     await membership.start()
     clients = WorkerClients()
     servicer = InferenceServicer(config, membership, clients, RouterMetrics(telemetry))
+    await servicer.pools.start()
+    rules_watch = KeyWatcher(config.etcd, f"{config.etcd.prefix}{TIERING_KEY}", servicer.rules_changed)
+    await rules_watch.start()
     server = new_server()
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
@@ -77,7 +85,7 @@ async def create_server(config: BallastConfig) -> RouterApp:
     await server.start()
     telemetry.start()
     await set_serving(health, [SERVICE_NAME], True)
-    app = RouterApp(config, server, port, membership, clients, servicer, telemetry, health)
+    app = RouterApp(config, server, port, membership, clients, servicer, telemetry, health, rules_watch)
     app._sweeper = asyncio.create_task(app._sweep_channels())
     log.info("router serving on %s", app.address)
     return app

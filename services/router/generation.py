@@ -30,7 +30,6 @@ from services.common.errors import (
 )
 from services.common.membership import MembershipWatcher, WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
-from services.router.balancer import pick_worker
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
@@ -39,6 +38,8 @@ from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import Refusal, RetryBudget, RetryBudgetExhausted
 from services.router.resilience.stall import StreamStalled, with_stall_timeout
+from services.router.pools import PoolGates
+from services.router.scheduling.async_gate import Grant
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,14 @@ class StreamEndedEarly(Unavailable):
     """The worker closed the stream without a finished event."""
 
 
+class WorkerLeaseLost(Unavailable):
+    """The worker's etcd record disappeared while it was streaming."""
+
+
+class Preempted(Exception):
+    """The scheduler took this stream's slot for a higher tier; it resumes when a slot frees."""
+
+
 def error_from_worker(exc: grpc.aio.AioRpcError, worker_id: str) -> BallastError:
     code = exc.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -71,8 +80,12 @@ def error_from_worker(exc: grpc.aio.AioRpcError, worker_id: str) -> BallastError
 
 
 def _resume_reason(error: BaseException) -> str:
+    if isinstance(error, Preempted):
+        return "preempted"
     if isinstance(error, StreamStalled):
         return "stalled"
+    if isinstance(error, WorkerLeaseLost):
+        return "lease_lost"
     if isinstance(error, grpc.aio.AioRpcError) and "drain" in (error.details() or ""):
         return "drained"
     return "worker_lost"
@@ -89,6 +102,24 @@ class StreamState:
     first_token_at: float | None = None
 
 
+class AttemptControl:
+    """Lets outside events (preemption, lost lease) end the current worker call cleanly."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.call: grpc.aio.UnaryStreamCall | None = None
+
+    def interrupt(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        if self.call is not None:
+            self.call.cancel()
+
+    def take(self) -> str | None:
+        reason, self.reason = self.reason, None
+        return reason
+
+
 class GenerationRunner:
     def __init__(
         self,
@@ -98,6 +129,7 @@ class GenerationRunner:
         models: ModelRegistry,
         health: WorkerHealthView,
         retry_budget: RetryBudget,
+        pools: PoolGates,
         metrics: RouterMetrics,
     ) -> None:
         self.config = config
@@ -106,94 +138,109 @@ class GenerationRunner:
         self.models = models
         self.health = health
         self.retry_budget = retry_budget
+        self.pools = pools
         self.metrics = metrics
-        # Streams this router has open per worker: exact, unlike the published counts.
-        self.local_in_flight: dict[str, int] = {}
-
-    def _pick(self, request: InferenceRequest, state: StreamState, excluded: set[str]) -> WorkerRecord | None:
-        workers = self.membership.workers()
-        self.health.update(workers)
-        candidates = self.health.routable(workers.values())
-        if state.model_version:
-            # A resumed stream must continue on the same weights and tokenizer.
-            candidates = [w for w in candidates if w.model_version == state.model_version]
-        return pick_worker(candidates, request.model, self.local_in_flight, frozenset(excluded))
-
-    def _track(self, worker_id: str, delta: int) -> None:
-        count = self.local_in_flight.get(worker_id, 0) + delta
-        if count <= 0:
-            self.local_in_flight.pop(worker_id, None)
-        else:
-            self.local_in_flight[worker_id] = count
 
     async def run(
-        self, request: InferenceRequest, tier: str, reason: str, deadline: float, started: float
+        self, request: InferenceRequest, tier: str, reason: str, weight: float,
+        deadline: float, started: float,
     ) -> AsyncIterator[inference_pb2.GenerateEvent]:
         state = StreamState()
         attempts = self.retry_budget.start()
-        excluded: set[str] = set()
         stall_s = self.config.stall.timeout_for(tier)
-        while True:
-            if time.monotonic() >= deadline:
-                raise DeadlineExceeded("deadline exceeded before the answer was complete")
-            worker = self._pick(request, state, excluded)
-            if worker is None:
-                raise Unavailable(f"no live worker for model {request.model!r}")
-            permit = self.health.acquire(worker.id)
-            if permit is None:
-                excluded.add(worker.id)  # breaker probes busy: not an attempt
-                continue
-            try:
-                if not state.model_version:
-                    tokenizer = await self.models.tokenizer_for(worker, deadline - time.monotonic())
-                    state.prompt_ids = tokenizer.encode(request)
-                    tokenizer.check_fits(len(state.prompt_ids), request.sampling.max_tokens)
-                    state.model_version = worker.model_version
-                    yield inference_pb2.GenerateEvent(
-                        started=inference_pb2.Started(
-                            request_id=request.request_id, tier=TIER_TO_PB[tier], tier_reason=reason,
-                            model=request.model, model_version=worker.model_version,
-                        )
-                    )
-                async for event in self._attempt(request, worker, state, tier, deadline, started, stall_s):
-                    yield event
-                permit.record(Outcome.SUCCESS)
-                return
-            except InvalidArgument:
-                permit.record(Outcome.IGNORE)
-                raise
-            except (grpc.aio.AioRpcError, Unavailable) as error:
-                permit.record(classify_exception(error))
-                if isinstance(error, grpc.aio.AioRpcError):
-                    if time.monotonic() >= deadline or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise DeadlineExceeded("deadline exceeded while generating") from None
-                    if error.code() not in RETRIABLE_CODES:
-                        raise error_from_worker(error, worker.id) from None
-                if not attempts.try_again():
-                    if attempts.refusal is Refusal.BUDGET:
-                        raise RetryBudgetExhausted(
-                            f"retry budget spent; worker {worker.id} failed: {error}"
-                        ) from None
-                    if isinstance(error, grpc.aio.AioRpcError):
-                        raise error_from_worker(error, worker.id) from None
+        gate = self.pools.gate(request.model)
+        if not self.pools.has_capacity(request.model):
+            raise Unavailable(f"no live worker for model {request.model!r}")
+        ticket = gate.scheduler.new_ticket(
+            request.request_id, request.tenant, tier, weight=weight, client_deadline=deadline
+        )
+        control = AttemptControl()
+        async with gate.slot(ticket, on_preempt=lambda _grant: control.interrupt("preempted")) as grant:
+            while True:
+                if control.take() == "preempted":
+                    await self._pause(grant, state, tier)
+                worker = self.membership.get(grant.worker_id)
+                permit = self.health.acquire(grant.worker_id) if worker is not None else None
+                if worker is None or permit is None:
+                    # Gone or breaker-probes busy since dispatch: not an attempt, just another slot.
+                    await grant.retry_elsewhere()
+                    continue
+                try:
+                    if not state.model_version:
+                        yield await self._start(request, worker, state, tier, reason, deadline)
+                    async for event in self._attempt(request, worker, state, tier, deadline, started, stall_s, grant, control):
+                        yield event
+                    permit.record(Outcome.SUCCESS)
+                    return
+                except InvalidArgument:
+                    permit.record(Outcome.IGNORE)
                     raise
-                excluded.add(worker.id)
-                why = _resume_reason(error)
-                self.metrics.worker_attempts.add(1, {"reason": why})
-                log.info("request %s: worker %s failed (%s) after %d tokens; trying another",
-                         request.request_id, worker.id, why, len(state.sent_ids))
-                if state.sent_ids:
-                    state.resumes += 1
-                    self.metrics.resumes.add(1, {"tier": tier, "reason": why})
-                    yield inference_pb2.GenerateEvent(
-                        resumed=inference_pb2.Resumed(next_index=len(state.sent_ids), reason=why, resumes=state.resumes)
-                    )
-            finally:
-                permit.release()
+                except Preempted:
+                    permit.record(Outcome.IGNORE)
+                    await self._pause(grant, state, tier)
+                    if state.sent_ids:
+                        yield self._resumed(state, "preempted")
+                except (grpc.aio.AioRpcError, Unavailable) as error:
+                    permit.record(classify_exception(error))
+                    self._check_retriable(error, worker, deadline, attempts)
+                    why = _resume_reason(error)
+                    self.metrics.worker_attempts.add(1, {"reason": why})
+                    log.info("request %s: worker %s failed (%s) after %d tokens; trying another",
+                             request.request_id, worker.id, why, len(state.sent_ids))
+                    await grant.retry_elsewhere()
+                    if state.sent_ids:
+                        state.resumes += 1
+                        self.metrics.resumes.add(1, {"tier": tier, "reason": why})
+                        yield self._resumed(state, why)
+                finally:
+                    permit.release()
+
+    async def _pause(self, grant: Grant, state: StreamState, tier: str) -> None:
+        """Gives the slot up after preemption and waits for a new one (the client sees a pause)."""
+        self.metrics.preemptions.add(1, {"tier": tier})
+        await grant.resume()
+        state.resumes += 1
+
+    def _resumed(self, state: StreamState, why: str) -> inference_pb2.GenerateEvent:
+        return inference_pb2.GenerateEvent(
+            resumed=inference_pb2.Resumed(next_index=len(state.sent_ids), reason=why, resumes=state.resumes)
+        )
+
+    async def _start(
+        self, request: InferenceRequest, worker: WorkerRecord, state: StreamState, tier: str, reason: str, deadline: float
+    ) -> inference_pb2.GenerateEvent:
+        tokenizer = await self.models.tokenizer_for(worker, deadline - time.monotonic())
+        state.prompt_ids = tokenizer.encode(request)
+        tokenizer.check_fits(len(state.prompt_ids), request.sampling.max_tokens)
+        state.model_version = worker.model_version
+        return inference_pb2.GenerateEvent(
+            started=inference_pb2.Started(
+                request_id=request.request_id, tier=TIER_TO_PB[tier], tier_reason=reason,
+                model=request.model, model_version=worker.model_version,
+            )
+        )
+
+    def _check_retriable(self, error: BaseException, worker: WorkerRecord, deadline: float, attempts) -> None:
+        """Raises the error the client should get when another attempt is not allowed."""
+        if isinstance(error, grpc.aio.AioRpcError):
+            if time.monotonic() >= deadline or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded("deadline exceeded while generating") from None
+            if error.code() not in RETRIABLE_CODES:
+                raise error_from_worker(error, worker.id) from None
+        if not attempts.try_again():
+            if attempts.refusal is Refusal.BUDGET:
+                raise RetryBudgetExhausted(f"retry budget spent; worker {worker.id} failed: {error}") from None
+            if isinstance(error, grpc.aio.AioRpcError):
+                raise error_from_worker(error, worker.id) from None
+            raise error
+
+    async def _watch_lease(self, worker_id: str, control: AttemptControl) -> None:
+        await self.membership.gone_event(worker_id).wait()
+        control.interrupt("lease_lost")
 
     async def _attempt(
         self, request: InferenceRequest, worker: WorkerRecord, state: StreamState, tier: str,
-        deadline: float, started: float, stall_s: float,
+        deadline: float, started: float, stall_s: float, grant: Grant, control: AttemptControl,
     ) -> AsyncIterator[inference_pb2.GenerateEvent]:
         plan = plan_resume(state.prompt_ids, request.sampling, state.sent_ids)
         if plan.nothing_left:
@@ -209,32 +256,49 @@ class GenerationRunner:
             response_format=request.response_format,
         )
         relayed = 0
-        self._track(worker.id, +1)
-        try:
-            with self.clients.in_use(worker.address) as stub:
-                call = stub.Generate(worker_request, timeout=max(0.001, deadline - time.monotonic()))
-                first_wait = max(stall_s, self.config.worker_connect_timeout_s)
+        if control.reason == "preempted":
+            control.take()
+            raise Preempted()
+        with self.clients.in_use(worker.address) as stub:
+            call = stub.Generate(worker_request, timeout=max(0.001, deadline - time.monotonic()))
+            control.call = call
+            # A worker whose lease is gone is dead or cut off: do not wait for a stall.
+            lease_watch = asyncio.create_task(self._watch_lease(worker.id, control))
+            first_wait = max(stall_s, self.config.first_token_timeout_s)
+            try:
                 async for event in with_stall_timeout(call, stall_s, first_timeout_s=first_wait):
                     if event.HasField("tokens"):
+                        ids = event.tokens.token_ids
                         if state.first_token_at is None:
                             state.first_token_at = time.perf_counter()
                             self.metrics.ttft.record((state.first_token_at - started) * 1000, {"tier": tier})
+                        if relayed == 0:
+                            grant.first_token()
                         # Counted once per attempt (below), not per message: this loop is the hot path.
-                        ids = event.tokens.token_ids
                         relayed += len(ids)
                         state.sent_ids.extend(ids)
                         yield inference_pb2.GenerateEvent(tokens=event.tokens)
                     elif event.HasField("finished"):
                         finished = event.finished
-                        yield self._finished(
-                            finished.reason, finished.usage.prompt_tokens, len(state.sent_ids), state
-                        )
+                        yield self._finished(finished.reason, finished.usage.prompt_tokens, len(state.sent_ids), state)
                         return
-                raise StreamEndedEarly(f"worker {worker.id} ended the stream without finishing")
-        finally:
-            if relayed:
-                self.metrics.tokens.add(relayed, {"tier": tier})
-            self._track(worker.id, -1)
+            except asyncio.CancelledError:
+                # grpc raises CancelledError for a call we cancelled ourselves; only a
+                # cancellation of this task (client gone) must propagate as one.
+                current = asyncio.current_task()
+                if control.reason and current is not None and not current.cancelling():
+                    why = control.take()
+                    if why == "preempted":
+                        raise Preempted() from None
+                    raise WorkerLeaseLost(f"worker {worker.id} lost its lease mid-stream") from None
+                raise
+            finally:
+                control.call = None
+                lease_watch.cancel()
+                if relayed:
+                    self.metrics.tokens.add(relayed, {"tier": tier})
+                    grant.add_tokens(state.sent_ids[-relayed:])
+        raise StreamEndedEarly(f"worker {worker.id} ended the stream without finishing")
 
     @staticmethod
     def _finished(reason: int, prompt_tokens: int, completion_tokens: int, state: StreamState) -> inference_pb2.GenerateEvent:

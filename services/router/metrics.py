@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Mapping
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from services.common.telemetry import Telemetry
+from services.router.scheduling.scheduler import SchedulerObserver
 
 BREAKER_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -34,6 +35,21 @@ class RouterMetrics:
         self.breaker_transitions = meter.create_counter(
             "ballast_breaker_transitions", description="Circuit-breaker state changes, by new state."
         )
+        self.preemptions = meter.create_counter(
+            "ballast_router_preemptions", description="Streams paused to free a slot for tier S, by tier."
+        )
+        self.refusals = meter.create_counter(
+            "ballast_router_admission_refused", description="Requests refused at admission, by pool, tier and reason."
+        )
+        self.expired = meter.create_counter(
+            "ballast_router_queue_expired", description="Queued requests that waited past their limit."
+        )
+        self.queue_wait = telemetry.latency_histogram(
+            "ballast_router_queue_wait", "Time a request waited for a worker slot, by pool and tier."
+        )
+        self.rule_hits = meter.create_counter(
+            "ballast_router_tiering_rule_hits", description="Auto-tagging rules that decided or weighted a request."
+        )
         self._meter = meter
         self.ttft = telemetry.latency_histogram(
             "ballast_router_ttft", "Time from request to first token, by tier."
@@ -53,3 +69,42 @@ class RouterMetrics:
             "ballast_breaker_state", callbacks=[observe],
             description="Circuit-breaker state per worker: 0 closed, 1 half-open, 2 open.",
         )
+
+    def observe_queues(self, snapshots: Callable[[], Mapping[str, object]]) -> None:
+        """Exports queued and running requests per pool and tier from scheduler snapshots."""
+
+        def queued(_options: CallbackOptions) -> Iterable[Observation]:
+            for pool, snap in snapshots().items():
+                for tier, tier_snap in snap.tiers.items():
+                    yield Observation(tier_snap.queued, {"pool": pool, "tier": tier})
+
+        def running(_options: CallbackOptions) -> Iterable[Observation]:
+            for pool, snap in snapshots().items():
+                for tier, tier_snap in snap.tiers.items():
+                    yield Observation(tier_snap.running, {"pool": pool, "tier": tier})
+
+        self._meter.create_observable_gauge(
+            "ballast_router_queue_length", callbacks=[queued], description="Requests waiting for a slot."
+        )
+        self._meter.create_observable_gauge(
+            "ballast_router_running", callbacks=[running], description="Requests holding a worker slot."
+        )
+
+
+class SchedulerMetrics(SchedulerObserver):
+    """Feeds the scheduler's events into the router's OpenTelemetry instruments."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def queue_wait(self, pool: str, tier: str, seconds: float) -> None:
+        self.metrics.queue_wait.record(seconds * 1000, {"pool": pool, "tier": tier})
+
+    def refused(self, pool: str, tier: str, reason: str) -> None:
+        self.metrics.refusals.add(1, {"pool": pool, "tier": tier, "reason": reason})
+
+    def expired(self, pool: str, tier: str) -> None:
+        self.metrics.expired.add(1, {"pool": pool, "tier": tier})
+
+    def preempted(self, pool: str, tier: str) -> None:
+        pass  # counted by the runner, which sees the pause itself

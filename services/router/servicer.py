@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
@@ -20,13 +21,16 @@ from services.common.errors import BallastError, NotFound
 from services.common.membership import MembershipWatcher
 from services.router.auth import Authenticator
 from services.router.generation import GenerationRunner
-from services.router.metrics import RouterMetrics
+from services.router.metrics import RouterMetrics, SchedulerMetrics
+from services.router.pools import PoolGates
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest, request_from_pb
 from services.router.resilience.breaker import BreakerBoard
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.retry_budget import RetryBudget
 from services.router.resilience.temperature import TemperatureGate
+from services.router.scheduling.tagging import RuleError, TagInput, TierClassifier, default_rules, load_rules
+from services.router.scheduling.tiers import TierPolicy
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
@@ -61,10 +65,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             TemperatureGate(config.router.temperature),
         )
         self.retry_budget = RetryBudget(config.router.retry)
+        self.pools = PoolGates(
+            TierPolicy.from_mapping(config.router.scheduling), membership, self.health, SchedulerMetrics(metrics)
+        )
         self.runner = GenerationRunner(
-            config.router, membership, clients, self.models, self.health, self.retry_budget, metrics
+            config.router, membership, clients, self.models, self.health, self.retry_budget, self.pools, metrics
+        )
+        self.classifier = TierClassifier(
+            self._initial_rules(config.router.tiering_rules_file),
+            on_hit=lambda rule: metrics.rule_hits.add(1, {"rule": rule}),
         )
         metrics.observe_breakers(self.health.breakers.snapshot)
+        metrics.observe_queues(lambda: {m: g.scheduler.snapshot() for m, g in self.pools.gates().items()})
+
+    @staticmethod
+    def _initial_rules(path: str):
+        return load_rules(Path(path).read_text()) if path else default_rules()
+
+    def rules_changed(self, value: bytes | None) -> None:
+        """New auto-tagging rules from etcd; a bad document is logged and the old rules stay."""
+        if value is None:
+            self.classifier.update(self._initial_rules(self.config.router.tiering_rules_file))
+            log.info("tiering rules removed from etcd: back to the configured rules")
+            return
+        try:
+            self.classifier.update_from_text(value)
+        except RuleError as exc:
+            log.error("ignoring invalid tiering rules from etcd: %s", exc)
+            return
+        log.info("tiering rules updated from etcd")
 
     def _breaker_changed(self, worker_id: str, old, new) -> None:
         log.warning("breaker of worker %s: %s -> %s", worker_id, old.value, new.value)
@@ -84,12 +113,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             budget = min(budget, remaining)
         return time.monotonic() + budget
 
-    @staticmethod
-    def _tier(request: InferenceRequest) -> tuple[str, str]:
-        # Auto-tagging rules come with the tier issue; until then AUTO runs as A.
+    def _tier(self, request: InferenceRequest) -> tuple[str, str, float]:
+        """Tier, the reason for it (rule name or "explicit") and the scheduling weight."""
         if request.tier == "AUTO":
-            return "A", "default"
-        return request.tier, "explicit"
+            decided = self.classifier.classify(TagInput.from_request(request))
+            return decided.tier, decided.rule, decided.weight
+        return request.tier, "explicit", 1.0
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -102,8 +131,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             tenant = self.auth.tenant_for(context.invocation_metadata())
             inference = request_from_pb(request, tenant, self.router_config)
             self._check_model_known(inference.model)
-            tier, reason = self._tier(inference)
-            async for event in self.runner.run(inference, tier, reason, self._deadline(context), started):
+            tier, reason, weight = self._tier(inference)
+            async for event in self.runner.run(inference, tier, reason, weight, self._deadline(context), started):
                 yield event
         except BaseException as error:
             outcome = _outcome(error)
