@@ -191,3 +191,21 @@ class TestWithStallTimeout:
         with pytest.raises(ValueError):
             async for _ in with_stall_timeout(Source([1]), 0):
                 pass
+
+
+async def test_shorter_limit_after_a_long_first_wait_fires_on_time():
+    import time
+
+    from services.router.resilience.stall import StreamStalled, with_stall_timeout
+
+    async def source():
+        for i in range(3):
+            yield i
+        await asyncio.sleep(5)
+        yield 99
+
+    started = time.monotonic()
+    with pytest.raises(StreamStalled):
+        async for _ in with_stall_timeout(source(), 0.2, first_timeout_s=3.0):
+            pass
+    assert time.monotonic() - started < 1.5

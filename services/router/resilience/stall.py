@@ -101,7 +101,11 @@ class _Watchdog:
             raise RuntimeError("with_stall_timeout must be iterated inside an asyncio task")
         self._cancelling = self._task.cancelling()
         self._due = self._loop.time() + limit_s
-        if self._handle is None:
+        # Re-arming is lazy only for later deadlines; an earlier one (the first token may get a
+        # longer limit than the rest) needs the timer moved forward.
+        if self._handle is None or self._handle.when() > self._due:
+            if self._handle is not None:
+                self._handle.cancel()
             self._handle = self._loop.call_at(self._due, self._check)
 
     def disarm(self) -> None:
