@@ -485,3 +485,20 @@ class TestPolicy:
         assert snap.tiers["B"].oldest_wait_s == pytest.approx(2.0)
         assert snap.tiers["A"].running == 1
         assert snap.free_slots == 0 and snap.capacity == 1
+
+
+def test_idle_workers_share_sequential_requests():
+    from services.router.scheduling.clock import FakeClock
+    from services.router.scheduling.scheduler import PoolScheduler, WorkerSlots
+    from services.router.scheduling.tiers import TierPolicy
+
+    scheduler = PoolScheduler(TierPolicy(), FakeClock())
+    workers = {"w1": WorkerSlots(4, 0), "w2": WorkerSlots(4, 0), "w3": WorkerSlots(4, 0)}
+    chosen = []
+    for i in range(6):
+        ticket = scheduler.new_ticket(f"r{i}", "t", "A")
+        assert scheduler.submit(ticket, workers).admitted
+        plan = scheduler.dispatch(workers)
+        chosen.append(plan.started[0][1])
+        scheduler.on_finished(ticket)
+    assert set(chosen) == {"w1", "w2", "w3"}

@@ -294,6 +294,8 @@ class PoolScheduler:
         self._fifo = _FifoQueue()
         self._running: dict[Ticket, None] = {}
         self._local: dict[str, int] = {}
+        # Where the next scan for a free worker starts (spreads ties).
+        self._rotation = -1
         self._workers: dict[str, WorkerSlots] = {}
         # Our count on each worker when its published in-flight last changed: the part of
         # the published number that is ours, so the rest belongs to other routers.
@@ -461,7 +463,8 @@ class PoolScheduler:
 
     def _rate(self) -> float:
         """Slots released per second across the pool, from the measured hold time."""
-        return self.capacity / self._hold.value
+        # A floor: streams that finish within the same clock tick must not divide by zero.
+        return self.capacity / max(self._hold.value, 1e-3)
 
     def _share(self, tier: str) -> float:
         """Fraction of the non-S slot releases this tier gets now."""
@@ -575,7 +578,13 @@ class PoolScheduler:
             return ticket.prefer
         best: str | None = None
         best_key = (-1.0, 0)
-        for wid, n in free.items():
+        # Start the scan at a rotating offset: equally free workers share the traffic
+        # instead of the first one taking every request when the pool is idle.
+        items = list(free.items())
+        if items:
+            self._rotation = (self._rotation + 1) % len(items)
+            items = items[self._rotation:] + items[:self._rotation]
+        for wid, n in items:
             if wid in ticket.avoid:
                 continue
             key = (n / max(1, self._workers[wid].capacity), -self._local.get(wid, 0))
