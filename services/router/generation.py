@@ -163,7 +163,7 @@ class GenerationRunner:
                 permit = self.health.acquire(grant.worker_id) if worker is not None else None
                 if worker is None or permit is None:
                     # Gone or breaker-probes busy since dispatch: not an attempt, just another slot.
-                    await grant.retry_elsewhere()
+                    await self._another_slot(grant, request)
                     continue
                 try:
                     if not state.model_version:
@@ -187,13 +187,20 @@ class GenerationRunner:
                     self.metrics.worker_attempts.add(1, {"reason": why})
                     log.info("request %s: worker %s failed (%s) after %d tokens; trying another",
                              request.request_id, worker.id, why, len(state.sent_ids))
-                    await grant.retry_elsewhere()
+                    await self._another_slot(grant, request)
                     if state.sent_ids:
                         state.resumes += 1
                         self.metrics.resumes.add(1, {"tier": tier, "reason": why})
                         yield self._resumed(state, why)
                 finally:
                     permit.release()
+
+    async def _another_slot(self, grant: Grant, request: InferenceRequest) -> None:
+        """Queues for another worker, unless none is left to wait for: then fail fast."""
+        avoid = grant.ticket.avoid | {grant.worker_id}
+        if not self.pools.has_capacity(request.model, excluding=avoid):
+            raise Unavailable(f"no live worker for model {request.model!r} left to try")
+        await grant.retry_elsewhere()
 
     async def _pause(self, grant: Grant, state: StreamState, tier: str) -> None:
         """Gives the slot up after preemption and waits for a new one (the client sees a pause)."""

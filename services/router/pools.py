@@ -43,9 +43,9 @@ class PoolGates:
         routable = [w for w in self.health.routable(workers.values()) if w.model == model]
         return slots_from_records(routable)
 
-    def has_capacity(self, model: str) -> bool:
-        """Whether any routable worker serves the model (busy or not)."""
-        return bool(self._slots(model))
+    def has_capacity(self, model: str, excluding: frozenset[str] | set[str] = frozenset()) -> bool:
+        """Whether any routable worker serves the model (busy or not), apart from `excluding`."""
+        return any(worker_id not in excluding for worker_id in self._slots(model))
 
     def gate(self, model: str) -> AsyncGate:
         gate = self._gates.get(model)
