@@ -142,3 +142,15 @@ def cmd_bench_overhead(args) -> int:
     from bench.overhead import run_benchmark
 
     return run_benchmark(requests=args.requests, max_tokens=args.max_tokens, preset=args.preset, out=args.out)
+
+
+def cmd_bench_tiers(args) -> int:
+    from bench.tiers import run_benchmark
+
+    return run_benchmark(seconds=args.seconds, preset=args.preset, out=args.out)
+
+
+def cmd_bench_failover(args) -> int:
+    from bench.failover import run_benchmark
+
+    return run_benchmark(kills=args.kills, interval=args.interval, clients=args.clients, out=args.out)

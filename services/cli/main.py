@@ -73,6 +73,17 @@ def _add_bench(sub) -> None:
     o.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
     o.add_argument("--out", type=Path, default=Path("bench/results/overhead.json"))
     o.set_defaults(handler="services.cli.commands:cmd_bench_overhead")
+    t = bsub.add_parser("tiers", help="S-tier TTFT under a B flood: tiered vs FIFO")
+    t.add_argument("--seconds", type=float, default=20.0)
+    t.add_argument("--preset", choices=["tiny", "bench"], default="bench")
+    t.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
+    t.set_defaults(handler="services.cli.commands:cmd_bench_tiers")
+    f = bsub.add_parser("failover", help="streams under repeated worker kills: router vs direct")
+    f.add_argument("--kills", type=int, default=100)
+    f.add_argument("--interval", type=float, default=2.5)
+    f.add_argument("--clients", type=int, default=8)
+    f.add_argument("--out", type=Path, default=Path("bench/results/failover.json"))
+    f.set_defaults(handler="services.cli.commands:cmd_bench_failover")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,249 @@
+"""Streams under repeated worker kills: through the router vs clients talking to workers.
+
+One run starts a local mesh (four tiny-model workers), computes each prompt's uninterrupted
+greedy answer, then runs two phases with the same load and kill schedule: clients through
+the router, and a baseline of clients calling workers directly (round robin, no failover).
+A killer SIGKILLs a random serving worker every interval and restarts it. Every stream is
+checked token by token against its reference: interrupted streams (client-visible errors),
+lost and duplicated tokens, and the resume gap (last token before a resume to the first
+after it). Prints a table and writes bench/results/failover.json.
+
+    python -m bench.failover [--kills 100] [--interval 2.5] [--clients 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench.common import model_dir_for, percentile, print_table, write_result
+from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.cli.client import chat_request, open_channel
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.router.tokenization import ModelTokenizer
+
+PROMPTS = [f"Customer {i} asks where order {7000 + i} is and when it ships." for i in range(12)]
+MAX_TOKENS = 160
+METADATA = (("x-api-key", LOCAL_API_KEY),)
+
+
+@dataclass
+class Tally:
+    streams: int = 0
+    interrupted: int = 0
+    lost_tokens: int = 0
+    duplicated_tokens: int = 0
+    wrong_tokens: int = 0
+    resumes: int = 0
+    gaps_ms: list[float] = field(default_factory=list)
+
+
+def _score(tally: Tally, indices: list[int], ids: list[int], reference: list[int]) -> None:
+    seen: set[int] = set()
+    for index in indices:
+        if index in seen:
+            tally.duplicated_tokens += 1
+        seen.add(index)
+    tally.lost_tokens += len(set(range(len(reference))) - seen)
+    tally.wrong_tokens += sum(1 for a, b in zip(ids, reference) if a != b)
+
+
+async def _routed_client(stub, stop: asyncio.Event, references, tally: Tally, rng: random.Random) -> None:
+    while not stop.is_set():
+        k = rng.randrange(len(PROMPTS))
+        indices, ids, last_token_at, gap_from = [], [], None, None
+        tally.streams += 1
+        try:
+            call = stub.Generate(chat_request(PROMPTS[k], max_tokens=MAX_TOKENS, raw_prompt=True),
+                                 metadata=METADATA, timeout=60)
+            async for event in call:
+                kind = event.WhichOneof("event")
+                if kind == "tokens":
+                    now = time.perf_counter()
+                    if gap_from is not None:
+                        tally.gaps_ms.append((now - gap_from) * 1000)
+                        gap_from = None
+                    last_token_at = now
+                    first = event.tokens.first_index
+                    indices.extend(range(first, first + len(event.tokens.token_ids)))
+                    ids.extend(event.tokens.token_ids)
+                elif kind == "resumed":
+                    tally.resumes += 1
+                    gap_from = last_token_at or time.perf_counter()
+        except grpc.aio.AioRpcError:
+            tally.interrupted += 1
+            continue
+        _score(tally, indices, ids, references[k])
+
+
+async def _direct_client(addresses, prompt_ids, stop: asyncio.Event, references, tally: Tally,
+                         rng: random.Random, turn: list[int]) -> None:
+    channels: dict[str, grpc.aio.Channel] = {}
+    try:
+        while not stop.is_set():
+            current = addresses()
+            if not current:
+                await asyncio.sleep(0.05)
+                continue
+            turn[0] += 1
+            address = current[turn[0] % len(current)]
+            channel = channels.get(address) or channels.setdefault(address, open_channel(address))
+            k = rng.randrange(len(PROMPTS))
+            request = worker_pb2.WorkerGenerateRequest(
+                prompt_ids=prompt_ids[k],
+                sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+            indices, ids = [], []
+            tally.streams += 1
+            try:
+                async for event in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60):
+                    if event.HasField("tokens"):
+                        first = event.tokens.first_index
+                        indices.extend(range(first, first + len(event.tokens.token_ids)))
+                        ids.extend(event.tokens.token_ids)
+            except grpc.aio.AioRpcError:
+                tally.interrupted += 1
+                continue
+            _score(tally, indices, ids, references[k])
+    finally:
+        for channel in channels.values():
+            await channel.close()
+
+
+class Killer:
+    """SIGKILLs a random serving worker every interval; restarts it in a thread."""
+
+    def __init__(self, mesh: Mesh, kills: int, interval: float, min_serving: int, rng: random.Random) -> None:
+        self.mesh, self.kills, self.interval, self.min_serving, self.rng = mesh, kills, interval, min_serving, rng
+        self.done = 0
+        self.restarting: set[str] = set()
+
+    def serving(self):
+        return [w for w in self.mesh.workers() if w.name not in self.restarting and w.process.alive()]
+
+    def _restart(self, worker) -> None:
+        try:
+            self.mesh.restart_service(worker)
+        finally:
+            self.restarting.discard(worker.name)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while self.done < self.kills:
+            await asyncio.sleep(self.interval)
+            serving = self.serving()
+            if len(serving) <= self.min_serving:
+                continue
+            victim = self.rng.choice(serving)
+            self.restarting.add(victim.name)
+            victim.process.kill()
+            self.done += 1
+            threading.Thread(target=self._restart, args=(victim,), daemon=True).start()
+        while self.restarting:
+            await asyncio.sleep(0.2)
+        stop.set()
+
+
+async def _references(mesh: Mesh):
+    async with open_channel(mesh.router_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        refs = []
+        for prompt in PROMPTS:
+            ids = []
+            async for event in stub.Generate(chat_request(prompt, max_tokens=MAX_TOKENS, raw_prompt=True),
+                                             metadata=METADATA, timeout=60):
+                if event.HasField("tokens"):
+                    ids.extend(event.tokens.token_ids)
+            refs.append(ids)
+        worker = mesh.workers()[0]
+        async with open_channel(worker.address) as wchan:
+            info = await worker_pb2_grpc.WorkerStub(wchan).GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=10)
+        tokenizer = ModelTokenizer.from_model_info(info).tokenizer
+        prompt_ids = [tokenizer.encode(p).ids for p in PROMPTS]
+    return refs, prompt_ids
+
+
+async def _phase(mesh: Mesh, routed: bool, references, prompt_ids, clients: int, kills: int,
+                 interval: float, seed: int) -> tuple[Tally, int]:
+    rng = random.Random(seed)
+    stop = asyncio.Event()
+    tally = Tally()
+    killer = Killer(mesh, kills, interval, min_serving=1, rng=random.Random(seed + 1))
+    if routed:
+        async with open_channel(mesh.router_address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            tasks = [asyncio.create_task(_routed_client(stub, stop, references, tally, random.Random(rng.random())))
+                     for _ in range(clients)]
+            await killer.run(stop)
+            await asyncio.gather(*tasks)
+    else:
+        turn = [0]
+        addresses = lambda: [w.address for w in killer.serving()]  # noqa: E731
+        tasks = [asyncio.create_task(_direct_client(addresses, prompt_ids, stop, references, tally,
+                                                    random.Random(rng.random()), turn))
+                 for _ in range(clients)]
+        await killer.run(stop)
+        await asyncio.gather(*tasks)
+    return tally, killer.done
+
+
+def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, workers: int = 4,
+                  out: Path = Path("bench/results/failover.json")) -> int:
+    model_dir = model_dir_for("tiny")
+    with tempfile.TemporaryDirectory(prefix="ballast-failover-") as state:
+        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=workers, lease_ttl_s=3,
+                        worker_capacity=8)
+        mesh = Mesh(spec).start()
+        try:
+            references, prompt_ids = asyncio.run(_references(mesh))
+            started = time.monotonic()
+            routed, routed_kills = asyncio.run(_phase(mesh, True, references, prompt_ids, clients, kills, interval, 1))
+            routed_s = time.monotonic() - started
+            started = time.monotonic()
+            direct, direct_kills = asyncio.run(_phase(mesh, False, references, prompt_ids, clients, kills, interval, 2))
+            direct_s = time.monotonic() - started
+        finally:
+            mesh.stop()
+    rows = []
+    for name, t, k, secs in (("router", routed, routed_kills, routed_s), ("direct", direct, direct_kills, direct_s)):
+        rows.append([name, k, t.streams, t.interrupted, t.lost_tokens, t.duplicated_tokens, t.wrong_tokens,
+                     t.resumes, percentile(t.gaps_ms, 50), percentile(t.gaps_ms, 99), f"{secs:.0f}s"])
+    print(f"\nstreams under worker kills ({clients} clients, {workers} workers, a kill every {interval}s)")
+    print_table(["path", "kills", "streams", "interrupted", "lost", "duplicated", "wrong", "resumes",
+                 "gap p50 ms", "gap p99 ms", "time"], rows)
+    result = {
+        "kills": routed_kills, "streams": routed.streams, "interrupted": routed.interrupted,
+        "lost_tokens": routed.lost_tokens, "duplicated_tokens": routed.duplicated_tokens,
+        "wrong_tokens": routed.wrong_tokens, "resumes": routed.resumes,
+        "resume_gap_p50_ms": percentile(routed.gaps_ms, 50), "resume_gap_p99_ms": percentile(routed.gaps_ms, 99),
+        "error_rate": routed.interrupted / max(1, routed.streams),
+        "baseline_kills": direct_kills, "baseline_streams": direct.streams,
+        "baseline_interrupted": direct.interrupted,
+        "baseline_error_rate": direct.interrupted / max(1, direct.streams),
+        "clients": clients, "workers": workers, "interval_s": interval,
+        "goal": {"kills_min": 100, "interrupted": 0, "lost_tokens": 0, "duplicated_tokens": 0, "resume_gap_p99_ms": 300},
+    }
+    print(f"wrote {write_result(out, result)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=100)
+    parser.add_argument("--interval", type=float, default=2.5)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/failover.json"))
+    args = parser.parse_args(argv)
+    return run_benchmark(args.kills, args.interval, args.clients, args.workers, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Next-turn time to first token: KV restored from the cache service vs full recompute.
+
+One run starts a real Redis and the cache service (as its own process, as deployed), then
+three torch engines on the same model, each with in-memory session reuse off so every turn
+starts cold: one always restores, one never does (the recompute baseline), one decides by
+measured cost (adaptive). For each context length, a first turn saves the session's KV;
+then the next turn (the whole context but its last token as prompt, one new token) runs on
+each engine in turn, interleaved, and TTFT is measured from the call to the first token.
+Greedy first tokens are checked equal across the three. Prints a table and writes
+bench/results/kv_restore.json.
+
+    python -m bench.kv_restore [--preset bench] [--contexts 256,512,...,8192] [--reps 3]
+
+TTFT is taken at the engine: the worker's gRPC layer adds about a millisecond to each path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import RESULTS_DIR, model_dir_for, print_table, write_result
+from services.common.config import TelemetryConfig, load_config
+from services.common.localservers import RedisServer
+from services.common.processes import ManagedProcess, free_port, wait_port_open
+from services.common.telemetry import Telemetry
+from services.worker.engine import EngineRequest, Sampling
+from services.worker.kv import start_session_kv
+from services.worker.torch_engine import TorchEngine
+
+DEFAULT_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
+BLOCK_TOKENS = 32
+USER_TURN_TOKENS = 32
+
+
+def start_cache(state: Path, redis_url: str) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    env = {
+        "BALLAST__REDIS__URL": redis_url,
+        "BALLAST__CACHE__PORT": str(port),
+        "BALLAST__TELEMETRY__METRICS_PORT": "0",
+        "BALLAST_CONFIG": "",
+        "PYTHONUNBUFFERED": "1",
+    }
+    process = ManagedProcess("cache", [sys.executable, "-m", "services.cache"], log_path=state / "cache.log",
+                             env=env, cwd=Path.cwd())
+    process.start()
+    wait_port_open("127.0.0.1", port, 60)
+    return process, f"127.0.0.1:{port}"
+
+
+async def make_engine(model_dir: Path, cache_address: str, policy: str):
+    engine = TorchEngine(model_dir, "bench", max_concurrency=1, eos_token_ids=(), memory_sessions=0)
+    await engine.start()
+    config = load_config(environ={}).worker.model_copy(update={
+        "cache_address": cache_address if policy != "never" else "",
+        "kv_restore_policy": policy,
+        "kv_block_tokens": BLOCK_TOKENS,
+        "kv_restore_timeout_s": 30.0,
+        "kv_save_timeout_s": 60.0,
+    })
+    telemetry = Telemetry(f"bench-{policy}", TelemetryConfig(enabled=False))
+    session = await start_session_kv(config, engine, telemetry)
+    return engine, session, telemetry
+
+
+async def ttft(engine: TorchEngine, prompt: list[int], session: str) -> tuple[float, int, int]:
+    """(ms to the first token, the token, context tokens actually computed)."""
+    request = EngineRequest(f"r-{time.monotonic_ns()}", tuple(prompt), (), Sampling(max_tokens=1, temperature=0.0),
+                            "bench", session)
+    started = time.perf_counter()
+    stream = engine.generate(request)
+    first = await stream.__anext__()
+    elapsed = (time.perf_counter() - started) * 1000
+    async for _ in stream:
+        pass
+    return elapsed, first.token_ids[0], first.prefill_tokens
+
+
+def metric(telemetry: Telemetry, name: str, **labels) -> float:
+    total = 0.0
+    for line in telemetry.render().splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def run(args) -> dict:
+    model_dir = model_dir_for(args.preset)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rng = random.Random(1234)
+    with tempfile.TemporaryDirectory(prefix="ballast-kv-bench-") as tmp:
+        state = Path(tmp)
+        redis = RedisServer(state, maxmemory=4 << 30).start()
+        cache, address = start_cache(state, redis.url)
+        engines = {}
+        try:
+            for policy in ("always", "never", "adaptive"):
+                engines[policy] = await make_engine(model_dir, address, policy)
+            writer, writer_kv, _ = engines["always"]
+            vocab = writer._vocab_size
+            rows = []
+            for context in contexts:
+                session = f"bench-{context}"
+                tokens = [rng.randrange(4, vocab) for _ in range(context)]
+                prompt = tokens[:context - 1]  # the first new token completes the context
+                history = prompt[:len(prompt) - USER_TURN_TOKENS]
+                await ttft(writer, history, session)  # the earlier turn: saves its KV
+                assert await writer_kv.flush(120), "the first turn's save did not finish"
+                samples: dict[str, list[float]] = {p: [] for p in engines}
+                firsts: dict[str, set[int]] = {p: set() for p in engines}
+                computed: dict[str, list[int]] = {p: [] for p in engines}
+                for rep in range(args.reps + 1):  # rep 0 warms up (and saves the new turn's blocks)
+                    order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
+                    for policy in order:
+                        engine, kv, _tel = engines[policy]
+                        ms, token, prefilled = await ttft(engine, prompt, session)
+                        if kv is not None:
+                            await kv.flush(120)
+                        if rep:
+                            samples[policy].append(ms)
+                            firsts[policy].add(token)
+                            computed[policy].append(prefilled)
+                restore_ms = statistics.median(samples["always"])
+                recompute_ms = statistics.median(samples["never"])
+                adaptive_ms = statistics.median(samples["adaptive"])
+                same = len(firsts["always"] | firsts["never"] | firsts["adaptive"]) == 1
+                adaptive_restored = statistics.median(computed["adaptive"]) < len(prompt)
+                rows.append({
+                    "context_tokens": context,
+                    "prompt_tokens": len(prompt),
+                    "restored_tokens": len(prompt) - min(computed["always"]),
+                    "restore_ttft_ms": round(restore_ms, 2),
+                    "recompute_ttft_ms": round(recompute_ms, 2),
+                    "adaptive_ttft_ms": round(adaptive_ms, 2),
+                    "adaptive_choice": "restore" if adaptive_restored else "recompute",
+                    "speedup": round(recompute_ms / restore_ms, 2),
+                    "same_first_token": same,
+                    "samples_ms": {p: [round(v, 2) for v in vals] for p, vals in samples.items()},
+                })
+                print(f"context {context}: restore {restore_ms:.1f} ms, recompute {recompute_ms:.1f} ms, "
+                      f"adaptive {adaptive_ms:.1f} ms", flush=True)
+            adaptive_tel = engines["adaptive"][2]
+            estimates = {p: metric(adaptive_tel, "ballast_worker_kv_estimated_ms", path=p)
+                         for p in ("restore", "recompute")}
+        finally:
+            for engine, kv, _tel in engines.values():
+                if kv is not None:
+                    await kv.stop(1.0)
+                await engine.stop()
+            cache.stop(10.0)
+            redis.stop()
+    return {"rows": rows, "adaptive_estimates_1024_ms": estimates}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS_DIR / "kv_restore.json"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(".ballast/torchinductor").resolve()))
+    result = asyncio.run(run(args))
+    rows = result["rows"]
+    print()
+    print_table(
+        ["context", "restored", "restore ms", "recompute ms", "adaptive ms", "adaptive chose", "speedup", "same token"],
+        [[r["context_tokens"], r["restored_tokens"], r["restore_ttft_ms"], r["recompute_ttft_ms"],
+          r["adaptive_ttft_ms"], r["adaptive_choice"], r["speedup"], r["same_first_token"]] for r in rows])
+    path = write_result(Path(args.out), {
+        "benchmark": "kv_restore",
+        "preset": args.preset,
+        "block_tokens": BLOCK_TOKENS,
+        "reps": args.reps,
+        **result,
+    })
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

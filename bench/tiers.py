@@ -1,0 +1,164 @@
+"""S-tier latency under a B-tier flood: tiered scheduling against plain FIFO, in one run.
+
+Two workers on the bench model. Phase 1 measures S alone (the unloaded reference). Then,
+for each router mode (tiered, fifo), a steady S stream at about 10 % of capacity runs
+beside a B flood of three times the pool's capacity, for a bounded time. Refused B
+requests back off by the router's retry hint. Prints a table and writes
+bench/results/tiers.json.
+
+    python -m bench.tiers [--seconds 20] [--preset bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.common import model_dir_for, percentile, print_table, write_result
+from ballast.v1 import inference_pb2_grpc
+from services.cli.client import chat_request, open_channel
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+
+CAPACITY_PER_WORKER = 4
+WORKERS = 2
+METADATA = (("x-api-key", LOCAL_API_KEY),)
+
+
+async def _ttft(stub, request, timeout: float) -> float:
+    start = time.perf_counter()
+    first = None
+    async for event in stub.Generate(request, metadata=METADATA, timeout=timeout):
+        if first is None and event.HasField("tokens"):
+            first = time.perf_counter()
+    return ((first or time.perf_counter()) - start) * 1000
+
+
+async def _s_stream(stub, seconds: float, interval: float, out: dict) -> None:
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        i += 1
+        request = chat_request(f"Confirm payment {i} for order {4000 + i}.", max_tokens=16, raw_prompt=True, tier="S")
+        try:
+            out["s_ttft"].append(await _ttft(stub, request, timeout=30))
+        except grpc.aio.AioRpcError as exc:
+            out["s_errors"] += 1
+            out["s_error_codes"].append(exc.code().name)
+        await asyncio.sleep(interval)
+
+
+async def _b_client(stub, seconds: float, k: int, out: dict) -> None:
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        i += 1
+        request = chat_request(f"Summarise the archive of customer {k}-{i}.", max_tokens=96, raw_prompt=True, tier="B")
+        try:
+            out["b_ttft"].append(await _ttft(stub, request, timeout=60))
+            out["b_done"] += 1
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                out["b_refused"] += 1
+                hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "200")
+                await asyncio.sleep(min(2.0, int(hint) / 1000))
+            else:
+                out["b_errors"] += 1
+
+
+def _new_out() -> dict:
+    return {"s_ttft": [], "s_errors": 0, "s_error_codes": [], "b_ttft": [], "b_done": 0, "b_refused": 0, "b_errors": 0}
+
+
+async def _phase(address: str, seconds: float, flood: bool) -> dict:
+    out = _new_out()
+    async with open_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        tasks = [asyncio.create_task(_s_stream(stub, seconds, interval=0.25, out=out))]
+        if flood:
+            await asyncio.sleep(0)
+            tasks += [asyncio.create_task(_b_client(stub, seconds, k, out))
+                      for k in range(3 * CAPACITY_PER_WORKER * WORKERS)]
+        await asyncio.gather(*tasks)
+    return out
+
+
+def _preemptions(mesh: Mesh) -> float:
+    import urllib.request
+
+    router = next(s for s in mesh.services if s.name == "router")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ballast_router_preemptions_total"))
+
+
+def _run_mode(mode: str, model_dir: Path, seconds: float, with_unloaded: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"ballast-tiers-{mode}-") as state:
+        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=WORKERS,
+                        worker_capacity=CAPACITY_PER_WORKER,
+                        overrides={"router": {"scheduling": {"mode": mode}}, "worker": {"model_name": "tiny"}})
+        mesh = Mesh(spec).start()
+        try:
+            result = {}
+            if with_unloaded:
+                result["unloaded"] = asyncio.run(_phase(mesh.router_address, min(seconds, 10), flood=False))
+            result["loaded"] = asyncio.run(_phase(mesh.router_address, seconds, flood=True))
+            result["preemptions"] = _preemptions(mesh)
+            return result
+        finally:
+            mesh.stop()
+
+
+def run_benchmark(seconds: float = 20.0, preset: str = "bench", out: Path = Path("bench/results/tiers.json")) -> int:
+    model_dir = model_dir_for(preset)
+    tiered = _run_mode("tiered", model_dir, seconds, with_unloaded=True)
+    fifo = _run_mode("fifo", model_dir, seconds, with_unloaded=False)
+    unloaded, loaded, baseline = tiered["unloaded"], tiered["loaded"], fifo["loaded"]
+    rows = []
+    for name, data, pre in (("S unloaded", unloaded, 0), ("tiered + flood", loaded, tiered["preemptions"]),
+                            ("fifo + flood", baseline, fifo["preemptions"])):
+        rows.append([name, percentile(data["s_ttft"], 50), percentile(data["s_ttft"], 99), len(data["s_ttft"]),
+                     data["s_errors"], percentile(data["b_ttft"], 50), percentile(data["b_ttft"], 99),
+                     data["b_done"], data["b_refused"], pre])
+    print(f"\nS-tier TTFT under a B flood ({seconds:.0f}s per phase, {WORKERS} workers x {CAPACITY_PER_WORKER} slots, {preset} model)")
+    print_table(["phase", "S p50 ms", "S p99 ms", "S done", "S errors", "B p50 ms", "B p99 ms", "B done", "B refused", "preemptions"], rows)
+    s_unloaded = percentile(unloaded["s_ttft"], 99)
+    s_loaded = percentile(loaded["s_ttft"], 99)
+    s_fifo = percentile(baseline["s_ttft"], 99)
+    result = {
+        "s_p99_unloaded_ms": s_unloaded,
+        "s_p99_loaded_ms": s_loaded,
+        "s_p99_fifo_ms": s_fifo,
+        "s_p50_loaded_ms": percentile(loaded["s_ttft"], 50),
+        "s_errors": loaded["s_errors"],
+        "s_errors_fifo": baseline["s_errors"],
+        "b_p99_loaded_ms": percentile(loaded["b_ttft"], 99),
+        "b_completed": loaded["b_done"], "b_refused": loaded["b_refused"],
+        "b_completed_fifo": baseline["b_done"], "b_refused_fifo": baseline["b_refused"],
+        "preemptions": tiered["preemptions"],
+        "loaded_vs_unloaded": s_loaded / s_unloaded if s_unloaded else None,
+        "fifo_vs_tiered": s_fifo / s_loaded if s_loaded else None,
+        "seconds": seconds, "preset": preset,
+        "goal": {"loaded_vs_unloaded_max": 1.3, "fifo_vs_tiered_min": 5.0, "s_errors": 0},
+    }
+    print(f"S p99 loaded / unloaded: {result['loaded_vs_unloaded']:.2f}   FIFO / tiered: {result['fifo_vs_tiered']:.1f}x")
+    print(f"wrote {write_result(out, result)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--preset", choices=["tiny", "bench"], default="bench")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
+    args = parser.parse_args(argv)
+    return run_benchmark(args.seconds, args.preset, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
