@@ -1,8 +1,10 @@
-"""The KV-cache service process. It serves health and reflection and watches Redis; the
-ballast.v1.KVCache API itself arrives with the session-KV work.
+"""The KV-cache service process: `ballast.v1.KVCache` over Redis, with health and reflection.
 
-Health is SERVING only while Redis answers, so probes and routers see at once what the
-service is missing; the `ballast_dependency_up{dependency="redis"}` gauge says the same.
+Health is SERVING only while Redis answers, so probes, workers and routers see at once what
+the service is missing; the `ballast_dependency_up{dependency="redis"}` gauge says the same.
+The same once-a-second probe reads Redis's eviction count, so evictions under the memory
+bound show up in this service's metrics. With Redis down every call fails UNAVAILABLE
+(workers then recompute); the service itself keeps running and recovers on its own.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from dataclasses import dataclass
 
 import grpc
 import redis.asyncio as redis_asyncio
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
+from ballast.v1 import kvcache_pb2, kvcache_pb2_grpc
+from services.cache.metrics import CacheMetrics
+from services.cache.servicer import KVCacheServicer
+from services.cache.store import RedisKVStore, StoreLimits
 from services.common.config import BallastConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.probes import DependencyProbe
@@ -20,7 +28,35 @@ from services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "ballast.v1.KVCache"
+SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
+
+
+class EvictionWatch:
+    """Turns Redis's cumulative `evicted_keys` into a counter of evictions seen from here."""
+
+    def __init__(self, client: redis_asyncio.Redis, metrics: CacheMetrics) -> None:
+        self._client = client
+        self._metrics = metrics
+        self._last: int | None = None
+
+    async def check(self) -> None:
+        if self._last is None:
+            await self._warn_if_unbounded()
+        stats = await self._client.info("stats")
+        current = int(stats.get("evicted_keys", 0))
+        if self._last is not None:
+            # A smaller count means Redis restarted and began counting again.
+            self._metrics.evictions_seen(current - self._last if current >= self._last else current)
+        self._last = current
+
+    async def _warn_if_unbounded(self) -> None:
+        memory = await self._client.info("memory")
+        policy = str(memory.get("maxmemory_policy", ""))
+        if not int(memory.get("maxmemory", 0)) or policy == "noeviction":
+            # Blocks then only leave by TTL, and a full Redis refuses new ones (rejected blocks).
+            log.warning("redis has no memory bound with eviction (maxmemory=%s, policy=%s); "
+                        "set maxmemory and an allkeys-lru policy for the KV cache",
+                        memory.get("maxmemory"), policy)
 
 
 @dataclass
@@ -32,6 +68,8 @@ class CacheApp:
     probe: DependencyProbe
     telemetry: Telemetry
     health: object
+    store: RedisKVStore
+    metrics: CacheMetrics
 
     @property
     def address(self) -> str:
@@ -45,25 +83,42 @@ class CacheApp:
         self.telemetry.stop()
 
 
+def redis_client(url: str, timeout_s: float) -> redis_asyncio.Redis:
+    # One quick retry re-dials a connection Redis dropped (after its restart); more would
+    # only delay the UNAVAILABLE a worker needs to fall back to recomputing.
+    return redis_asyncio.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+        health_check_interval=0,
+        # Blocks are hundreds of KiB: read the socket in large pieces.
+        socket_read_size=1 << 20,
+    )
+
+
 async def create_server(config: BallastConfig) -> CacheApp:
     telemetry = Telemetry("cache", config.telemetry)
-    client = redis_asyncio.Redis.from_url(
-        config.redis.url,
-        socket_timeout=config.redis.timeout_s,
-        socket_connect_timeout=config.redis.timeout_s,
-    )
+    client = redis_client(config.redis.url, config.redis.timeout_s)
+    metrics = CacheMetrics(telemetry)
+    cache = config.cache
+    store = RedisKVStore(client, StoreLimits(cache.key_prefix, cache.ttl_s, cache.max_ttl_s, cache.batch_bytes),
+                         metrics)
     server = new_server()
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(
+        KVCacheServicer(store, cache, config.redis, metrics), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, config.cache.host, config.cache.port)
+    port = bind(server, cache.host, cache.port)
 
     async def on_change(up: bool) -> None:
         await set_serving(health, [SERVICE_NAME], up)
 
     probe = DependencyProbe(
-        "redis", client.ping, telemetry.dependencies, timeout_s=config.redis.timeout_s, on_change=on_change
+        "redis", EvictionWatch(client, metrics).check, telemetry.dependencies,
+        timeout_s=config.redis.timeout_s, on_change=on_change,
     )
     await server.start()
     telemetry.start()
     await probe.start()
-    log.info("cache serving on %s:%d (redis %s)", config.cache.host, port, config.redis.url)
-    return CacheApp(config, server, port, client, probe, telemetry, health)
+    log.info("cache serving on %s:%d (redis %s)", cache.host, port, config.redis.url)
+    return CacheApp(config, server, port, client, probe, telemetry, health, store, metrics)

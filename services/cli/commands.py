@@ -72,6 +72,32 @@ def _local_config(args):
     return load_config(path)
 
 
+BREAKER_NAMES = {0: "closed", 1: "half-open", 2: "open"}
+
+
+def _router_breakers(args) -> dict[str, str]:
+    """Breaker state per worker, as the router sees it (scraped from its /metrics)."""
+    import urllib.request
+
+    url = getattr(args, "router_metrics", None)
+    if not url:
+        state = read_state(args.state_dir)
+        router = next((p for p in (state or {}).get("processes", []) if p["name"] == "router"), None)
+        if router is None or not router.get("metrics_port"):
+            return {}
+        url = f"http://127.0.0.1:{router['metrics_port']}/metrics"
+    try:
+        text = urllib.request.urlopen(url, timeout=2).read().decode()
+    except OSError:
+        return {}
+    states = {}
+    for line in text.splitlines():
+        if line.startswith("ballast_breaker_state{") and 'worker="' in line:
+            worker = line.split('worker="', 1)[1].split('"', 1)[0]
+            states[worker] = BREAKER_NAMES.get(int(float(line.rsplit(" ", 1)[1])), "?")
+    return states
+
+
 def cmd_status(args) -> int:
     from services.cli.etcd_view import list_workers
 
@@ -81,15 +107,19 @@ def cmd_status(args) -> int:
     except Exception as exc:
         print(f"cannot read etcd at {config.etcd.host}:{config.etcd.port}: {exc}", file=sys.stderr)
         return 1
-    header = f"{'id':<12} {'pool':<8} {'model':<8} {'version':<17} {'load':>7} {'kv':>5} {'temp':>6} {'health':<9} {'lease':>5}  address"
+    breakers = _router_breakers(args)
+    header = (f"{'id':<12} {'pool':<8} {'model':<8} {'version':<17} {'load':>7} {'kv':>5} {'temp':>6} "
+              f"{'health':<9} {'breaker':<9} {'lease':>5}  address")
     print(header)
     print("-" * len(header))
     for record, ttl in rows:
         health = "draining" if record.draining else ("serving" if record.healthy else "down")
         temp = "-" if record.temperature_c is None else f"{record.temperature_c:.0f}C"
         load = f"{record.in_flight}/{record.capacity}"
+        breaker = breakers.get(record.id, "-")
         print(f"{record.id:<12} {record.pool:<8} {record.model:<8} {record.model_version:<17} {load:>7} "
-              f"{record.kv_used * 100:>4.0f}% {temp:>6} {health:<9} {ttl if ttl is not None else '-':>4}s  {record.address}")
+              f"{record.kv_used * 100:>4.0f}% {temp:>6} {health:<9} {breaker:<9} "
+              f"{ttl if ttl is not None else '-':>4}s  {record.address}")
     if not rows:
         print("(no workers registered)")
     return 0

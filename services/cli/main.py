@@ -35,6 +35,7 @@ def _add_status(sub) -> None:
     p = sub.add_parser("status", help="table of workers from etcd")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.add_argument("--config", help="ballast.yaml (default: the local mesh's)")
+    p.add_argument("--router-metrics", help="a router's /metrics URL, for breaker states (default: the local mesh's)")
     p.set_defaults(handler="services.cli.commands:cmd_status")
 
 

@@ -112,7 +112,11 @@ class Mesh:
             "router": {"port": self.router_port},
             "cache": {"port": self.cache_port},
             "backfill": {"port": self.backfill_port},
-            "worker": {"model_dir": str(Path(spec.model_dir).resolve()), "max_concurrency": spec.worker_capacity},
+            "worker": {
+                "model_dir": str(Path(spec.model_dir).resolve()),
+                "max_concurrency": spec.worker_capacity,
+                "cache_address": f"127.0.0.1:{self.cache_port}",
+            },
         }
         return _merge(config, spec.overrides)
 

@@ -21,8 +21,9 @@ from services.common.grpc_server import add_health_and_reflection, bind, new_ser
 from services.common.membership import WorkerRecord, WorkerRegistration
 from services.common.telemetry import Telemetry
 from services.worker.engine import Engine
+from services.worker.kv import SessionKV, start_session_kv
 from services.worker.metrics import WorkerMetrics
-from services.worker.servicer import WorkerServicer, WorkerState
+from services.worker.servicer import FaultInjector, WorkerServicer, WorkerState
 from services.worker.temperature import TemperatureSource
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def make_engine(config: BallastConfig) -> Engine:
             model_name=worker.model_name,
             max_concurrency=worker.max_concurrency,
             device=worker.device,
+            memory_sessions=worker.kv_memory_sessions,
         )
     raise ValueError(f"config field 'worker.engine': engine {worker.engine!r} is not available here")
 
@@ -56,6 +58,8 @@ class WorkerApp:
     registration: WorkerRegistration
     health: object
     temperature: TemperatureSource
+    # Session KV persistence through the cache service (None: worker.cache_address unset).
+    session_kv: SessionKV | None = None
 
     @property
     def address(self) -> str:
@@ -95,6 +99,10 @@ class WorkerApp:
                 await self.state.wait_idle(5.0)
         await self.registration.stop()
         await self.server.stop(1.0)
+        if self.session_kv is not None:
+            # The drained streams queued their sessions' KV; write it before the engine goes.
+            await self.session_kv.stop(flush_timeout_s=5.0)
+            self.session_kv = None
         await self.engine.stop()
         self.telemetry.stop()
 
@@ -113,7 +121,9 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
     port = bind(server, config.worker.host, config.worker.port)
     worker_id = config.worker.id or _default_worker_id(config.worker.host, port)
     metrics = WorkerMetrics(telemetry, engine.stats, lambda: state.in_flight)
-    servicer = WorkerServicer(engine, state, metrics, worker_id, config.worker.pool)
+    servicer = WorkerServicer(
+        engine, state, metrics, worker_id, config.worker.pool, FaultInjector(config.worker.fault_file)
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     app = WorkerApp(
@@ -128,6 +138,7 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
         health=health,
         temperature=TemperatureSource(config.worker.temperature_file),
     )
+    app.session_kv = await start_session_kv(config.worker, engine, telemetry, health)
     app.registration = WorkerRegistration(config.etcd, app.record, telemetry.dependencies)
     await server.start()
     telemetry.start()

@@ -40,6 +40,9 @@ class TokenDelta:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    # On the first delta: context tokens this request computed by prefill (the rest came
+    # from a reused or restored KV cache). None: the engine does not say.
+    prefill_tokens: int | None = None
 
 
 @dataclass(frozen=True)

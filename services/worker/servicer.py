@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
@@ -28,7 +29,8 @@ MAX_TOKENS_HARD_LIMIT = 1 << 20
 def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta | None:
     if first.finish_reason is not None:
         return None
-    return TokenDelta(first.token_ids + second.token_ids, first.text + second.text, second.finish_reason)
+    prefill = first.prefill_tokens if first.prefill_tokens is not None else second.prefill_tokens
+    return TokenDelta(first.token_ids + second.token_ids, first.text + second.text, second.finish_reason, prefill)
 
 
 class WorkerState:
@@ -88,13 +90,34 @@ def engine_request_from_pb(request: worker_pb2.WorkerGenerateRequest) -> EngineR
     )
 
 
+class FaultInjector:
+    """Chaos testing: makes Generate fail while a file says so. Off unless configured."""
+
+    def __init__(self, path: str) -> None:
+        self._path = Path(path) if path else None
+
+    def check(self) -> None:
+        if self._path is None:
+            return
+        try:
+            mode = self._path.read_text().strip()
+        except OSError:
+            return
+        if mode == "unavailable":
+            raise Unavailable("injected fault")
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, state: WorkerState, metrics: WorkerMetrics, worker_id: str, pool: str) -> None:
+    def __init__(
+        self, engine: Engine, state: WorkerState, metrics: WorkerMetrics, worker_id: str, pool: str,
+        faults: FaultInjector | None = None,
+    ) -> None:
         self.engine = engine
         self.state = state
         self.metrics = metrics
         self.worker_id = worker_id
         self.pool = pool
+        self.faults = faults or FaultInjector("")
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfo:
         model = self.engine.model
@@ -115,6 +138,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerGenerateEvent]:
         engine_request = engine_request_from_pb(request)
+        self.faults.check()
         self.state.admit()
         started = time.perf_counter()
         outcome = "error"
@@ -122,9 +146,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         index = len(engine_request.generated_ids)
         stream = Coalescer(self.engine.generate(engine_request), merge_deltas)
         self.state.streams.add(stream)
+        # Counted as the engine reports it (restored KV is not computed), else the whole context.
+        context_tokens, prefill_counted = len(engine_request.prompt_ids) + index, False
         try:
-            self.metrics.prefill_tokens.add(len(engine_request.prompt_ids) + index)
             async for delta in stream:
+                if delta.prefill_tokens is not None and not prefill_counted:
+                    self.metrics.prefill_tokens.add(delta.prefill_tokens)
+                    prefill_counted = True
                 if delta.token_ids:
                     if first_token_at is None:
                         first_token_at = time.perf_counter()
@@ -157,6 +185,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.state.streams.discard(stream)
             await stream.aclose()
             self.state.release()
+            if not prefill_counted:
+                self.metrics.prefill_tokens.add(context_tokens)
             self.metrics.tokens.add(index - len(engine_request.generated_ids))
             self.metrics.requests.add(1, {"outcome": outcome})
             self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"outcome": outcome})

@@ -7,6 +7,12 @@ sequences interleave step by step and a long prompt does not stall the others. A
 bounded: at most `max_concurrency` sequences run, at most `max_waiting` wait for a slot, and
 beyond that a request is refused with ResourceExhausted. Closing or cancelling a stream frees
 its slot and KV cache at once.
+
+Sessions: a request with a session_id starts from the longest prefix of its context whose KV
+is already known, instead of recomputing it: from a small LRU of recent sessions' caches in
+this process (`memory_sessions`), or else restored from the cache service (`attach_kv`),
+when the measured cost says restoring beats recomputing. The context's last token is always
+computed fresh. When the turn ends its KV goes back to the LRU and is queued for saving.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -37,13 +44,42 @@ T = TypeVar("T")
 
 
 class _Sequence:
-    """One running request: its KV cache and how many tokens the cache holds."""
+    """One running request: its KV cache, the tokens the cache holds, and the compute time
+    of its last forward pass (read back on the loop to feed the cost estimates)."""
 
-    __slots__ = ("cache", "length")
+    __slots__ = ("cache", "length", "ids", "last_ms")
 
     def __init__(self) -> None:
         self.cache: Any = None
         self.length = 0
+        self.ids: list[int] = []
+        self.last_ms = 0.0
+
+
+class _SessionMemory:
+    """The KV caches of the most recent finished sessions, at most `capacity` of them.
+
+    An entry is taken out while its session runs (two concurrent turns of one session never
+    share a cache) and put back, with its new tokens, when the turn ends."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[str, str], tuple[tuple[int, ...], Any]] = OrderedDict()
+
+    def take(self, key: tuple[str, str]) -> tuple[tuple[int, ...], Any] | None:
+        return self._entries.pop(key, None)
+
+    def put(self, key: tuple[str, str], ids: tuple[int, ...], cache: Any) -> None:
+        if self.capacity <= 0:
+            return
+        self._entries.pop(key, None)
+        self._entries[key] = (ids, cache)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids, _cache in self._entries.values())
 
 
 class TorchEngine:
@@ -62,10 +98,12 @@ class TorchEngine:
         prefill_chunk: int = 512,
         eos_token_ids: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
+        memory_sessions: int = 0,
     ) -> None:
         """`max_waiting` bounds the requests queued for a slot (default 4 x concurrency).
         `eos_token_ids` overrides the model's (an empty tuple disables EOS, for benchmarks
-        that need fixed-length outputs). `torch_threads` is process-wide in torch."""
+        that need fixed-length outputs). `torch_threads` is process-wide in torch.
+        `memory_sessions` is how many recent sessions' KV caches stay in memory for reuse."""
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         self._dir = Path(model_dir)
@@ -83,6 +121,10 @@ class TorchEngine:
         # loop and gRPC need a core too), so use half the cores, at most 2.
         self._threads = torch_threads or max(1, min(2, (os.cpu_count() or 2) // 2))
         self._prefill_chunk = max(1, prefill_chunk)
+        self._sessions = _SessionMemory(memory_sessions)
+        self._kv: Any = None  # SessionKV, when KV persistence is attached
+        self._kv_metrics: Any = None
+        self._kv_layout: Any = None
 
         from transformers import AutoTokenizer
 
@@ -120,6 +162,26 @@ class TorchEngine:
         model = AutoModelForCausalLM.from_pretrained(
             self._dir, dtype=self._dtype, local_files_only=True)
         self._model = model.to(self._device).eval()
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self._prefill_chunk
+
+    def attach_kv(self, metrics: Any, session_kv: Any = None) -> bool:
+        """Reports KV reuse through `metrics` (services.worker.kv.KVMetrics) and, with a
+        `session_kv` (services.worker.kv.SessionKV), restores and saves sessions through the
+        cache service. Call after start(). False when this model's KV cannot be stored."""
+        self._kv_metrics = metrics
+        if session_kv is None:
+            return True
+        from services.worker.kv.tensors import model_layout
+
+        layout = model_layout(self._model.config, self._dtype, session_kv.settings.block_tokens)
+        if layout is None:
+            return False
+        session_kv.bind(self._description.version, layout)
+        self._kv, self._kv_layout = session_kv, layout
+        return True
 
     async def stop(self) -> None:
         """Stop taking requests; the step in progress finishes, later steps fail Unavailable."""
@@ -166,10 +228,10 @@ class TorchEngine:
         s = request.sampling
         text = TextStream(self._tokenizer, s.stop, initial_ids=request.generated_ids)
         if text.stopped:  # the earlier replica already reached a stop string
-            yield TokenDelta([], "", FinishReason.STOP)
+            yield TokenDelta([], "", FinishReason.STOP, prefill_tokens=0)
             return
         if s.max_tokens == 0:  # nothing left to generate: release held-back text
-            yield TokenDelta([], text.finish(), FinishReason.LENGTH)
+            yield TokenDelta([], text.finish(), FinishReason.LENGTH, prefill_tokens=0)
             return
         seed = fresh_seed() if s.seed is None else s.seed
         start_pos = len(request.generated_ids)
@@ -177,40 +239,132 @@ class TorchEngine:
 
         async with self._slot():
             seq = _Sequence()
+            finished = False
             try:
+                reused = await self._reuse_prefix(request, context, seq)
+                computed = len(context) - reused
                 # Prefill in chunks, each its own job, so other sequences step in between.
-                for i in range(0, len(context), self._prefill_chunk):
+                for i in range(reused, len(context), self._prefill_chunk):
                     chunk = context[i : i + self._prefill_chunk]
                     last = i + self._prefill_chunk >= len(context)
                     token = await self._run(self._forward, seq, chunk,
                                             (s, seed, start_pos) if last else None)
                     self._grow(seq, len(chunk))
+                    if self._kv is not None:
+                        self._kv.cost.observe_prefill(i, len(chunk), seq.last_ms)
+                if self._kv_metrics is not None and request.session_id:
+                    self._kv_metrics.prefix_tokens.add(computed, {"source": "computed"})
+                first = True
                 for k in range(s.max_tokens):
                     if k:
                         token = await self._run(self._forward, seq, [token], (s, seed, start_pos + k))
                         self._grow(seq, 1)
                     self._generated_total += 1
+                    # The first delta says how much of the context was actually computed.
+                    prefill = computed if first else None
+                    first = False
                     if token in self._eos:
-                        yield TokenDelta([], text.finish(), FinishReason.STOP)
+                        finished = True
+                        yield TokenDelta([], text.finish(), FinishReason.STOP, prefill_tokens=prefill)
                         return
                     delta, stopped = text.push(token)
                     if stopped:
-                        yield TokenDelta([token], delta, FinishReason.STOP)
+                        finished = True
+                        yield TokenDelta([token], delta, FinishReason.STOP, prefill_tokens=prefill)
                         return
                     if k == s.max_tokens - 1:
                         delta += text.finish()
                         reason = FinishReason.STOP if text.stopped else FinishReason.LENGTH
-                        yield TokenDelta([token], delta, reason)
+                        finished = True
+                        yield TokenDelta([token], delta, reason, prefill_tokens=prefill)
                         return
-                    yield TokenDelta([token], delta)
+                    yield TokenDelta([token], delta, prefill_tokens=prefill)
             finally:
-                # Runs on normal end, aclose() and cancellation alike: the KV goes now.
+                # Runs on normal end, aclose() and cancellation alike: the KV goes now. A
+                # finished turn's KV goes on to the session memory and the save queue; after a
+                # cancellation a forward pass may still be writing into it, so it is dropped.
                 self._kv_tokens -= seq.length
+                if finished and request.session_id and seq.cache is not None:
+                    self._keep_session(request, seq)
                 seq.cache, seq.length = None, 0
 
     def _grow(self, seq: _Sequence, n: int) -> None:
         seq.length += n
         self._kv_tokens += n
+
+    # --- session KV reuse -------------------------------------------------------------
+    async def _reuse_prefix(self, request: EngineRequest, context: list[int], seq: _Sequence) -> int:
+        """Loads the longest known KV prefix of `context` into `seq`; returns its length."""
+        if not request.session_id:
+            return 0
+        from services.worker.kv.tensors import common_prefix
+
+        key = (request.tenant, request.session_id)
+        held = self._sessions.take(key)
+        if held is not None:
+            ids, cache = held
+            usable = min(common_prefix(ids, context), len(context) - 1)
+            if usable > 0:
+                if usable < len(ids):
+                    cache = await self._run(self._truncated, cache, usable)
+                seq.cache, seq.ids = cache, list(context[:usable])
+                self._grow(seq, usable)
+                if self._kv_metrics is not None:
+                    self._kv_metrics.prefix_tokens.add(usable, {"source": "memory"})
+                return usable
+        if self._kv is None or not self._kv.applies_to(request.session_id):
+            return 0
+        fetch = await self._kv.fetch(request.tenant, context)
+        if fetch is None:
+            return 0
+        good, cache = await self._run(self._load_restored, fetch.blocks)
+        tokens = self._kv.restored(fetch, good)
+        if not tokens:
+            return 0
+        seq.cache, seq.ids = cache, list(context[:tokens])
+        self._grow(seq, tokens)
+        self._kv_metrics.prefix_tokens.add(tokens, {"source": "cache"})
+        return tokens
+
+    def _truncated(self, cache: Any, tokens: int) -> Any:
+        """A new cache of the first `tokens` of `cache` (engine thread). Rebuilt rather than
+        cropped in place: `crop` changed meaning across transformers 5 releases."""
+        from transformers import DynamicCache
+
+        from services.worker.kv.tensors import cache_pairs
+
+        pairs = [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in cache_pairs(cache)]
+        return DynamicCache(pairs, config=self._model.config)
+
+    def _load_restored(self, fetched: Any) -> tuple[int, Any]:
+        """Verifies fetched blocks and builds a DynamicCache of the good ones (engine thread)."""
+        from transformers import DynamicCache
+
+        from services.worker.kv.tensors import verify_and_decode
+
+        good, pairs = verify_and_decode(fetched, self._device)
+        if not good:
+            return 0, None
+        return good, DynamicCache(pairs, config=self._model.config)
+
+    def _keep_session(self, request: EngineRequest, seq: _Sequence) -> None:
+        """Hands a finished sequence's KV to the session memory and the save queue."""
+        from services.worker.kv.tensors import cache_pairs, encode_blocks, fits
+
+        cache, ids = seq.cache, tuple(seq.ids)
+        if not ids or cache.get_seq_length() != len(ids):  # defensive: never keep a mismatch
+            return
+        self._sessions.put((request.tenant, request.session_id), ids, cache)
+        if self._kv is None:
+            return
+        pairs, layout = cache_pairs(cache), self._kv_layout
+        if not fits(pairs, layout, len(ids)):
+            return
+
+        def encode(first: int, end: int):
+            return encode_blocks(pairs, layout, first, end)
+
+        self._kv.save(request.tenant, request.session_id, ids, encode)
 
     # --- model compute (engine thread only) ----------------------------------------
     def _forward(self, seq: _Sequence, ids: list[int],
@@ -223,12 +377,15 @@ class TorchEngine:
             out = self._model(input_ids=x, past_key_values=seq.cache, use_cache=True,
                               logits_to_keep=1)
             seq.cache = out.past_key_values
+            seq.ids.extend(ids)
             token = -1
             if sample is not None:
                 sampling, seed, position = sample
                 generator = None if sampling.temperature == 0 else position_generator(seed, position)
                 token = select_token(out.logits[0, -1], sampling.temperature, sampling.top_p, generator)
-        self._step_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        seq.last_ms = elapsed * 1000
+        self._step_seconds += elapsed
         self._steps += 1
         return token
 
@@ -273,6 +430,7 @@ class TorchEngine:
                 "max_concurrency": float(self._max_concurrency),
                 "generated_tokens_total": float(self._generated_total),
                 "forward_ms_avg": 1000 * self._step_seconds / max(1, self._steps),
+                "session_memory_tokens": float(self._sessions.tokens),
             },
         )
 

@@ -49,6 +49,7 @@ def test_up_chat_status_down(tmp_path, tiny_model_dir):
         assert status.returncode == 0, status.stderr
         assert status.stdout.count("serving") == 2
         assert "worker-1" in status.stdout and "worker-2" in status.stdout
+        assert "breaker" in status.stdout and status.stdout.count("closed") == 2
 
         denied = ballast("chat", "hi", "--state-dir", str(state), "--api-key", "wrong", cwd=tmp_path)
         assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr

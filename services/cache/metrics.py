@@ -1,0 +1,78 @@
+"""The cache service's metrics: hits, misses by reason, bytes in and out, checksum failures,
+and the evictions Redis reports under its memory bound.
+
+The running totals are also kept as plain numbers, so the Stats RPC can answer without
+scraping the Prometheus registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.telemetry import Telemetry
+
+
+@dataclass
+class CacheTotals:
+    hits: int = 0
+    misses: int = 0
+    checksum_failures: int = 0
+    bytes_stored: int = 0
+    bytes_served: int = 0
+    evicted_keys_seen: int = 0
+
+
+class CacheMetrics:
+    def __init__(self, telemetry: Telemetry) -> None:
+        meter = telemetry.meter
+        self.totals = CacheTotals()
+        self._hits = meter.create_counter(
+            "ballast_cache_hits", description="Blocks served by Get.")
+        self._misses = meter.create_counter(
+            "ballast_cache_misses",
+            description="Gets that stopped short of the asked blocks, by reason of the first miss "
+                        "(absent, corrupt, partial, mismatch).")
+        self._bytes = meter.create_counter(
+            "ballast_cache_bytes", unit="By", description="Block bytes stored (in) and served (out).")
+        self._checksum_failures = meter.create_counter(
+            "ballast_cache_checksum_failures",
+            description="Blocks whose bytes did not match their checksum, on Put or in the store.")
+        self._evictions = meter.create_counter(
+            "ballast_cache_evictions",
+            description="Keys Redis evicted under its memory bound, as seen by this service.")
+        self._rejected = meter.create_counter(
+            "ballast_cache_rejected_blocks",
+            description="Blocks not stored, by reason (checksum, no_room).")
+        self.latency = telemetry.latency_histogram(
+            "ballast_cache_call_ms", "Time to serve a KVCache call, by method.")
+
+    def hit(self, blocks: int, size: int) -> None:
+        if blocks:
+            self._hits.add(blocks)
+            self._bytes.add(size, {"direction": "out"})
+            self.totals.hits += blocks
+            self.totals.bytes_served += size
+
+    def miss(self, reason: str) -> None:
+        self._misses.add(1, {"reason": reason})
+        self.totals.misses += 1
+        if reason == "corrupt":
+            self.checksum_failure()
+
+    def checksum_failure(self) -> None:
+        self._checksum_failures.add(1)
+        self.totals.checksum_failures += 1
+
+    def stored(self, size: int) -> None:
+        self._bytes.add(size, {"direction": "in"})
+        self.totals.bytes_stored += size
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.add(1, {"reason": reason})
+        if reason == "checksum":
+            self.checksum_failure()
+
+    def evictions_seen(self, count: int) -> None:
+        if count > 0:
+            self._evictions.add(count)
+            self.totals.evicted_keys_seen += count
