@@ -30,6 +30,7 @@ from services.common.errors import (
 )
 from services.common.membership import MembershipWatcher, WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
+from services.router.affinity import SessionAffinity
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
@@ -140,6 +141,7 @@ class GenerationRunner:
         self.retry_budget = retry_budget
         self.pools = pools
         self.metrics = metrics
+        self.affinity = SessionAffinity()
 
     async def run(
         self, request: InferenceRequest, tier: str, reason: str, weight: float,
@@ -152,7 +154,8 @@ class GenerationRunner:
         if not self.pools.has_capacity(request.model):
             raise Unavailable(f"no live worker for model {request.model!r}")
         ticket = gate.scheduler.new_ticket(
-            request.request_id, request.tenant, tier, weight=weight, client_deadline=deadline
+            request.request_id, request.tenant, tier, weight=weight, client_deadline=deadline,
+            prefer=self.affinity.preferred(request.tenant, request.session_id),
         )
         control = AttemptControl()
         async with gate.slot(ticket, on_preempt=lambda _grant: control.interrupt("preempted")) as grant:
@@ -171,6 +174,7 @@ class GenerationRunner:
                     async for event in self._attempt(request, worker, state, tier, deadline, started, stall_s, grant, control):
                         yield event
                     permit.record(Outcome.SUCCESS)
+                    self.affinity.served(request.tenant, request.session_id, worker.id)
                     return
                 except InvalidArgument:
                     permit.record(Outcome.IGNORE)

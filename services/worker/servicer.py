@@ -40,6 +40,8 @@ class WorkerState:
         self.capacity = capacity
         self.max_queue = max_queue
         self.in_flight = 0
+        # Requests admitted since start (a cheap counter for tests and status).
+        self.served = 0
         self.draining = False
         # Open streams, so a drain that runs out of grace can hand them to the router.
         self.streams: set[Coalescer] = set()
@@ -54,6 +56,7 @@ class WorkerState:
                 f"worker full: {self.in_flight} in flight, capacity {self.capacity}", retry_after_s=0.5
             )
         self.in_flight += 1
+        self.served += 1
         self._idle.clear()
 
     def release(self) -> None:
