@@ -49,3 +49,13 @@ def model_dir_for(preset: str) -> Path:
         print(f"building the {preset} model in {folder} ...", flush=True)
         build_tiny_model(folder, preset=preset)
     return folder
+
+
+def stop_on_sigterm() -> None:
+    """Turns SIGTERM into SystemExit, so a benchmark's `finally` still stops its mesh."""
+    import signal
+
+    def _exit(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

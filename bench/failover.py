@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import model_dir_for, percentile, print_table, write_result
+from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
@@ -145,6 +145,8 @@ class Killer:
             self.restarting.add(victim.name)
             victim.process.kill()
             self.done += 1
+            if self.done % 10 == 0:
+                print(f"  {self.done}/{self.kills} kills", flush=True)
             threading.Thread(target=self._restart, args=(victim,), daemon=True).start()
         while self.restarting:
             await asyncio.sleep(0.2)
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench/results/failover.json"))
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     return run_benchmark(args.kills, args.interval, args.clients, args.workers, args.out)
 
 

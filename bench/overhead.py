@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import model_dir_for, percentile, print_table, write_result
+from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
     parser.add_argument("--out", type=Path, default=Path("bench/results/overhead.json"))
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     return run_benchmark(args.requests, args.max_tokens, args.preset, args.out)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import model_dir_for, percentile, print_table, write_result
+from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from ballast.v1 import inference_pb2_grpc
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=["tiny", "bench"], default="bench")
     parser.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     return run_benchmark(args.seconds, args.preset, args.out)
 
 

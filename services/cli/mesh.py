@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,8 @@ class Mesh:
         self.infra: list[LocalServer] = [self.etcd, self.redis, self.kafka]
         self.services: list[ServiceProcess] = []
         self._worker_seq = 0
+        # Restarts may run in threads (fault benchmarks): guard the service list and mesh.json.
+        self._lock = threading.RLock()
 
     # -- config -----------------------------------------------------------------------------
 
@@ -200,8 +203,10 @@ class Mesh:
         kind = service.name.split("-")[0]
         module = f"services.{kind}"
         fresh = self._service_process(service.name, module, dict(service.env))
-        self.services[self.services.index(service)] = fresh
-        offset = self._spawn(fresh)
+        with self._lock:
+            self.services[self.services.index(service)] = fresh
+            offset = self._spawn(fresh)
+            self.save_state()
         self._await_ready(fresh, kind, offset, timeout)
         self.save_state()
         return fresh
@@ -252,6 +257,10 @@ class Mesh:
     # -- state ------------------------------------------------------------------------------
 
     def save_state(self) -> None:
+        with self._lock:
+            self._save_state()
+
+    def _save_state(self) -> None:
         entries = []
         for server in self.infra:
             if server.process is not None and server.pid is not None:

@@ -1,0 +1,304 @@
+"""Structured output on the tiny model: raw vs guided vs guided+repair vs repair-only.
+
+Generates answers for N requests over a mix of JSON Schemas (a product schema with
+product_id / price / stock_status among them) twice, without and with guided decoding
+(services.worker.guided), in an in-process batched decode loop, then scores four modes:
+
+- raw: the model's text as is;
+- guided: the guided text as is (cut by max_tokens or not);
+- guided_repair: the guided text through the router's repair step;
+- repair_only: the raw text through the repair step (an engine without guidance).
+
+parse_rate is the share that parses as JSON (for the repair modes: where repair found a
+document), schema_valid_rate the share that conforms to its schema. Also measures the cost
+of guidance in tokens/s, batched and one sequence at a time (as the torch engine decodes),
+and the guide's own time per token. Prints tables and writes bench/results/structured.json.
+
+    python -m bench.structured [--requests 1000] [--batch 50] [--single 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.common import model_dir_for, percentile, print_table, write_result
+from services.router.structured import Status, check_schema, repair
+from services.worker.guided import GuideCompiler
+from services.worker.sampling import position_generator, select_token
+from services.worker.tiny_model import render_chat
+
+PRODUCT = {
+    "type": "object",
+    "properties": {
+        "product_id": {"type": "string"},
+        "price": {"type": "number"},
+        "stock_status": {"enum": ["in_stock", "out_of_stock", "preorder"]},
+    },
+    "required": ["product_id", "price", "stock_status"],
+    "additionalProperties": False,
+}
+SCHEMAS = {
+    "product": PRODUCT,
+    "product_sku": {**PRODUCT, "properties": {**PRODUCT["properties"],
+                                              "product_id": {"type": "string", "pattern": "^P-[0-9]{3,6}$"}}},
+    "order": {"type": "object", "properties": {
+        "order_id": {"type": "integer"}, "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
+        "gift": {"type": "boolean"}}, "required": ["order_id", "status", "gift"], "additionalProperties": False},
+    "cart": {"type": "object", "properties": {
+        "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                      "vip": {"type": "boolean"}},
+                     "required": ["name", "vip"], "additionalProperties": False},
+        "items": {"type": "array", "maxItems": 3, "items": {
+            "type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"], "additionalProperties": False}}},
+        "required": ["customer", "items"], "additionalProperties": False},
+    "sentiment": {"type": "object", "properties": {
+        "label": {"enum": ["positive", "neutral", "negative"]},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["label", "confidence"], "additionalProperties": False},
+}
+QUESTIONS = {
+    "product": "Is the phone case in stock? Reply in JSON with product_id, price and stock_status.",
+    "product_sku": "What does the coffee maker cost? Reply in JSON with product_id, price and stock_status.",
+    "order": "Where is my order 48213? Reply in JSON with order_id, status and gift.",
+    "cart": "What is in my cart? Reply in JSON with customer and items.",
+    "sentiment": "I was charged twice for the headphones! Classify this message in JSON.",
+}
+# Budgets cycle per batch so that some answers are cut by max_tokens and some are not.
+MAX_TOKENS = (32, 64, 96)
+MODES = ("raw", "guided", "guided_repair", "repair_only")
+
+
+@dataclass
+class Generation:
+    texts: list[str] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    # CPU time of this thread: on a shared machine, wall time also counts other processes.
+    cpu_seconds: float = 0.0
+    guide_cpu_seconds: float = 0.0
+    stopped: int = 0
+
+
+class Decoder:
+    """A batched decode loop over rows that share one prompt, with optional guides per row."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.compiler = GuideCompiler.from_model_dir(model_dir)
+        self.eos = set(self.compiler.eos_token_ids)
+
+    def prompt_ids(self, question: str) -> list[int]:
+        chat = render_chat([{"role": "user", "content": question}], add_generation_prompt=True)
+        return self.tokenizer.encode(chat, add_special_tokens=False)
+
+    def run(self, prompt: list[int], seeds: list[int], max_tokens: int, schema_text: str | None) -> Generation:
+        rows = len(seeds)
+        guides = [self.compiler.guide(schema_text) for _ in seeds] if schema_text else None
+        outputs: list[list[int]] = [[] for _ in seeds]
+        active = [True] * rows
+        result = Generation()
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        feed = torch.tensor([prompt] * rows)
+        cache = None
+        with torch.inference_mode():
+            for position in range(max_tokens):
+                step = self.model(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                cache = step.past_key_values
+                nxt = []
+                for row in range(rows):
+                    token = next(iter(self.eos))
+                    if active[row]:
+                        logits = step.logits[row, -1]
+                        if guides:
+                            t0 = time.thread_time()
+                            logits = guides[row].apply(logits)
+                            result.guide_cpu_seconds += time.thread_time() - t0
+                        token = select_token(logits, 1.0, 1.0, position_generator(seeds[row], position))
+                        if guides:
+                            t0 = time.thread_time()
+                            guides[row].advance(token)
+                            result.guide_cpu_seconds += time.thread_time() - t0
+                        result.tokens += 1
+                        if token in self.eos:
+                            active[row] = False
+                            result.stopped += 1
+                        else:
+                            outputs[row].append(token)
+                            if guides and guides[row].finished:
+                                active[row] = False
+                                result.stopped += 1
+                    nxt.append(token)
+                if not any(active):
+                    break
+                feed = torch.tensor(nxt).unsqueeze(1)
+        result.seconds = time.perf_counter() - started
+        result.cpu_seconds = time.thread_time() - cpu_started
+        result.texts = [self.tokenizer.decode(ids) for ids in outputs]
+        return result
+
+
+def _strict(text: str, schema) -> tuple[bool, bool]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False, False
+    return True, schema.is_valid(value)
+
+
+def _score(texts_by_mode: dict[str, list[tuple[str, object]]]) -> dict:
+    modes = {}
+    for mode, items in texts_by_mode.items():
+        parsed = valid = 0
+        statuses: Counter = Counter()
+        kinds: Counter = Counter()
+        for text, schema in items:
+            if mode in ("raw", "guided"):
+                ok_parse, ok_valid = _strict(text, schema)
+            else:
+                result = repair(text, schema)
+                statuses[result.status.value] += 1
+                kinds.update(r.kind.value for r in result.repairs)
+                ok_parse = result.value is not None or result.status is not Status.FAILED
+                ok_valid = result.status is not Status.FAILED
+            parsed += ok_parse
+            valid += ok_valid
+        count = max(1, len(items))
+        entry = {"parse_rate": parsed / count, "schema_valid_rate": valid / count, "requests": len(items)}
+        if statuses:
+            entry["statuses"] = dict(statuses)
+            entry["repairs_by_kind"] = dict(kinds)
+        modes[mode] = entry
+    return modes
+
+
+def _single_sequence(decoder: Decoder, n: int, max_tokens: int) -> dict:
+    """Tokens/s one sequence at a time, as the torch engine decodes: raw vs guided."""
+    schema = check_schema(json.dumps(PRODUCT))
+    prompt = decoder.prompt_ids(QUESTIONS["product"])
+    out = {}
+    for label, text in (("raw", None), ("guided", schema.text)):
+        tokens = seconds = cpu = 0.0
+        for seed in range(n):
+            gen = decoder.run(prompt, [10_000 + seed], max_tokens, text)
+            tokens += gen.tokens
+            seconds += gen.seconds
+            cpu += gen.cpu_seconds
+        out[f"{label}_tokens_per_s"] = tokens / seconds
+        out[f"{label}_tokens_per_cpu_s"] = tokens / cpu
+    out["guidance_cost"] = 1 - out["guided_tokens_per_s"] / out["raw_tokens_per_s"]
+    out["guidance_cpu_cost"] = 1 - out["guided_tokens_per_cpu_s"] / out["raw_tokens_per_cpu_s"]
+    return out
+
+
+def run_benchmark(requests: int, batch: int, out: Path, single: int = 20) -> int:
+    torch.set_num_threads(1)  # a second intra-op thread only adds spinning on 2 shared cores
+    decoder = Decoder(model_dir_for("tiny"))
+    schemas = {name: check_schema(json.dumps(doc)) for name, doc in SCHEMAS.items()}
+    names = sorted(SCHEMAS)
+    texts: dict[str, list[tuple[str, object]]] = {mode: [] for mode in MODES}
+    by_schema: dict[str, dict[str, list]] = {n: {m: [] for m in MODES} for n in names}
+    totals = {"raw": Generation(), "guided": Generation()}
+    started = time.perf_counter()
+    batches = [list(range(i, min(i + batch, requests))) for i in range(0, requests, batch)]
+    latencies = {"raw": [], "guided": []}
+    for b, ids in enumerate(batches):
+        name = names[b % len(names)]
+        max_tokens = MAX_TOKENS[(b // len(names)) % len(MAX_TOKENS)]
+        schema = schemas[name]
+        prompt = decoder.prompt_ids(QUESTIONS[name])
+        raw = decoder.run(prompt, ids, max_tokens, None)
+        guided = decoder.run(prompt, ids, max_tokens, schema.text)
+        for label, gen in (("raw", raw), ("guided", guided)):
+            total = totals[label]
+            total.tokens += gen.tokens
+            total.seconds += gen.seconds
+            total.cpu_seconds += gen.cpu_seconds
+            total.guide_cpu_seconds += gen.guide_cpu_seconds
+            total.stopped += gen.stopped
+            latencies[label].append(gen.seconds / max(1, gen.tokens) * 1e3)
+        for mode, source in (("raw", raw), ("repair_only", raw), ("guided", guided), ("guided_repair", guided)):
+            pairs = [(t, schema) for t in source.texts]
+            texts[mode] += pairs
+            by_schema[name][mode] += pairs
+        print(f"batch {b + 1}/{len(batches)}: {name}, max_tokens {max_tokens}, "
+              f"{time.perf_counter() - started:.0f}s", flush=True)
+
+    modes = _score(texts)
+    schema_rows = {name: _score(per) for name, per in by_schema.items()}
+    raw, guided = totals["raw"], totals["guided"]
+    throughput = {
+        "batched": {
+            "batch": batch,
+            "raw_tokens_per_s": raw.tokens / raw.seconds,
+            "guided_tokens_per_s": guided.tokens / guided.seconds,
+            "guidance_cost": 1 - (guided.tokens / guided.seconds) / (raw.tokens / raw.seconds),
+            "raw_tokens_per_cpu_s": raw.tokens / raw.cpu_seconds,
+            "guided_tokens_per_cpu_s": guided.tokens / guided.cpu_seconds,
+            "guidance_cpu_cost": 1 - (guided.tokens / guided.cpu_seconds) / (raw.tokens / raw.cpu_seconds),
+            "guide_cpu_us_per_token": guided.guide_cpu_seconds / guided.tokens * 1e6,
+            "raw_ms_per_token_p50": percentile(latencies["raw"], 50),
+            "guided_ms_per_token_p50": percentile(latencies["guided"], 50),
+        },
+        "single_sequence": _single_sequence(decoder, single, 64) if single else {},
+    }
+    result = {
+        "requests": requests,
+        "schemas": names,
+        "max_tokens": list(MAX_TOKENS),
+        "modes": modes,
+        "by_schema": {name: {m: {k: v for k, v in e.items() if k.endswith("rate")} for m, e in per.items()}
+                      for name, per in schema_rows.items()},
+        "throughput": throughput,
+        "guided_stopped_rate": totals["guided"].stopped / requests,
+        "seconds": time.perf_counter() - started,
+    }
+    print(f"\nstructured output: {requests} requests, schemas {', '.join(names)}, tiny model")
+    print_table(["mode", "parse_rate", "schema_valid_rate", "statuses"],
+                [[m, modes[m]["parse_rate"], modes[m]["schema_valid_rate"],
+                  " ".join(f"{k}={v}" for k, v in sorted(modes[m].get("statuses", {}).items()))] for m in MODES])
+    print()
+    print_table(["schema", *(f"{m} valid" for m in MODES)],
+                [[n, *(schema_rows[n][m]["schema_valid_rate"] for m in MODES)] for n in names])
+    print()
+    rows = []
+    for label, key in (("batched", "batched"), ("one sequence", "single_sequence")):
+        t = throughput[key]
+        if t:
+            rows.append([label, t["raw_tokens_per_s"], t["guided_tokens_per_s"], t["guidance_cost"],
+                         t["raw_tokens_per_cpu_s"], t["guided_tokens_per_cpu_s"], t["guidance_cpu_cost"]])
+    print_table(["decode", "raw tok/s", "guided tok/s", "cost", "raw tok/cpu-s", "guided tok/cpu-s", "cpu cost"],
+                rows)
+    print(f"guide CPU time per token: {throughput['batched']['guide_cpu_us_per_token']:.0f} us "
+          f"(apply + advance); guided answers that ended on their own: {result['guided_stopped_rate']:.3f}")
+    print(f"wrote {write_result(out, result)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=50, help="rows decoded together")
+    parser.add_argument("--single", type=int, default=20, help="requests for the one-sequence tokens/s check")
+    parser.add_argument("--quick", action="store_true", help="200 requests in batches of 10, for a fast check")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/structured.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.batch = 200, 10
+    return run_benchmark(args.requests, args.batch, args.out, args.single)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
