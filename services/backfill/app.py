@@ -1,69 +1,177 @@
-"""The backfill service process. It serves health and reflection and watches the Kafka
-broker; consuming the degraded-request topic arrives with the degradation work.
+"""The backfill service process: consumes degraded requests, replays them on the full model,
+stores each better answer once and serves `ballast.v1.Backfill` (Subscribe, GetAnswer).
 
-Health is SERVING only while the broker answers; `ballast_dependency_up{dependency="kafka"}`
-says the same to Prometheus.
+Health is SERVING only while both Kafka and Redis answer; `ballast_dependency_up` says which
+is missing. Without a usable replay target (router address and API key) the service serves
+what is stored but consumes nothing: degraded requests wait safely in Kafka.
+
+Shutdown order: NOT_SERVING → server.stop(grace) → consumer (finish or cancel replays, commit,
+leave the group) → producer flush → Redis → probes → telemetry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+import redis.asyncio as redis_asyncio
 from confluent_kafka.admin import AdminClient
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
+from ballast.v1 import backfill_pb2, backfill_pb2_grpc
+from services.backfill.consumer import ConsumerLoop, consumer_config
+from services.backfill.metrics import BackfillMetrics
+from services.backfill.processor import Processor
+from services.backfill.replay import Replayer, RouterReplayer
+from services.backfill.servicer import BackfillServicer
+from services.backfill.settings import BackfillSettings, ReplayTargetError, replay_target, resolve_settings
+from services.backfill.store import AnswerStore, Notices
 from services.common.config import BallastConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
+from services.degrade.kafka import AsyncProducer, ensure_topics
+from services.router.auth import Authenticator
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "ballast.v1.Backfill"
+SERVICE_NAME = backfill_pb2.DESCRIPTOR.services_by_name["Backfill"].full_name
 
 
 @dataclass
 class BackfillApp:
     config: BallastConfig
+    settings: BackfillSettings
     server: grpc.aio.Server
     port: int
-    probe: DependencyProbe
     telemetry: Telemetry
     health: object
+    redis: redis_asyncio.Redis
+    store: AnswerStore
+    notices: Notices
+    producer: AsyncProducer
+    probes: list[DependencyProbe]
+    servicer: BackfillServicer
+    processor: Processor | None = None
+    consumer: ConsumerLoop | None = None
+    replayer: Replayer | None = None
+    _pubsub_redis: redis_asyncio.Redis | None = None
+    _topics_task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:
-        return f"{self.config.backfill.host}:{self.port}"
+        return f"{self.settings.host}:{self.port}"
 
-    async def shutdown(self, grace_s: float = 5.0) -> None:
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         await set_serving(self.health, [SERVICE_NAME], False)
-        await self.server.stop(grace_s)
-        await self.probe.stop()
+        await self.server.stop(grace)
+        if self._topics_task is not None:
+            self._topics_task.cancel()
+        if self.consumer is not None:
+            await self.consumer.stop(grace)
+        if self.replayer is not None:
+            await self.replayer.close()
+        await self.producer.stop()
+        await self.notices.stop()
+        for probe in self.probes:
+            await probe.stop()
+        await self.redis.aclose()
+        if self._pubsub_redis is not None:
+            await self._pubsub_redis.aclose()
         self.telemetry.stop()
 
 
-async def create_server(config: BallastConfig) -> BackfillApp:
-    telemetry = Telemetry("backfill", config.telemetry)
-    admin = AdminClient({"bootstrap.servers": config.kafka.bootstrap, "log_level": 3})
-    server = new_server()
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, config.backfill.host, config.backfill.port)
+def _redis_client(url: str, timeout_s: float | None) -> redis_asyncio.Redis:
+    return redis_asyncio.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s or 5.0,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2), health_check_interval=0,
+    )
 
-    async def check_broker() -> None:
+
+async def _ensure_topics_until_done(bootstrap: str, settings: BackfillSettings, timeout_s: float) -> None:
+    names = [settings.topic, settings.backfilled_topic, settings.deadletter_topic]
+    backoff = 1.0
+    while True:
+        try:
+            await asyncio.to_thread(ensure_topics, bootstrap, names, settings.topic_partitions,
+                                    settings.topic_replication, timeout_s)
+            return
+        except Exception as exc:  # noqa: BLE001 - broker away: the probe notices, we retry
+            log.debug("cannot create topics yet: %r", exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+
+async def create_server(config: BallastConfig, settings: BackfillSettings | None = None,
+                        replayer: Replayer | None = None) -> BackfillApp:
+    """Starts the service; `settings` and `replayer` override the config (tests)."""
+    settings = resolve_settings(config, settings)
+    telemetry = Telemetry("backfill", config.telemetry)
+    metrics = BackfillMetrics(telemetry)
+    client = _redis_client(config.redis.url, config.redis.timeout_s)
+    # Pub/sub blocks on reads by design: its own connection, without the command timeout.
+    pubsub_client = _redis_client(config.redis.url, None)
+    store = AnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max)
+    notices = Notices(pubsub_client, store.channel)
+    servicer = BackfillServicer(settings, Authenticator(config.auth), store, notices, metrics)
+    metrics.observe_subscribers(lambda: servicer.subscribers)
+
+    server = new_server()
+    backfill_pb2_grpc.add_BackfillServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    port = bind(server, settings.host, settings.port)
+
+    admin = AdminClient({"bootstrap.servers": config.kafka.bootstrap, "log_level": 2})
+    producer = AsyncProducer(config.kafka.bootstrap, settings.delivery_timeout_s, "ballast-backfill")
+
+    async def check_kafka() -> None:
         # librdkafka calls block: keep them off the event loop.
         await asyncio.to_thread(admin.list_topics, timeout=config.kafka.timeout_s)
 
-    async def on_change(up: bool) -> None:
-        await set_serving(health, [SERVICE_NAME], up)
+    async def check_redis() -> None:
+        await client.ping()
 
-    probe = DependencyProbe(
-        "kafka", check_broker, telemetry.dependencies, interval_s=2.0,
-        timeout_s=config.kafka.timeout_s + 1, on_change=on_change,
-    )
+    async def on_change(_up: bool) -> None:
+        serving = not telemetry.dependencies.missing()
+        await set_serving(health, [SERVICE_NAME], serving)
+
+    probes = [
+        DependencyProbe("kafka", check_kafka, telemetry.dependencies, interval_s=2.0,
+                        timeout_s=config.kafka.timeout_s + 1, on_change=on_change),
+        DependencyProbe("redis", check_redis, telemetry.dependencies, interval_s=2.0,
+                        timeout_s=config.redis.timeout_s + 1, on_change=on_change),
+    ]
     await server.start()
     telemetry.start()
-    await probe.start()
-    log.info("backfill serving on %s:%d (kafka %s)", config.backfill.host, port, config.kafka.bootstrap)
-    return BackfillApp(config, server, port, probe, telemetry, health)
+    for probe in probes:
+        await probe.start()
+    await notices.start()
+    await producer.start()
+    app = BackfillApp(config, settings, server, port, telemetry, health, client, store, notices, producer,
+                      probes, servicer, _pubsub_redis=pubsub_client)
+    app._topics_task = asyncio.create_task(
+        _ensure_topics_until_done(config.kafka.bootstrap, settings, config.kafka.timeout_s), name="backfill-topics")
+
+    if replayer is None:
+        try:
+            address, api_key = replay_target(config, settings)
+            replayer = RouterReplayer(address, api_key, settings.replay_timeout_s)
+            log.info("replaying through router %s", address)
+        except ReplayTargetError as exc:
+            log.error("backfill will not consume degraded requests: %s", exc)
+    if replayer is not None:
+        app.replayer = replayer
+        app.processor = Processor(settings, store, replayer, producer, metrics)
+        metrics.observe_current_lag(app.processor.oldest_in_hand)
+        app.consumer = ConsumerLoop(
+            consumer_config(config.kafka.bootstrap, settings.group_id, settings.session_timeout_ms,
+                            settings.heartbeat_interval_ms, settings.max_poll_interval_ms),
+            settings.topic, app.processor.handle, max_in_flight=settings.replay_concurrency,
+        )
+        await app.consumer.start()
+    log.info("backfill serving on %s (kafka %s, redis %s)", app.address, config.kafka.bootstrap, config.redis.url)
+    return app

@@ -26,13 +26,16 @@ class StreamResult:
 
 def chat_request(text: str, model: str = "tiny", max_tokens: int = 32, temperature: float = 0.0,
                  seed: int | None = None, tier: str = "AUTO", session_id: str = "",
-                 raw_prompt: bool = False, request_id: str = "") -> inference_pb2.GenerateRequest:
+                 raw_prompt: bool = False, request_id: str = "",
+                 allow_degraded: bool | None = None) -> inference_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
     if seed is not None:
         sampling.seed = seed
     request = inference_pb2.GenerateRequest(
         request_id=request_id, session_id=session_id, model=model, sampling=sampling, tier=TIERS[tier]
     )
+    if allow_degraded is not None:
+        request.allow_degraded = allow_degraded
     if raw_prompt:
         request.prompt = text
     else:

@@ -24,6 +24,8 @@ from services.common.processes import ManagedProcess, ProcessStartError, free_po
 STATE_FILE = "mesh.json"
 CONFIG_FILE = "ballast.yaml"
 LOCAL_API_KEY = "local-dev-key"
+# The backfill service replays degraded requests through the router as this tenant.
+BACKFILL_API_KEY = "local-backfill-key"
 
 
 @dataclass
@@ -39,7 +41,9 @@ class MeshSpec:
     kafka_port: int | None = None
     cache_port: int | None = None
     backfill_port: int | None = None
-    api_keys: dict[str, str] = field(default_factory=lambda: {LOCAL_API_KEY: "local"})
+    api_keys: dict[str, str] = field(
+        default_factory=lambda: {LOCAL_API_KEY: "local", BACKFILL_API_KEY: "ballast-backfill"}
+    )
     auth_enabled: bool = True
     lease_ttl_s: int = 3
     worker_capacity: int = 8

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.backfill.settings import BackfillSettings
+from services.degrade.router_hooks import DegradeConfig
 from services.router.resilience.breaker import BreakerConfig
 from services.router.resilience.retry_budget import RetryBudgetConfig
 from services.router.resilience.stall import StallConfig
@@ -172,11 +174,6 @@ class CacheConfig(Section):
     batch_bytes: int = Field(8 << 20, ge=1, description="Block bytes per Redis pipeline batch.")
 
 
-class BackfillConfig(Section):
-    host: str = Field("127.0.0.1", description="Bind address.")
-    port: int = Field(50071, ge=0, le=65535, description="Port; 0 picks one.")
-
-
 class BallastConfig(Section):
     etcd: EtcdConfig = Field(default_factory=EtcdConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
@@ -186,7 +183,8 @@ class BallastConfig(Section):
     router: RouterConfig = Field(default_factory=RouterConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
-    backfill: BackfillConfig = Field(default_factory=BackfillConfig)
+    backfill: BackfillSettings = Field(default_factory=BackfillSettings)
+    degrade: DegradeConfig = Field(default_factory=DegradeConfig)
 
 
 class ConfigError(Exception):

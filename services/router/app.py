@@ -59,6 +59,7 @@ class RouterApp:
         grace = self.config.router.shutdown_grace_s if grace_s is None else grace_s
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(grace)
+        await self.servicer.degrader.stop()
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.rules_watch.stop()
@@ -76,6 +77,7 @@ async def create_server(config: BallastConfig) -> RouterApp:
     clients = WorkerClients()
     servicer = InferenceServicer(config, membership, clients, RouterMetrics(telemetry))
     await servicer.pools.start()
+    await servicer.degrader.start()
     rules_watch = KeyWatcher(config.etcd, f"{config.etcd.prefix}{TIERING_KEY}", servicer.rules_changed)
     await rules_watch.start()
     server = new_server()

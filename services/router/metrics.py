@@ -50,6 +50,9 @@ class RouterMetrics:
         self.rule_hits = meter.create_counter(
             "ballast_router_tiering_rule_hits", description="Auto-tagging rules that decided or weighted a request."
         )
+        self.fallbacks = meter.create_counter(
+            "ballast_router_fallback_trigger_count", description="Degraded requests by reason and level."
+        )
         self._meter = meter
         self.ttft = telemetry.latency_histogram(
             "ballast_router_ttft", "Time from request to first token, by tier."

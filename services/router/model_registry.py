@@ -20,6 +20,9 @@ class ModelRegistry:
         self._by_version: dict[str, ModelTokenizer] = {}
         self._pending: dict[str, asyncio.Future[ModelTokenizer]] = {}
 
+    def cached(self, model_version: str) -> ModelTokenizer | None:
+        return self._by_version.get(model_version)
+
     async def tokenizer_for(self, worker: WorkerRecord, timeout_s: float) -> ModelTokenizer:
         cached = self._by_version.get(worker.model_version)
         if cached is not None:

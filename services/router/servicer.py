@@ -19,6 +19,7 @@ from ballast.v1 import inference_pb2, inference_pb2_grpc
 from services.common.config import BallastConfig
 from services.common.errors import BallastError, NotFound
 from services.common.membership import MembershipWatcher
+from services.degrade.router_hooks import Degrader
 from services.router.auth import Authenticator
 from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
@@ -75,8 +76,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._initial_rules(config.router.tiering_rules_file),
             on_hit=lambda rule: metrics.rule_hits.add(1, {"rule": rule}),
         )
+        self.degrader = Degrader(
+            config.degrade, config.kafka.bootstrap,
+            encoder_for=self._encoder_for, on_fallback=lambda labels: metrics.fallbacks.add(1, labels),
+        )
+        self.degrader.register_metrics(metrics._meter)
         metrics.observe_breakers(self.health.breakers.snapshot)
         metrics.observe_queues(lambda: {m: g.scheduler.snapshot() for m, g in self.pools.gates().items()})
+
+    def _encoder_for(self, model: str):
+        """The tokenizer of a model whose version this router already knows, else None."""
+        for worker in self.membership.workers().values():
+            if worker.model == model:
+                known = self.models.cached(worker.model_version)
+                if known is not None:
+                    return known.tokenizer
+        return None
 
     @staticmethod
     def _initial_rules(path: str):
@@ -132,7 +147,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             inference = request_from_pb(request, tenant, self.router_config)
             self._check_model_known(inference.model)
             tier, reason, weight = self._tier(inference)
-            async for event in self.runner.run(inference, tier, reason, weight, self._deadline(context), started):
+            deadline = self._deadline(context)
+
+            def pool_stream(request: InferenceRequest):
+                return self.runner.run(request, tier, reason, weight, deadline, started)
+
+            # The ladder runs the primary pool first; on admission refusal, no live worker,
+            # a spent retry budget or a deadline it cannot meet, it degrades (if allowed).
+            async for event in self.degrader.run(
+                pool_stream, inference, tier=tier, tier_reason=reason, deadline=deadline, started=started
+            ):
                 yield event
         except BaseException as error:
             outcome = _outcome(error)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,7 +21,11 @@ TENANT = "acme"
 
 
 def make_config(etcd_server, model_dir, prefix: str, **overrides):
+    # Each router gets its own outbox; component tests run no broker, so no hand-off.
+    outbox = Path(tempfile.mkdtemp(prefix="ballast-outbox-")) / "degraded.sqlite"
     environ = {
+        "BALLAST__DEGRADE__OUTBOX_PATH": str(outbox),
+        "BALLAST__DEGRADE__HANDOFF": "false",
         "BALLAST__ETCD__HOST": etcd_server.host,
         "BALLAST__ETCD__PORT": str(etcd_server.port),
         "BALLAST__ETCD__PREFIX": prefix,

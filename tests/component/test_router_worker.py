@@ -98,7 +98,8 @@ async def test_deadline_is_passed_downstream(router_stub, worker_app):
 
 
 def _bad(**fields):
-    request = chat_request(PROMPT, raw_prompt=True)
+    # Errors, not degraded answers: these requests do not accept degradation.
+    request = chat_request(PROMPT, raw_prompt=True, allow_degraded=False)
     for name, value in fields.items():
         if name == "sampling":
             request.sampling.CopyFrom(value)

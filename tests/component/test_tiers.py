@@ -89,8 +89,10 @@ async def test_full_queue_refuses_at_once(mesh, stub):
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.1)  # the third waits in B's queue (bound 1)
     started = time.monotonic()
+    refused = b_request(99)
+    refused.allow_degraded = False  # the error itself, not a degraded answer
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await collect(stub, b_request(99), API_KEY, timeout=30)
+        await collect(stub, refused, API_KEY, timeout=30)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert time.monotonic() - started < 1.0  # at once, not after B's 15 s budget
     trailers = dict(err.value.trailing_metadata() or ())

@@ -215,7 +215,8 @@ async def test_retry_budget_caps_attempts_when_every_worker_fails(mesh, router):
         codes = []
         for i in range(requests):
             try:
-                await collect(router, chat_request(f"doomed {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY, timeout=10)
+                doomed = chat_request(f"doomed {i}", max_tokens=4, raw_prompt=True, allow_degraded=False)
+                await collect(router, doomed, LOCAL_API_KEY, timeout=10)
                 codes.append(grpc.StatusCode.OK)
             except grpc.aio.AioRpcError as exc:
                 codes.append(exc.code())

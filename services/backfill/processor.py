@@ -1,0 +1,168 @@
+"""What happens to one degraded request: replay, store once, publish, or dead-letter.
+
+The handler is idempotent per ticket, because Kafka may deliver a record twice (a rebalance, a
+crash before the commit, a producer reset upstream): an answer already stored is never
+replayed again, only re-announced. Waiting is not failing: a busy or down primary pool, an
+unreachable Redis or broker, a refused API key all wait with backoff and never count as
+attempts; only replays that fail on their own count, and after `max_attempts` the record goes
+to the dead-letter topic. The handler returns only when the record is settled, and only then
+does the consumer commit its offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, TypeVar
+
+from redis.exceptions import RedisError
+
+from ballast.v1 import backfill_pb2
+from services.backfill.consumer import Record
+from services.backfill.metrics import BackfillMetrics
+from services.backfill.replay import Replayer, ReplayError, ReplayErrorKind
+from services.backfill.settings import BackfillSettings
+from services.backfill.store import AnswerStore
+from services.degrade.codec import InvalidDegradedRequest, backfilled_answer_pb, decode_degraded, seconds
+from services.degrade.kafka import AsyncProducer, DeliveryFailed
+from services.degrade.topics import (
+    BACKFILLED_CONTENT_TYPE,
+    CONTENT_TYPE_HEADER,
+    DLQ_ATTEMPTS_HEADER,
+    DLQ_ERROR_HEADER,
+    DLQ_SOURCE_HEADER,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Failures of our own dependencies: wait and try again, never blame the request.
+INFRA_ERRORS = (RedisError, OSError, DeliveryFailed, asyncio.TimeoutError)
+
+
+class Processor:
+    def __init__(self, settings: BackfillSettings, store: AnswerStore, replayer: Replayer,
+                 producer: AsyncProducer, metrics: BackfillMetrics | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.replayer = replayer
+        self.producer = producer
+        self.metrics = metrics
+        # Original timestamps of the records in hand, for the lag gauge.
+        self._in_hand: dict[tuple[int, int], float] = {}
+
+    def oldest_in_hand(self) -> float | None:
+        return min(self._in_hand.values(), default=None)
+
+    def _count(self, instrument: str, value: float = 1, **labels: str) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, instrument).add(value, labels)
+
+    async def handle(self, record: Record) -> str:
+        """Settles one record; returns the outcome (stored, duplicate or dead_lettered)."""
+        try:
+            degraded = decode_degraded(record.value)
+        except InvalidDegradedRequest as exc:
+            # No retry can make an undecodable record usable: straight to the dead letters.
+            await self._dead_letter(record, f"invalid: {exc}", attempts=0, cause="invalid")
+            return "dead_lettered"
+        where = (record.partition, record.offset)
+        self._in_hand[where] = seconds(degraded.received_at)
+        try:
+            return await self._settle(record, degraded)
+        finally:
+            self._in_hand.pop(where, None)
+
+    async def _settle(self, record: Record, degraded: backfill_pb2.DegradedRequest) -> str:
+        answer = await self._infra(lambda: self.store.get(degraded.ticket), "read the answer")
+        if answer is not None:
+            # Handled before (a redelivery): do not replay, but make sure it was announced.
+            await self._publish(answer)
+            self._count("processed", outcome="duplicate")
+            return "duplicate"
+        result = await self._replay(record, degraded)
+        if result is None:
+            return "dead_lettered"
+        answer = backfilled_answer_pb(degraded, result)
+        stored = await self._infra(lambda: self.store.put_once(answer), "store the answer")
+        if not stored:
+            answer = await self._infra(lambda: self.store.get(degraded.ticket), "read the answer") or answer
+        await self._publish(answer)
+        lag = time.time() - seconds(degraded.received_at)
+        if self.metrics is not None:
+            self.metrics.lag.record(max(0.0, lag))
+        self._count("processed", outcome="stored" if stored else "duplicate")
+        log.info("ticket %s backfilled %.1fs after the request (%s)", degraded.ticket, lag, degraded.reason)
+        return "stored" if stored else "duplicate"
+
+    async def _replay(self, record: Record, degraded: backfill_pb2.DegradedRequest):
+        s = self.settings
+        busy_wait = s.busy_backoff_s
+        while True:
+            started = time.perf_counter()
+            try:
+                result = await self.replayer.replay(degraded)
+            except ReplayError as error:
+                self._count("replays", result=error.kind.value)
+                if error.kind is ReplayErrorKind.FAILED:
+                    attempts = await self._infra(lambda: self.store.add_attempt(degraded.ticket), "count the attempt")
+                    if attempts >= s.max_attempts:
+                        await self._dead_letter(record, str(error), attempts, cause="attempts")
+                        return None
+                    wait = min(s.retry_backoff_max_s, s.retry_backoff_s * 2 ** (attempts - 1))
+                    log.warning("replay of ticket %s failed (attempt %d of %d): %s; again in %.1fs",
+                                degraded.ticket, attempts, s.max_attempts, error, wait)
+                    await asyncio.sleep(wait)
+                    continue
+                if error.kind is ReplayErrorKind.CONFIG:
+                    log.error("replays are refused by the router (%s): fix backfill.router_api_key", error)
+                # Busy or down: back off (honouring the router's hint), never count an attempt.
+                wait = max(busy_wait, error.retry_after_s or 0.0)
+                await asyncio.sleep(min(wait, s.busy_backoff_max_s))
+                busy_wait = min(s.busy_backoff_max_s, busy_wait * 2)
+                continue
+            self._count("replays", result="ok")
+            if self.metrics is not None:
+                self.metrics.replay_latency.record((time.perf_counter() - started) * 1000)
+            return result
+
+    async def _publish(self, answer: backfill_pb2.BackfilledAnswer) -> None:
+        """Publishes to the backfilled topic (at least once per ticket; consumers key by ticket)."""
+        key = (answer.session_id or answer.ticket).encode()
+        headers = [(CONTENT_TYPE_HEADER, BACKFILLED_CONTENT_TYPE)]
+        await self._infra(
+            lambda: self.producer.send(self.settings.backfilled_topic, answer.SerializeToString(), key, headers),
+            "publish the answer", reset_producer=True,
+        )
+
+    async def _dead_letter(self, record: Record, error: str, attempts: int, cause: str) -> None:
+        headers = [
+            *record.headers,
+            (DLQ_ERROR_HEADER, error[:1000].encode()),
+            (DLQ_ATTEMPTS_HEADER, str(attempts).encode()),
+            (DLQ_SOURCE_HEADER, f"{record.topic}/{record.partition}/{record.offset}".encode()),
+        ]
+        await self._infra(
+            lambda: self.producer.send(self.settings.deadletter_topic, record.value or b"", record.key, headers),
+            "dead-letter the record", reset_producer=True,
+        )
+        self._count("dead_lettered", cause=cause)
+        self._count("processed", outcome="dead_lettered")
+        log.error("dead-lettered %s/%d@%d after %d attempts: %s", record.topic, record.partition,
+                  record.offset, attempts, error)
+
+    async def _infra(self, call: Callable[[], Awaitable[T]], what: str, reset_producer: bool = False) -> T:
+        """Runs a call on Redis or Kafka until it works, backing off while they are away."""
+        backoff = 0.5
+        warned = False
+        while True:
+            try:
+                return await call()
+            except INFRA_ERRORS as exc:
+                if not warned:
+                    log.warning("cannot %s (%r); retrying until it works", what, exc)
+                    warned = True
+                if reset_producer:
+                    await self.producer.reset()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,117 @@
+"""Replays a degraded request on the full model, through the router's public API.
+
+Going through the router (not straight to a worker) keeps tiers and admission in charge: the
+replay runs at tier B with allow_degraded=false, so live traffic goes first, S preempts it,
+and a busy pool answers RESOURCE_EXHAUSTED, which the caller treats as "wait", never as a
+failure of the request.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import grpc
+
+from ballast.v1 import backfill_pb2, inference_pb2_grpc
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.degrade.codec import ReplayResult, replay_request
+from services.degrade.ladder import NO_LIVE_WORKER
+
+
+class ReplayErrorKind(str, enum.Enum):
+    BUSY = "busy"  # the pool is full: wait, do not count an attempt
+    UNHEALTHY = "unhealthy"  # the pool (or the router) is down: wait, do not count
+    CONFIG = "config"  # our key is refused: an operator must act; wait, do not count
+    FAILED = "failed"  # this request failed: counts towards dead-lettering
+
+
+class ReplayError(Exception):
+    def __init__(self, kind: ReplayErrorKind, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retry_after_s = retry_after_s
+
+
+class Replayer(Protocol):
+    async def replay(self, record: backfill_pb2.DegradedRequest) -> ReplayResult: ...
+
+    async def close(self) -> None: ...
+
+
+def _retry_after(error: grpc.aio.AioRpcError) -> float | None:
+    for key, value in error.trailing_metadata() or ():
+        if key == "retry-after-ms":
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None
+
+
+def classify(error: grpc.aio.AioRpcError) -> ReplayError:
+    code, details = error.code(), error.details() or ""
+    message = f"{code.name}: {details}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ReplayError(ReplayErrorKind.BUSY, message, _retry_after(error))
+    if code == grpc.StatusCode.UNAVAILABLE and (details.startswith(NO_LIVE_WORKER) or "failed to connect" in details.lower()):
+        return ReplayError(ReplayErrorKind.UNHEALTHY, message)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return ReplayError(ReplayErrorKind.CONFIG, message)
+    return ReplayError(ReplayErrorKind.FAILED, message)
+
+
+class RouterReplayer:
+    """Replays through ballast.v1.Inference/Generate with an internal API key."""
+
+    def __init__(self, address: str, api_key: str, timeout_s: float = 120.0, connect_timeout_s: float = 5.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._metadata = (("x-api-key", api_key),) if api_key else ()
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+
+    async def replay(self, record: backfill_pb2.DegradedRequest) -> ReplayResult:
+        try:
+            # A router that is not there is "unhealthy", not a failure of this request.
+            await asyncio_wait_ready(self._channel, self.connect_timeout_s)
+        except TimeoutError:
+            raise ReplayError(ReplayErrorKind.UNHEALTHY, f"router {self.address} unreachable") from None
+        request = replay_request(record)
+        text: list[str] = []
+        ids: list[int] = []
+        model = model_version = ""
+        try:
+            call = self._stub.Generate(request, metadata=self._metadata, timeout=self.timeout_s)
+            async for event in call:
+                kind = event.WhichOneof("event")
+                if kind == "started":
+                    model, model_version = event.started.model, event.started.model_version
+                elif kind == "tokens":
+                    text.append(event.tokens.text)
+                    ids.extend(event.tokens.token_ids)
+                elif kind == "finished":
+                    finished = event.finished
+                    if finished.degradation:
+                        # allow_degraded=false should make this impossible; never store it as "better".
+                        raise ReplayError(ReplayErrorKind.FAILED, "the router degraded a replay")
+                    return ReplayResult(
+                        text="".join(text), token_ids=ids, finish_reason=finished.reason,
+                        prompt_tokens=finished.usage.prompt_tokens,
+                        completion_tokens=finished.usage.completion_tokens,
+                        model=model or request.model, model_version=model_version,
+                    )
+        except grpc.aio.AioRpcError as error:
+            raise classify(error) from None
+        raise ReplayError(ReplayErrorKind.FAILED, "the router ended the stream without finishing")
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+async def asyncio_wait_ready(channel: grpc.aio.Channel, timeout_s: float) -> None:
+    import asyncio
+
+    async with asyncio.timeout(timeout_s):
+        await channel.channel_ready()

@@ -1,0 +1,131 @@
+"""`ballast.v1.Backfill`: better answers pushed to the user once per ticket, or read on demand.
+
+A subscription first pushes what its session (or ticket) already has, oldest original request
+first, then waits for notices. Before pushing a ticket it takes the ticket's delivery mark
+(SET NX): of all subscriptions on every replica, exactly one pushes each ticket. If the push
+cannot be written (the client left), the mark is given back so the next subscription gets it.
+Callers only ever see their own tenant's answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from ballast.v1 import backfill_pb2, backfill_pb2_grpc
+from services.backfill.metrics import BackfillMetrics
+from services.backfill.settings import BackfillSettings
+from services.backfill.store import AnswerStore, Notices
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.degrade.codec import valid_ticket
+from services.router.auth import Authenticator
+
+log = logging.getLogger(__name__)
+MAX_SESSION_CHARS = 128
+
+
+class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
+    def __init__(self, settings: BackfillSettings, auth: Authenticator, store: AnswerStore, notices: Notices,
+                 metrics: BackfillMetrics | None = None) -> None:
+        self.settings = settings
+        self.auth = auth
+        self.store = store
+        self.notices = notices
+        self.metrics = metrics
+        self.subscribers = 0
+
+    async def GetAnswer(self, request: backfill_pb2.GetAnswerRequest, context: grpc.aio.ServicerContext):
+        tenant = self.auth.tenant_for(context.invocation_metadata())
+        ticket = _check_ticket(request.ticket)
+        answer = await self._redis(self.store.get(ticket))
+        if answer is None or answer.tenant != tenant:
+            # Another tenant's ticket looks exactly like one that is not ready.
+            raise NotFound(f"no answer for ticket {ticket} yet")
+        return answer
+
+    async def Subscribe(self, request: backfill_pb2.SubscribeRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[backfill_pb2.BackfilledAnswer]:
+        tenant = self.auth.tenant_for(context.invocation_metadata())
+        which = request.WhichOneof("target")
+        if which == "ticket":
+            ticket = _check_ticket(request.ticket)
+            keys = [("ticket", ticket)]
+        elif which == "session_id" and request.session_id:
+            session_id = request.session_id
+            if len(session_id) > MAX_SESSION_CHARS or any(ord(c) < 32 for c in session_id):
+                raise InvalidArgument(f"session_id must be at most {MAX_SESSION_CHARS} printable characters")
+            keys = [("session", tenant, session_id)]
+        else:
+            raise InvalidArgument("set session_id or ticket")
+        if self.subscribers >= self.settings.max_subscribers:
+            raise ResourceExhausted(f"{self.subscribers} subscriptions are open; try again later", retry_after_s=5.0)
+        subscriber = uuid.uuid4().hex
+        self.subscribers += 1
+        wake = self.notices.watch(keys)
+        ends_at = time.monotonic() + self.settings.subscribe_max_s
+        try:
+            while time.monotonic() < ends_at:
+                # Cleared before reading, so a notice during the read wakes the next wait.
+                wake.clear()
+                if which == "ticket":
+                    candidates = [ticket]
+                else:
+                    candidates = await self._redis(self.store.session_tickets(tenant, session_id))
+                for candidate in candidates:
+                    answer = await self._redis(self.store.get(candidate))
+                    if answer is None or answer.tenant != tenant:
+                        continue
+                    if not await self._redis(self.store.claim(candidate, subscriber)):
+                        if which == "ticket":
+                            return  # pushed to another subscription already; GetAnswer reads it
+                        continue
+                    try:
+                        yield answer
+                    except BaseException:
+                        # Not written: let the next subscription push it. Shielded: we may be cancelled.
+                        await asyncio.shield(self._give_back(candidate, subscriber))
+                        raise
+                    if self.metrics is not None:
+                        self.metrics.delivered.add(1)
+                    if which == "ticket":
+                        return
+                try:
+                    remaining = max(0.0, ends_at - time.monotonic())
+                    # Not asyncio.wait_for, which can swallow a cancellation as the event fires.
+                    async with asyncio.timeout(min(self.settings.subscribe_poll_s, remaining)):
+                        await wake.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            self.notices.unwatch(keys, wake)
+            self.subscribers -= 1
+
+    async def _give_back(self, ticket: str, subscriber: str) -> None:
+        try:
+            await self.store.unclaim(ticket, subscriber)
+        except Exception as exc:  # noqa: BLE001 - best effort; GetAnswer still has it
+            log.warning("could not release delivery mark of %s: %r", ticket, exc)
+
+    @staticmethod
+    async def _redis(awaitable):
+        try:
+            return await awaitable
+        except (OSError, ConnectionError) as exc:
+            raise Unavailable(f"answer store unreachable: {exc}") from None
+        except Exception as exc:
+            from redis.exceptions import RedisError
+
+            if isinstance(exc, RedisError):
+                raise Unavailable(f"answer store unreachable: {exc}") from None
+            raise
+
+
+def _check_ticket(ticket: str) -> str:
+    if not valid_ticket(ticket):
+        raise InvalidArgument("ticket is not a backfill ticket (from Finished.backfill_ticket)")
+    return ticket

@@ -1,0 +1,178 @@
+"""Better answers in Redis, stored once and pushed once per ticket.
+
+Keys (prefix `ballast:backfill:` by default), all with the answer TTL:
+- `answer:{ticket}`: the BackfilledAnswer, written with SET NX (a replayed duplicate never
+  replaces the first answer);
+- `delivered:{ticket}`: the delivery mark, SET NX by the one subscription that pushes it;
+- `session:{tenant}:{session}`: sorted set of a session's tickets by original timestamp,
+  capped, for Subscribe to catch up;
+- `attempts:{ticket}`: failed replays so far (survives restarts, so a request that crashes the
+  service is still dead-lettered after N tries).
+A notice on one pub/sub channel wakes subscriptions at once; they also re-check on a timer,
+so a lost notice (Redis restart) only delays delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from typing import Iterable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ballast.v1 import backfill_pb2
+
+log = logging.getLogger(__name__)
+
+# Deletes the delivery mark only if this subscriber set it (an unclaim after a failed write).
+_UNCLAIM = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class AnswerStore:
+    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: int, index_max: int = 1000) -> None:
+        self.redis = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.index_max = index_max
+        self.channel = f"{prefix}notify"
+        self._unclaim = client.register_script(_UNCLAIM)
+
+    def _answer(self, ticket: str) -> str:
+        return f"{self.prefix}answer:{ticket}"
+
+    def _delivered(self, ticket: str) -> str:
+        return f"{self.prefix}delivered:{ticket}"
+
+    def _attempts(self, ticket: str) -> str:
+        return f"{self.prefix}attempts:{ticket}"
+
+    def _session(self, tenant: str, session_id: str) -> str:
+        return f"{self.prefix}session:{tenant}:{session_id}"
+
+    async def put_once(self, answer: backfill_pb2.BackfilledAnswer) -> bool:
+        """Stores the answer unless one is stored already; indexes and announces it either way
+        (a retry after a crash must still reach subscribers). True when this call stored it."""
+        stored = await self.redis.set(self._answer(answer.ticket), answer.SerializeToString(), nx=True, ex=self.ttl_s)
+        await self.announce(answer)
+        return bool(stored)
+
+    async def announce(self, answer: backfill_pb2.BackfilledAnswer) -> None:
+        if answer.session_id:
+            key = self._session(answer.tenant, answer.session_id)
+            score = answer.received_at.ToMilliseconds()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zadd(key, {answer.ticket: score})
+                # Keep only the newest entries: a chatty session cannot grow the index forever.
+                pipe.zremrangebyrank(key, 0, -self.index_max - 1)
+                pipe.expire(key, self.ttl_s)
+                await pipe.execute()
+        await self.redis.publish(self.channel, f"{answer.tenant}\0{answer.session_id}\0{answer.ticket}")
+
+    async def get(self, ticket: str) -> backfill_pb2.BackfilledAnswer | None:
+        raw = await self.redis.get(self._answer(ticket))
+        if raw is None:
+            return None
+        answer = backfill_pb2.BackfilledAnswer()
+        answer.ParseFromString(raw)
+        return answer
+
+    async def session_tickets(self, tenant: str, session_id: str) -> list[str]:
+        """The session's tickets not delivered yet, oldest original request first."""
+        tickets = [t.decode() if isinstance(t, bytes) else t
+                   for t in await self.redis.zrange(self._session(tenant, session_id), 0, -1)]
+        if not tickets:
+            return []
+        marks = await self.redis.mget([self._delivered(t) for t in tickets])
+        return [t for t, mark in zip(tickets, marks) if mark is None]
+
+    async def is_delivered(self, ticket: str) -> bool:
+        return bool(await self.redis.exists(self._delivered(ticket)))
+
+    async def claim(self, ticket: str, subscriber: str) -> bool:
+        """Sets the delivery mark; True for the one caller that may push this ticket."""
+        return bool(await self.redis.set(self._delivered(ticket), subscriber, nx=True, ex=self.ttl_s))
+
+    async def unclaim(self, ticket: str, subscriber: str) -> None:
+        """Gives a claimed ticket back (the push did not reach the stream)."""
+        await self._unclaim(keys=[self._delivered(ticket)], args=[subscriber])
+
+    async def add_attempt(self, ticket: str) -> int:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.incr(self._attempts(ticket))
+            pipe.expire(self._attempts(ticket), self.ttl_s)
+            count, _ = await pipe.execute()
+        return int(count)
+
+    async def attempts(self, ticket: str) -> int:
+        return int(await self.redis.get(self._attempts(ticket)) or 0)
+
+
+class Notices:
+    """One pub/sub connection per process that wakes the subscriptions waiting on it."""
+
+    def __init__(self, client: aioredis.Redis, channel: str) -> None:
+        self.redis = client
+        self.channel = channel
+        self._waiters: dict[tuple[str, ...], set[asyncio.Event]] = defaultdict(set)
+        self._task: asyncio.Task | None = None
+
+    def watch(self, keys: Iterable[tuple[str, ...]]) -> asyncio.Event:
+        event = asyncio.Event()
+        for key in keys:
+            self._waiters[key].add(event)
+        return event
+
+    def unwatch(self, keys: Iterable[tuple[str, ...]], event: asyncio.Event) -> None:
+        for key in keys:
+            waiters = self._waiters.get(key)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._waiters[key]
+
+    def _wake(self, payload: str) -> None:
+        parts = payload.split("\0")
+        if len(parts) != 3:
+            return
+        tenant, session_id, ticket = parts
+        for key in (("session", tenant, session_id), ("ticket", ticket)):
+            for event in self._waiters.get(key, ()):
+                event.set()
+
+    async def _listen_forever(self) -> None:
+        backoff = 0.5
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                backoff = 0.5
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        data = message["data"]
+                        self._wake(data.decode(errors="replace") if isinstance(data, bytes) else str(data))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                log.debug("notice listener lost Redis (%r); subscriptions fall back to polling", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except (RedisError, OSError):
+                    pass
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._listen_forever(), name="backfill-notices")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

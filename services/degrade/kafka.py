@@ -1,0 +1,199 @@
+"""An asyncio face on confluent-kafka's producer: idempotent, acks=all, delivery reports as futures.
+
+librdkafka's calls block, so they never run on the event loop: `produce()` only enqueues, a
+dedicated thread polls for delivery reports and resolves the awaiting futures. An idempotent
+producer turns fatal when the broker forgets its producer id (a Tansu restart does exactly
+that), so after any failed delivery the caller `reset()`s it: a fresh producer, new id.
+Duplicates that a reset can cause are absorbed downstream (the backfill keys everything by
+ticket); ordering within a key holds because a caller never sends past a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+log = logging.getLogger(__name__)
+
+Headers = Sequence[tuple[str, bytes]]
+
+
+class DeliveryFailed(Exception):
+    """The broker did not acknowledge a record (unreachable, timed out, or the producer broke)."""
+
+
+@dataclass(frozen=True)
+class Delivered:
+    topic: str
+    partition: int
+    offset: int
+
+
+def producer_config(bootstrap: str, delivery_timeout_s: float, client_id: str, extra: dict | None = None) -> dict:
+    config = {
+        "bootstrap.servers": bootstrap,
+        "client.id": client_id,
+        # Exactly one copy per send and in order per partition, as long as the producer lives.
+        "enable.idempotence": True,
+        "acks": "all",
+        "max.in.flight.requests.per.connection": 5,
+        "linger.ms": 5,
+        # Bounds how long a record may wait for the broker before its delivery fails.
+        "message.timeout.ms": max(1000, int(delivery_timeout_s * 1000)),
+        "socket.connection.setup.timeout.ms": 3000,
+        "reconnect.backoff.max.ms": 2000,
+        # Connection-refused lines every second while the broker is away would bury the log;
+        # the owners of this producer log outages once each.
+        "log_level": 2,
+        "log.connection.close": False,
+    }
+    config.update(extra or {})
+    return config
+
+
+class AsyncProducer:
+    """One librdkafka producer plus the thread that serves its delivery reports."""
+
+    def __init__(self, bootstrap: str, delivery_timeout_s: float = 10.0, client_id: str = "ballast",
+                 extra: dict | None = None) -> None:
+        self._config = producer_config(bootstrap, delivery_timeout_s, client_id, extra)
+        self.delivery_timeout_s = delivery_timeout_s
+        self._producer: Producer | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.resets = 0
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._producer = Producer(self._config)
+        self._thread = threading.Thread(target=self._poll_forever, name="kafka-producer-poll", daemon=True)
+        self._thread.start()
+
+    def _poll_forever(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                producer = self._producer
+            if producer is None:
+                self._stopping.wait(0.1)
+                continue
+            try:
+                producer.poll(0.1)
+            except Exception as exc:  # a fatal producer raises from poll: the next reset replaces it
+                log.debug("producer poll failed: %r", exc)
+                self._stopping.wait(0.1)
+
+    def _resolver(self, future: asyncio.Future):
+        loop = self._loop
+
+        def settle(err: KafkaError | None, msg) -> None:
+            # Runs on the poll thread; must never raise into librdkafka.
+            try:
+                if err is not None:
+                    outcome: object = DeliveryFailed(f"{err.name()}: {err.str()}")
+                else:
+                    outcome = Delivered(msg.topic(), msg.partition(), msg.offset())
+            except BaseException as exc:  # noqa: BLE001 - a broken error object is still a failure
+                outcome = DeliveryFailed(f"delivery report unreadable: {exc!r}")
+            loop.call_soon_threadsafe(_settle_future, future, outcome)
+
+        return settle
+
+    def send_nowait(self, topic: str, value: bytes, key: bytes | None = None,
+                    headers: Headers | None = None) -> asyncio.Future:
+        """Enqueues one record; the future resolves to Delivered or fails with DeliveryFailed."""
+        assert self._loop is not None, "start() first"
+        future = self._loop.create_future()
+        with self._lock:
+            producer = self._producer
+        if producer is None:
+            future.set_exception(DeliveryFailed("producer is stopped"))
+            return future
+        try:
+            producer.produce(topic, value=value, key=key, headers=list(headers or ()),
+                             on_delivery=self._resolver(future))
+        except BufferError:
+            future.set_exception(DeliveryFailed("producer queue is full"))
+        except (KafkaException, SystemError, RuntimeError) as exc:
+            future.set_exception(DeliveryFailed(f"produce refused: {exc!r}"))
+        return future
+
+    async def send(self, topic: str, value: bytes, key: bytes | None = None,
+                   headers: Headers | None = None) -> Delivered:
+        """Produces one record and waits for the broker's acknowledgement (all replicas)."""
+        future = self.send_nowait(topic, value, key, headers)
+        # librdkafka fails the record after message.timeout.ms; the margin covers the report's trip.
+        async with asyncio.timeout(self.delivery_timeout_s + 5.0):
+            return await future
+
+    async def reset(self) -> None:
+        """Replaces the producer after a failure: pending records fail, a new producer id starts."""
+        with self._lock:
+            old, self._producer = self._producer, None
+        if old is not None:
+            await asyncio.to_thread(_discard, old)
+        with self._lock:
+            if not self._stopping.is_set():
+                self._producer = Producer(self._config)
+        self.resets += 1
+
+    async def stop(self, flush_timeout_s: float = 5.0) -> None:
+        """Flushes what it can, then stops. Idempotent."""
+        with self._lock:
+            producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                await asyncio.to_thread(producer.flush, flush_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - stopping anyway
+                log.debug("producer flush on stop failed: %r", exc)
+            await asyncio.to_thread(_discard, producer)
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 2.0)
+            self._thread = None
+
+
+def _settle_future(future: asyncio.Future, outcome: object) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _discard(producer: Producer) -> None:
+    """Fails a producer's queued records (their futures resolve) and lets it go."""
+    try:
+        producer.purge()
+        producer.flush(0)
+    except Exception as exc:  # noqa: BLE001 - a fatal producer may refuse; it is dropped anyway
+        log.debug("discarding producer: %r", exc)
+
+
+def ensure_topics(bootstrap: str, names: Iterable[str], partitions: int = 1, replication: int = 1,
+                  timeout_s: float = 10.0) -> None:
+    """Creates the topics that do not exist yet (blocking: run it in a thread)."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 2,
+                         "socket.connection.setup.timeout.ms": 3000})
+    topics = [NewTopic(n, num_partitions=partitions, replication_factor=replication) for n in names]
+    if not topics:
+        return
+    futures = admin.create_topics(topics, operation_timeout=timeout_s, request_timeout=timeout_s)
+    for _name, future in futures.items():
+        try:
+            future.result(timeout=timeout_s)
+        except KafkaException as exc:
+            if exc.args and exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                continue
+            raise

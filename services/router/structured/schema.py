@@ -1,0 +1,107 @@
+"""Checks a request's `response_format` once at the edge: JSON, a valid JSON Schema, local refs only.
+
+A bad schema is the client's mistake, so it fails the request with InvalidArgument naming
+the problem before anything is queued or sent to a worker.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import jsonschema
+from jsonschema import validators
+from jsonschema.exceptions import best_match
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+from services.common.errors import InvalidArgument
+
+JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
+# Keywords whose values are data, not subschemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_DEFAULT = validators.Draft202012Validator
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A checked JSON Schema and its validator (draft from `$schema`, default 2020-12)."""
+
+    text: str
+    document: dict[str, Any]
+    validator: Any = field(compare=False, repr=False)
+    registry: Registry = field(compare=False, repr=False)
+
+    def is_valid(self, value: Any) -> bool:
+        return self.validator.is_valid(value)
+
+    def errors(self, value: Any, limit: int = 3) -> list[str]:
+        """Why `value` does not conform, most relevant first, as 'message (at $.path)'."""
+        found = sorted(self.validator.iter_errors(value), key=jsonschema.exceptions.relevance)
+        return [f"{e.message} (at {e.json_path})" for e in found[:limit]]
+
+    def subschema_valid(self, subschema: Any, value: Any) -> bool:
+        """Whether `value` conforms to a part of this schema (refs resolve against the whole)."""
+        return self.validator.evolve(schema=subschema).is_valid(value)
+
+    def resolver(self):
+        """A `referencing` resolver rooted at this document, for following local `$ref`s."""
+        return self.registry.resolver(base_uri="")
+
+
+def check_schema(text: str) -> Schema:
+    """Parses and checks `text` against its draft's meta-schema; InvalidArgument if unusable."""
+    if not text.strip():
+        raise InvalidArgument("response_format is empty; omit it for free text")
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(
+            f"response_format is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    if not isinstance(document, dict):
+        raise InvalidArgument("response_format must be a JSON Schema object, e.g. {\"type\": \"object\", ...}")
+    cls = validators.validator_for(document, default=None) if "$schema" in document else _DEFAULT
+    if cls is None:
+        raise InvalidArgument(f"response_format has an unknown $schema dialect {document.get('$schema')!r}")
+    error = best_match(cls(cls.META_SCHEMA).iter_errors(document))
+    if error is not None:
+        raise InvalidArgument(f"response_format is not a valid JSON Schema: {_describe(error)}")
+    for path, ref in _refs(document, "$"):
+        if not ref.startswith("#"):
+            # The router never fetches anything a request names: only in-document refs.
+            raise InvalidArgument(
+                f"response_format: $ref {ref!r} at {path} is not local; only '#/...' references are supported")
+    resource = Resource.from_contents(document, default_specification=DRAFT202012)
+    registry = Registry().with_resource(uri="", resource=resource)
+    validator = cls(document, registry=registry)
+    try:
+        # Dangling local refs only surface when validation reaches them; probe them now.
+        resolver = registry.resolver(base_uri="")
+        for path, ref in _refs(document, "$"):
+            resolver.lookup(ref)
+    except Exception as exc:  # referencing raises several Unresolvable subclasses
+        raise InvalidArgument(f"response_format: $ref at {path} cannot be resolved: {exc}") from None
+    return Schema(text=text, document=document, validator=validator, registry=registry)
+
+
+def _describe(error: jsonschema.exceptions.ValidationError) -> str:
+    where = error.json_path
+    if error.path and error.path[-1] == "type":
+        bad = error.instance if isinstance(error.instance, list) else [error.instance]
+        unknown = [t for t in bad if t not in JSON_TYPES]
+        if unknown:
+            return f"{unknown[0]!r} at {where} is not a JSON type; use one of {', '.join(JSON_TYPES)}"
+    return f"{error.message} (at {where})"
+
+
+def _refs(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                yield path, value
+            elif key not in _DATA_KEYWORDS:
+                yield from _refs(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _refs(value, f"{path}[{i}]")
