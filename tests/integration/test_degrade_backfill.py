@@ -134,7 +134,7 @@ async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back
     waiting = asyncio.create_task(first_answer(backfill, ticket=ticket, timeout_s=120))
     await asyncio.sleep(3)
     assert not waiting.done()
-    mesh.restart_service(primary)
+    primary = await asyncio.to_thread(mesh.restart_service, primary)
     answer = await waiting
     assert answer.text == expected.text and answer.degraded_level == common_pb2.DEGRADATION_LIGHT_MODEL
     ruled_answer = await first_answer(backfill, ticket=ruled.finished.backfill_ticket)
@@ -149,4 +149,4 @@ async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await collect(router, strict, LOCAL_API_KEY)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-    mesh.restart_service(primary)
+    await asyncio.to_thread(mesh.restart_service, primary)
