@@ -45,6 +45,13 @@ class Tally:
     wrong_tokens: int = 0
     resumes: int = 0
     gaps_ms: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    degraded: int = 0
+
+    def error(self, exc: grpc.aio.AioRpcError) -> None:
+        self.interrupted += 1
+        key = f"{exc.code().name}: {(exc.details() or '')[:60]}"
+        self.errors[key] = self.errors.get(key, 0) + 1
 
 
 def _score(tally: Tally, indices: list[int], ids: list[int], reference: list[int]) -> None:
@@ -60,7 +67,7 @@ def _score(tally: Tally, indices: list[int], ids: list[int], reference: list[int
 async def _routed_client(stub, stop: asyncio.Event, references, tally: Tally, rng: random.Random) -> None:
     while not stop.is_set():
         k = rng.randrange(len(PROMPTS))
-        indices, ids, last_token_at, gap_from = [], [], None, None
+        indices, ids, last_token_at, gap_from, finished = [], [], None, None, None
         tally.streams += 1
         try:
             call = stub.Generate(chat_request(PROMPTS[k], max_tokens=MAX_TOKENS, raw_prompt=True),
@@ -79,8 +86,14 @@ async def _routed_client(stub, stop: asyncio.Event, references, tally: Tally, rn
                 elif kind == "resumed":
                     tally.resumes += 1
                     gap_from = last_token_at or time.perf_counter()
-        except grpc.aio.AioRpcError:
-            tally.interrupted += 1
+                elif kind == "finished":
+                    finished = event.finished
+        except grpc.aio.AioRpcError as exc:
+            tally.error(exc)
+            continue
+        if finished is not None and finished.degradation:
+            # An answer from the degradation ladder, not the model's: counted apart.
+            tally.degraded += 1
             continue
         _score(tally, indices, ids, references[k])
 
@@ -109,8 +122,8 @@ async def _direct_client(addresses, prompt_ids, stop: asyncio.Event, references,
                         first = event.tokens.first_index
                         indices.extend(range(first, first + len(event.tokens.token_ids)))
                         ids.extend(event.tokens.token_ids)
-            except grpc.aio.AioRpcError:
-                tally.interrupted += 1
+            except grpc.aio.AioRpcError as exc:
+                tally.error(exc)
                 continue
             _score(tally, indices, ids, references[k])
     finally:
@@ -215,23 +228,27 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
             mesh.stop()
     rows = []
     for name, t, k, secs in (("router", routed, routed_kills, routed_s), ("direct", direct, direct_kills, direct_s)):
-        rows.append([name, k, t.streams, t.interrupted, t.lost_tokens, t.duplicated_tokens, t.wrong_tokens,
+        rows.append([name, k, t.streams, t.interrupted, t.degraded, t.lost_tokens, t.duplicated_tokens, t.wrong_tokens,
                      t.resumes, percentile(t.gaps_ms, 50), percentile(t.gaps_ms, 99), f"{secs:.0f}s"])
     print(f"\nstreams under worker kills ({clients} clients, {workers} workers, a kill every {interval}s)")
-    print_table(["path", "kills", "streams", "interrupted", "lost", "duplicated", "wrong", "resumes",
+    print_table(["path", "kills", "streams", "interrupted", "degraded", "lost", "duplicated", "wrong", "resumes",
                  "gap p50 ms", "gap p99 ms", "time"], rows)
     result = {
         "kills": routed_kills, "streams": routed.streams, "interrupted": routed.interrupted,
         "lost_tokens": routed.lost_tokens, "duplicated_tokens": routed.duplicated_tokens,
-        "wrong_tokens": routed.wrong_tokens, "resumes": routed.resumes,
+        "wrong_tokens": routed.wrong_tokens, "resumes": routed.resumes, "degraded": routed.degraded,
         "resume_gap_p50_ms": percentile(routed.gaps_ms, 50), "resume_gap_p99_ms": percentile(routed.gaps_ms, 99),
         "error_rate": routed.interrupted / max(1, routed.streams),
         "baseline_kills": direct_kills, "baseline_streams": direct.streams,
         "baseline_interrupted": direct.interrupted,
         "baseline_error_rate": direct.interrupted / max(1, direct.streams),
+        "errors": routed.errors, "baseline_errors": direct.errors,
         "clients": clients, "workers": workers, "interval_s": interval,
         "goal": {"kills_min": 100, "interrupted": 0, "lost_tokens": 0, "duplicated_tokens": 0, "resume_gap_p99_ms": 300},
     }
+    for name, tally in (("router", routed), ("direct", direct)):
+        for error, count in sorted(tally.errors.items(), key=lambda kv: -kv[1]):
+            print(f"  {name} error x{count}: {error}")
     print(f"wrote {write_result(out, result)}")
     return 0
 

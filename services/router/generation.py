@@ -31,6 +31,8 @@ from services.common.errors import (
 from services.common.membership import MembershipWatcher, WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
 from services.router.affinity import SessionAffinity
+from services.router.context.window import fit_request
+from services.router.structured.repair import Status, repair
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
@@ -39,13 +41,18 @@ from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import Refusal, RetryBudget, RetryBudgetExhausted
 from services.router.resilience.stall import StreamStalled, with_stall_timeout
-from services.router.pools import PoolGates
+from services.router.pools import PoolGates, slot_key, worker_id_of
 from services.router.scheduling.async_gate import Grant
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
 
 TIER_TO_PB = {"S": common_pb2.TIER_S, "A": common_pb2.TIER_A, "B": common_pb2.TIER_B}
+STRUCTURED_STATUS = {
+    Status.VALID: common_pb2.STRUCTURED_VALID,
+    Status.REPAIRED: common_pb2.STRUCTURED_REPAIRED,
+    Status.FAILED: common_pb2.STRUCTURED_FAILED,
+}
 # Codes after which the same request may succeed on another worker.
 RETRIABLE_CODES = {
     grpc.StatusCode.UNAVAILABLE,
@@ -101,6 +108,9 @@ class StreamState:
     model_version: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    # Relayed text, kept only for a request with a JSON Schema (to validate and repair it).
+    text_parts: list[str] | None = None
+    dropped: tuple[int, ...] = ()
 
 
 class AttemptControl:
@@ -155,15 +165,17 @@ class GenerationRunner:
             raise Unavailable(f"no live worker for model {request.model!r}")
         ticket = gate.scheduler.new_ticket(
             request.request_id, request.tenant, tier, weight=weight, client_deadline=deadline,
-            prefer=self.affinity.preferred(request.tenant, request.session_id),
+            prefer=self.pools.key_for(self.affinity.preferred(request.tenant, request.session_id)),
         )
         control = AttemptControl()
         async with gate.slot(ticket, on_preempt=lambda _grant: control.interrupt("preempted")) as grant:
             while True:
                 if control.take() == "preempted":
                     await self._pause(grant, state, tier)
-                worker = self.membership.get(grant.worker_id)
-                permit = self.health.acquire(grant.worker_id) if worker is not None else None
+                worker = self.membership.get(worker_id_of(grant.worker_id))
+                if worker is not None and slot_key(worker) != grant.worker_id:
+                    worker = None  # restarted since dispatch: a new incarnation, a new slot
+                permit = self.health.acquire(worker.id) if worker is not None else None
                 if worker is None or permit is None:
                     # Gone or breaker-probes busy since dispatch: not an attempt, just another slot.
                     await self._another_slot(grant, request)
@@ -221,8 +233,14 @@ class GenerationRunner:
         self, request: InferenceRequest, worker: WorkerRecord, state: StreamState, tier: str, reason: str, deadline: float
     ) -> inference_pb2.GenerateEvent:
         tokenizer = await self.models.tokenizer_for(worker, deadline - time.monotonic())
-        state.prompt_ids = tokenizer.encode(request)
-        tokenizer.check_fits(len(state.prompt_ids), request.sampling.max_tokens)
+        # Fit the conversation into the model's context by the request's policy; done once,
+        # so every resume continues the very same prompt.
+        _, fit = fit_request(request, tokenizer, policy=request.context_policy, max_turns=request.max_turns)
+        state.prompt_ids = list(fit.prompt_ids)
+        state.dropped = tuple(fit.dropped)
+        self.metrics.context.record(fit, request.model)
+        if request.schema is not None:
+            state.text_parts = []
         state.model_version = worker.model_version
         return inference_pb2.GenerateEvent(
             started=inference_pb2.Started(
@@ -255,7 +273,9 @@ class GenerationRunner:
     ) -> AsyncIterator[inference_pb2.GenerateEvent]:
         plan = plan_resume(state.prompt_ids, request.sampling, state.sent_ids)
         if plan.nothing_left:
-            yield self._finished(common_pb2.FINISH_REASON_LENGTH, plan.prompt_tokens, plan.completion_tokens, state)
+            yield self._finished(
+                common_pb2.FINISH_REASON_LENGTH, plan.prompt_tokens, plan.completion_tokens, state, request
+            )
             return
         worker_request = worker_pb2.WorkerGenerateRequest(
             request_id=request.request_id,
@@ -288,10 +308,14 @@ class GenerationRunner:
                         # Counted once per attempt (below), not per message: this loop is the hot path.
                         relayed += len(ids)
                         state.sent_ids.extend(ids)
+                        if state.text_parts is not None:
+                            state.text_parts.append(event.tokens.text)
                         yield inference_pb2.GenerateEvent(tokens=event.tokens)
                     elif event.HasField("finished"):
                         finished = event.finished
-                        yield self._finished(finished.reason, finished.usage.prompt_tokens, len(state.sent_ids), state)
+                        yield self._finished(
+                            finished.reason, finished.usage.prompt_tokens, len(state.sent_ids), state, request
+                        )
                         return
             except asyncio.CancelledError:
                 # grpc raises CancelledError for a call we cancelled ourselves; only a
@@ -311,12 +335,22 @@ class GenerationRunner:
                     grant.add_tokens(state.sent_ids[-relayed:])
         raise StreamEndedEarly(f"worker {worker.id} ended the stream without finishing")
 
-    @staticmethod
-    def _finished(reason: int, prompt_tokens: int, completion_tokens: int, state: StreamState) -> inference_pb2.GenerateEvent:
-        return inference_pb2.GenerateEvent(
-            finished=inference_pb2.Finished(
-                reason=reason,
-                usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
-                resumes=state.resumes,
-            )
+    def _finished(
+        self, reason: int, prompt_tokens: int, completion_tokens: int, state: StreamState, request: InferenceRequest
+    ) -> inference_pb2.GenerateEvent:
+        finished = inference_pb2.Finished(
+            reason=reason,
+            usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            resumes=state.resumes,
+            dropped_messages=list(state.dropped),
         )
+        if request.schema is not None:
+            # The second net: whatever the engine produced (guided or not, cut by max_tokens),
+            # validate it and repair what can be repaired.
+            result = repair("".join(state.text_parts or ()), request.schema)
+            self.metrics.structured.record(result, request.model)
+            finished.structured_status = STRUCTURED_STATUS[result.status]
+            finished.structured_repairs.extend(result.messages)
+            finished.structured_output = result.text
+            finished.structured_errors.extend(result.errors)
+        return inference_pb2.GenerateEvent(finished=finished)

@@ -7,7 +7,9 @@ from typing import Callable, Iterable, Mapping
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from services.common.telemetry import Telemetry
+from services.router.context.metrics import ContextMetrics
 from services.router.scheduling.scheduler import SchedulerObserver
+from services.router.structured.metrics import StructuredMetrics
 
 BREAKER_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -53,6 +55,8 @@ class RouterMetrics:
         self.fallbacks = meter.create_counter(
             "ballast_router_fallback_trigger_count", description="Degraded requests by reason and level."
         )
+        self.structured = StructuredMetrics(meter)
+        self.context = ContextMetrics(meter)
         self._meter = meter
         self.ttft = telemetry.latency_histogram(
             "ballast_router_ttft", "Time from request to first token, by tier."

@@ -16,10 +16,21 @@ from services.common.membership import MembershipWatcher
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.scheduling.async_gate import AsyncGate
 from services.router.scheduling.clock import MonotonicClock
-from services.router.scheduling.scheduler import PoolScheduler, SchedulerObserver, WorkerSlots, slots_from_records
+from services.common.membership import WorkerRecord
+from services.router.scheduling.scheduler import PoolScheduler, SchedulerObserver, WorkerSlots
 from services.router.scheduling.tiers import TierPolicy
 
 log = logging.getLogger(__name__)
+
+
+def slot_key(worker: WorkerRecord) -> str:
+    """A worker incarnation: its id plus its lease. A request that failed on a worker avoids
+    that incarnation only, so the same worker restarted (a new lease) can take it again."""
+    return f"{worker.id}@{worker.lease_id:x}"
+
+
+def worker_id_of(key: str) -> str:
+    return key.partition("@")[0]
 
 
 class PoolGates:
@@ -41,11 +52,17 @@ class PoolGates:
         workers = self.membership.workers()
         self.health.update(workers)
         routable = [w for w in self.health.routable(workers.values()) if w.model == model]
-        return slots_from_records(routable)
+        return {slot_key(w): WorkerSlots(w.capacity, w.in_flight) for w in routable}
 
     def has_capacity(self, model: str, excluding: frozenset[str] | set[str] = frozenset()) -> bool:
-        """Whether any routable worker serves the model (busy or not), apart from `excluding`."""
-        return any(worker_id not in excluding for worker_id in self._slots(model))
+        """Whether any routable worker serves the model (busy or not), apart from the slot
+        keys in `excluding`."""
+        return any(key not in excluding for key in self._slots(model))
+
+    def key_for(self, worker_id: str | None) -> str | None:
+        """The slot key of a worker's current incarnation (for affinity), if it is a member."""
+        worker = self.membership.get(worker_id) if worker_id else None
+        return slot_key(worker) if worker is not None else None
 
     def gate(self, model: str) -> AsyncGate:
         gate = self._gates.get(model)

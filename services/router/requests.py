@@ -11,6 +11,8 @@ from services.common.config import RouterConfig
 from services.common.errors import InvalidArgument
 from services.common.generation import Sampling
 from services.common.sampling_pb import sampling_from_pb
+from services.router.context.window import ContextPolicy
+from services.router.structured.schema import Schema, check_schema
 
 TIER_NAMES = {
     common_pb2.TIER_AUTO: "AUTO",
@@ -49,6 +51,10 @@ class InferenceRequest:
     signals: Signals = field(default_factory=Signals)
     response_format: str = ""
     allow_degraded: bool = True
+    # The checked JSON Schema of response_format (None without one).
+    schema: Schema | None = field(default=None, compare=False)
+    context_policy: ContextPolicy = ContextPolicy.ENTITY_AWARE
+    max_turns: int | None = None
 
 
 def derived_seed(tenant: str, request_id: str) -> int:
@@ -98,6 +104,11 @@ def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config:
         raise InvalidArgument(f"prompt is {chars} characters; the limit is {config.max_prompt_chars}")
     if len(request.response_format) > MAX_SCHEMA_CHARS:
         raise InvalidArgument(f"response_format is over {MAX_SCHEMA_CHARS} characters")
+    schema = check_schema(request.response_format) if request.response_format else None
+    context_policy = ContextPolicy.parse(request.context.policy)
+    max_turns = request.context.max_turns if request.context.HasField("max_turns") else None
+    if max_turns is not None and max_turns < 1:
+        raise InvalidArgument("context.max_turns must be >= 1")
     sampling = sampling_from_pb(request.sampling, config.default_max_tokens, config.max_tokens_limit)
     request_id = _check_id("request_id", request.request_id) or uuid.uuid4().hex
     if sampling.seed is None and sampling.temperature > 0:
@@ -114,4 +125,7 @@ def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config:
         signals=Signals(request.signals.platform, request.signals.regenerate, request.signals.business_tag),
         response_format=request.response_format,
         allow_degraded=request.allow_degraded if request.HasField("allow_degraded") else True,
+        schema=schema,
+        context_policy=context_policy,
+        max_turns=max_turns,
     )

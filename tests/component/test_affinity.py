@@ -15,7 +15,7 @@ from services.router.app import create_server as create_router
 from services.worker.app import create_server as create_worker
 from tests.component.conftest import API_KEY, make_config
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -199,3 +199,60 @@ async def test_metrics_count_requests_by_tier_and_outcome(router_stub, router_ap
     worker_text = worker_app.telemetry.render()
     assert "ballast_worker_generated_tokens_total" in worker_text
     assert "ballast_worker_kv_used_ratio" in worker_text
+
+
+PRODUCT_SCHEMA = (
+    '{"type": "object", "properties": {"product_id": {"type": "string"}, "price": {"type": "number"},'
+    ' "stock_status": {"type": "string", "enum": ["in_stock", "out_of_stock", "preorder"]}},'
+    ' "required": ["product_id", "price", "stock_status"], "additionalProperties": false}'
+)
+
+
+async def test_structured_output_is_validated_and_reported(router_stub):
+    import json
+
+    request = chat_request("Give me the product as JSON.", max_tokens=24)
+    request.response_format = PRODUCT_SCHEMA
+    result = await collect(router_stub, request, API_KEY)
+    finished = result.finished
+    assert finished.structured_status in (
+        common_pb2.STRUCTURED_VALID, common_pb2.STRUCTURED_REPAIRED, common_pb2.STRUCTURED_FAILED
+    )
+    if finished.structured_status != common_pb2.STRUCTURED_FAILED:
+        document = json.loads(finished.structured_output)
+        assert set(document) == {"product_id", "price", "stock_status"}
+    else:
+        assert finished.structured_errors
+
+
+async def test_invalid_schema_is_refused(router_stub):
+    request = chat_request("x", max_tokens=4, allow_degraded=False)
+    request.response_format = '{"type": "objekt"}'
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(router_stub, request, API_KEY)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "schema" in err.value.details().lower()
+
+
+async def test_long_conversation_is_fitted_by_policy(router_stub):
+    def conversation(policy: str):
+        request = chat_request("placeholder", max_tokens=16, allow_degraded=False)
+        del request.conversation.messages[:]
+        request.conversation.messages.add(role="system", content="You are a shop assistant.")
+        request.conversation.messages.add(role="user", content="How much is the blue phone case SKU-77?")
+        request.conversation.messages.add(role="assistant", content="The blue phone case SKU-77 costs 39 dollars.")
+        for i in range(120):
+            request.conversation.messages.add(role="user", content=f"Tell me about delivery slot number {i} on the weekend.")
+            request.conversation.messages.add(role="assistant", content=f"Slot {i} is open on Saturday morning.")
+        request.conversation.messages.add(role="user", content="What did you say the phone case SKU-77 costs?")
+        request.context.policy = policy
+        return request
+
+    kept = await collect(router_stub, conversation("entity_aware"), API_KEY)
+    dropped = set(kept.finished.dropped_messages)
+    assert dropped and 0 not in dropped and 2 not in dropped  # system prompt and the price turn stay
+    oldest = await collect(router_stub, conversation("drop_oldest"), API_KEY)
+    assert 2 in set(oldest.finished.dropped_messages)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(router_stub, conversation("error"), API_KEY)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

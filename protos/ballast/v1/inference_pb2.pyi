@@ -32,7 +32,7 @@ class ClientSignals(_message.Message):
     def __init__(self, platform: _Optional[str] = ..., regenerate: _Optional[bool] = ..., business_tag: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "conversation", "prompt", "model", "sampling", "tier", "signals", "response_format", "allow_degraded")
+    __slots__ = ("request_id", "session_id", "conversation", "prompt", "model", "sampling", "tier", "signals", "response_format", "allow_degraded", "context")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GenerateRequest(_message.Message):
     SIGNALS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     conversation: Conversation
@@ -53,7 +54,16 @@ class GenerateRequest(_message.Message):
     signals: ClientSignals
     response_format: str
     allow_degraded: bool
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., signals: _Optional[_Union[ClientSignals, _Mapping]] = ..., response_format: _Optional[str] = ..., allow_degraded: _Optional[bool] = ...) -> None: ...
+    context: ContextOptions
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., signals: _Optional[_Union[ClientSignals, _Mapping]] = ..., response_format: _Optional[str] = ..., allow_degraded: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ...) -> None: ...
+
+class ContextOptions(_message.Message):
+    __slots__ = ("policy", "max_turns")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    max_turns: int
+    def __init__(self, policy: _Optional[str] = ..., max_turns: _Optional[int] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("request_id", "tier", "tier_reason", "model", "model_version")
@@ -70,7 +80,7 @@ class Started(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., tier_reason: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("reason", "usage", "degradation", "backfill_ticket", "structured_status", "structured_repairs", "resumes")
+    __slots__ = ("reason", "usage", "degradation", "backfill_ticket", "structured_status", "structured_repairs", "resumes", "dropped_messages", "structured_output", "structured_errors")
     REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     DEGRADATION_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +88,9 @@ class Finished(_message.Message):
     STRUCTURED_STATUS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_REPAIRS_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_ERRORS_FIELD_NUMBER: _ClassVar[int]
     reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     degradation: _common_pb2.DegradationLevel
@@ -85,7 +98,10 @@ class Finished(_message.Message):
     structured_status: _common_pb2.StructuredStatus
     structured_repairs: _containers.RepeatedScalarFieldContainer[str]
     resumes: int
-    def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., degradation: _Optional[_Union[_common_pb2.DegradationLevel, str]] = ..., backfill_ticket: _Optional[str] = ..., structured_status: _Optional[_Union[_common_pb2.StructuredStatus, str]] = ..., structured_repairs: _Optional[_Iterable[str]] = ..., resumes: _Optional[int] = ...) -> None: ...
+    dropped_messages: _containers.RepeatedScalarFieldContainer[int]
+    structured_output: str
+    structured_errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., degradation: _Optional[_Union[_common_pb2.DegradationLevel, str]] = ..., backfill_ticket: _Optional[str] = ..., structured_status: _Optional[_Union[_common_pb2.StructuredStatus, str]] = ..., structured_repairs: _Optional[_Iterable[str]] = ..., resumes: _Optional[int] = ..., dropped_messages: _Optional[_Iterable[int]] = ..., structured_output: _Optional[str] = ..., structured_errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Resumed(_message.Message):
     __slots__ = ("next_index", "reason", "resumes")

@@ -149,11 +149,11 @@ def _find_start(text: str, opener: str) -> int:
 
 def _scan(candidate: str) -> tuple[bool, int]:
     """Brackets of the document starting `candidate`, outside double-quoted strings (not a
-    parser): whether its outermost bracket closes, and, when it was cut off inside an object
-    key, where that key starts (else -1)."""
+    parser): whether its outermost bracket closes, and, when it was cut off in an object key
+    or right after one (before its colon), where that key starts (else -1)."""
     stack: list[str] = []
-    in_string = escaped = False
-    key_start, expect_key = -1, False
+    in_string = escaped = expect_key = False
+    key_start = -1
     for i, ch in enumerate(candidate):
         if in_string:
             if escaped:
@@ -161,25 +161,25 @@ def _scan(candidate: str) -> tuple[bool, int]:
             elif ch == "\\":
                 escaped = True
             elif ch == '"':
-                in_string, key_start = False, -1
+                in_string = False
         elif ch == '"':
             in_string = True
             key_start = i if expect_key else -1
             expect_key = False
         elif ch in "{[":
             stack.append(ch)
-            expect_key = ch == "{"
+            expect_key, key_start = ch == "{", -1
         elif ch in "}]":
             if stack:
                 stack.pop()
             if not stack:
                 return True, -1
-            expect_key = False
+            expect_key, key_start = False, -1
         elif ch == ",":
-            expect_key = bool(stack) and stack[-1] == "{"
+            expect_key, key_start = bool(stack) and stack[-1] == "{", -1
         elif ch == ":":
-            expect_key = False
-    return False, key_start if in_string else -1
+            expect_key, key_start = False, -1
+    return False, key_start
 
 
 def _closed(candidate: str) -> bool:
