@@ -32,7 +32,7 @@ class RetryBudgetConfig(BaseModel):
         3.0, ge=0,
         description="Retries allowed per second of window whatever the traffic: one worker lost takes all its streams at once.",
     )
-    max_attempts: int = Field(3, ge=1, description="Attempts per request at most, the first one included.")
+    max_attempts: int = Field(5, ge=1, description="Attempts per request at most, the first one included.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RetryBudgetConfig":
