@@ -159,6 +159,19 @@ class WorkerConfig(Section):
     kv_restore_timeout_s: float = Field(5.0, gt=0, description="Longest a KV restore may take.")
     kv_save_timeout_s: float = Field(10.0, gt=0, description="Longest a KV save may take.")
     kv_ttl_s: int = Field(0, ge=0, description="TTL of saved blocks; 0: the cache's default.")
+    # vLLM engine (worker.engine = vllm). Checked against the model and the GPU at start.
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="vLLM: share of the GPU's memory for weights, activations and KV.")
+    kv_cache_dtype: Literal["", "auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32"] = Field(
+        "", description="vLLM: KV-cache dtype, required and explicit (fp8, or the weights' dtype); "
+                        "'auto' is refused.")
+    max_model_len: int = Field(
+        0, ge=0, description="vLLM: longest sequence served; 0: the model's own maximum.")
+    enable_chunked_prefill: bool = Field(True, description="vLLM: split long prefills across steps.")
+    enable_prefix_caching: bool = Field(True, description="vLLM: reuse KV of shared prompt prefixes.")
+    enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (less memory, slower decode).")
+    sleep_on_standby: bool = Field(
+        False, description="vLLM: start asleep (weights offloaded, KV freed) and wake on the first request.")
 
 
 class CacheConfig(Section):

@@ -43,6 +43,11 @@ def make_engine(config: BallastConfig) -> Engine:
             device=worker.device,
             memory_sessions=worker.kv_memory_sessions,
         )
+    if worker.engine == "vllm":
+        # vLLM itself is imported at start(), so a missing `gpu` extra fails there, named.
+        from services.worker.vllm import VllmEngine, VllmSettings
+
+        return VllmEngine(worker.model_dir, worker.model_name, VllmSettings.from_worker_config(worker))
     raise ValueError(f"config field 'worker.engine': engine {worker.engine!r} is not available here")
 
 

@@ -31,6 +31,8 @@ class EngineRequest:
     sampling: Sampling
     tenant: str = ""
     session_id: str = ""
+    # A JSON Schema (as JSON text) the output must conform to; "" for free text.
+    response_format: str = ""
 
 
 @dataclass

@@ -90,6 +90,7 @@ def engine_request_from_pb(request: worker_pb2.WorkerGenerateRequest) -> EngineR
         sampling=sampling,
         tenant=request.tenant,
         session_id=request.session_id,
+        response_format=request.response_format,
     )
 
 

@@ -1,0 +1,449 @@
+"""VllmEngine: `services.worker.engine.Engine` over vLLM's async engine, on a GPU.
+
+Start: read config.json and the weight sizes, check the configuration against the model and
+the GPU (`checks.check_engine_config`, fails fast with the numbers), find what the installed
+vLLM provides (`api.detect_vllm_api`, once), and open AsyncLLM with every memory-relevant
+setting explicit. With `sleep_on_standby` the engine then goes to sleep at once (weights to
+CPU memory, KV freed) and wakes on the first request: a warm standby that holds almost no GPU
+memory and skips a cold start.
+
+Requests: the context is sent as token ids (prompt + tokens already generated, so a stream
+resumed from another replica continues after them), sampling is mapped explicitly
+(`params`), outputs stream as DELTAs and become TokenDeltas. The streamed text is computed
+here from the token ids with the same TextStream as the torch engine (UTF-8-safe
+incremental detokenization, stop strings held back and cut), primed with the already
+generated ids: text stays seamless across a resume and a stop string that straddles the
+resume point is still found. vLLM also gets the stop strings, so it stops and frees the KV
+by itself. EOS tokens are never emitted (as on the torch engine). Closing or cancelling the
+stream aborts the vLLM request (in a finally), and vLLM errors become typed errors
+(`errors`).
+
+Session KV on this path is vLLM's own prefix cache (per tenant, through `cache_salt`);
+persistence through the cache service needs the KV connector, which is not wired yet (see
+`connector`).
+
+Stats: running, waiting and KV-cache use come from vLLM's scheduler stats (`stats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
+
+from services.common.errors import BallastError, ResourceExhausted, Unavailable
+from services.worker.detokenizer import TextStream
+from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, TokenDelta
+from services.worker.model_files import describe_model
+from services.worker.vllm.api import VllmApi, detect_vllm_api
+from services.worker.vllm.checks import (
+    EnginePlan,
+    VllmSettings,
+    check_engine_config,
+    gpu_memory_bytes,
+    read_model_facts,
+)
+from services.worker.vllm.errors import map_vllm_error
+from services.worker.vllm.params import sampling_plan, validate_request
+from services.worker.vllm.stats import SchedulerSnapshot, SchedulerStatsSink, engine_stats
+
+log = logging.getLogger(__name__)
+
+
+class VllmClient(Protocol):
+    """What the engine uses of vLLM's engine client (AsyncLLM), plus its stats."""
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[Any]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def sleep(self, level: int) -> None: ...
+
+    async def wake_up(self) -> None: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    def scheduler_stats(self) -> SchedulerSnapshot | None: ...
+
+    def kv_capacity_tokens(self) -> int | None: ...
+
+    def shutdown(self) -> None: ...
+
+
+ClientFactory = Callable[[VllmApi, Path, str, VllmSettings, EnginePlan], "VllmClient | Awaitable[VllmClient]"]
+
+
+def engine_args(model_dir: Path, model_name: str, settings: VllmSettings, plan: EnginePlan) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments: every setting that decides memory is explicit."""
+    return {
+        "model": str(model_dir),
+        "tokenizer": str(model_dir),
+        "served_model_name": model_name,
+        "dtype": plan.dtype,
+        "kv_cache_dtype": plan.vllm_kv_cache_dtype,
+        "max_model_len": plan.max_model_len,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "enable_chunked_prefill": settings.enable_chunked_prefill,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "enforce_eager": settings.enforce_eager,
+        "enable_sleep_mode": settings.sleep_on_standby,
+        "max_num_seqs": settings.max_concurrency,
+        # Scheduler stats reach our stat logger only while stats are on.
+        "disable_log_stats": False,
+        "trust_remote_code": False,
+    }
+
+
+class AsyncLLMClient:
+    """`VllmClient` over a real AsyncLLM (or AsyncLLMEngine)."""
+
+    def __init__(self, engine: Any, sink: SchedulerStatsSink) -> None:
+        self._engine = engine
+        self._sink = sink
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[Any]:
+        return self._engine.generate(prompt, sampling_params, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def sleep(self, level: int) -> None:
+        await self._engine.sleep(level)
+
+    async def wake_up(self) -> None:
+        await self._engine.wake_up()
+
+    @property
+    def errored(self) -> bool:
+        return bool(getattr(self._engine, "errored", False))
+
+    def scheduler_stats(self) -> SchedulerSnapshot | None:
+        return self._sink.latest
+
+    def kv_capacity_tokens(self) -> int | None:
+        # The engine core reports how many KV blocks it allocated after profiling.
+        cache = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
+        blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+        return int(blocks) * int(size) if blocks and size else None
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self._engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def open_vllm_client(api: VllmApi, model_dir: Path, model_name: str, settings: VllmSettings,
+                     plan: EnginePlan) -> AsyncLLMClient:
+    """Starts vLLM (loads the model, profiles memory, allocates the KV cache: minutes).
+    Runs on the event loop, as vLLM's own server does: AsyncLLM binds to the running loop."""
+    sink = SchedulerStatsSink()
+    args = api.engine_args_class(**engine_args(model_dir, model_name, settings, plan))
+    kwargs: dict[str, Any] = {}
+    if api.stat_logger_base is not None:
+        kwargs["stat_loggers"] = [sink.logger_class(api.stat_logger_base)]
+    engine = api.engine_class.from_engine_args(args, **kwargs)
+    return AsyncLLMClient(engine, sink)
+
+
+class VllmEngine:
+    """`services.worker.engine.Engine` on vLLM."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        model_name: str,
+        settings: VllmSettings | None = None,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        api: VllmApi | None = None,
+        client_factory: ClientFactory | None = None,
+        gpu_memory: Callable[[], int | None] = gpu_memory_bytes,
+    ) -> None:
+        """`eos_token_ids` overrides the model's (an empty tuple disables EOS). `api` and
+        `client_factory` replace vLLM itself (tests); `gpu_memory` reports the GPU's size."""
+        from tokenizers import Tokenizer
+
+        self._dir = Path(model_dir)
+        self._settings = settings or VllmSettings()
+        self._facts = read_model_facts(self._dir)
+        description = describe_model(self._dir, model_name)
+        if eos_token_ids is not None:
+            description = replace(description, eos_token_ids=tuple(int(i) for i in eos_token_ids))
+        # The router enforces the context this worker registers: the configured length.
+        max_len = self._settings.max_model_len or self._facts.max_position_embeddings
+        self._description = replace(description, max_context=max_len)
+        self._eos = frozenset(self._description.eos_token_ids)
+        self._tokenizer = Tokenizer.from_str(self._description.tokenizer_json.decode("utf-8"))
+        self._vocab_size = self._facts.vocab_size or self._tokenizer.get_vocab_size(with_added_tokens=True)
+        concurrency = self._settings.max_concurrency
+        waiting = self._settings.max_waiting
+        self._max_in_flight = concurrency + (4 * concurrency if waiting is None else waiting)
+        self._api = api
+        self._factory: ClientFactory = client_factory or open_vllm_client
+        self._gpu_memory = gpu_memory
+        self._client: VllmClient | None = None
+        self._plan: EnginePlan | None = None
+        self._kv_capacity = 1
+        self._ids = itertools.count(1)
+        self._in_flight = 0
+        self._generated_total = 0
+        self._guided_dropped = 0
+        self._sleeping = False
+        self._sleep_lock = asyncio.Lock()
+
+    # --- lifecycle ------------------------------------------------------------------
+    @property
+    def model(self) -> ModelDescription:
+        return self._description
+
+    @property
+    def plan(self) -> EnginePlan | None:
+        return self._plan
+
+    @property
+    def api(self) -> VllmApi | None:
+        return self._api
+
+    async def start(self) -> None:
+        if self._client is not None:
+            return
+        gpu = self._gpu_memory()
+        plan = check_engine_config(self._settings, self._facts, gpu)
+        if gpu is None:
+            log.warning("GPU memory unknown (no NVML, no CUDA): KV memory checks skipped")
+        api = self._api or detect_vllm_api()
+        log.info("vLLM %s (%s): dtype %s, KV %s (%d bytes/token), max_model_len %d, estimated KV "
+                 "capacity %s tokens", api.version, api.engine_kind, plan.dtype, plan.kv_cache_dtype,
+                 plan.kv_bytes_per_token, plan.max_model_len, plan.kv_capacity_tokens)
+        client = self._factory(api, self._dir, self._description.name, self._settings, plan)
+        if inspect.isawaitable(client):
+            client = await client
+        self._api, self._plan, self._client = api, plan, client
+        self._kv_capacity = (client.kv_capacity_tokens() or plan.kv_capacity_tokens
+                             or self._settings.max_concurrency * plan.max_model_len)
+        if self._settings.sleep_on_standby:
+            await self.sleep()
+
+    async def stop(self) -> None:
+        """Shuts vLLM down; streams still open fail Unavailable and resume elsewhere."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.shutdown()
+
+    # --- warm standby -----------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
+    async def sleep(self, level: int | None = None) -> None:
+        """Frees the GPU for standby: level 1 moves weights to CPU memory and drops the KV
+        cache, level 2 drops both. Only an idle engine sleeps (drain first): what vLLM does
+        with running requests on sleep differs between releases. A request that arrives
+        while asleep wakes the engine."""
+        client = self._require_client()
+        if not self._settings.sleep_on_standby:
+            raise RuntimeError("vLLM was started without sleep mode: set worker.sleep_on_standby")
+        if self._in_flight:
+            raise RuntimeError(f"{self._in_flight} requests are in flight: drain before sleeping")
+        async with self._sleep_lock:
+            if not self._sleeping:
+                await client.sleep(level or self._settings.sleep_level)
+                self._sleeping = True
+
+    async def wake_up(self) -> None:
+        client = self._require_client()
+        async with self._sleep_lock:
+            if self._sleeping:
+                await client.wake_up()
+                self._sleeping = False
+
+    # --- requests -------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` as is: no BOS added (a rendered chat template carries it)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        """Validate now (bad input raises InvalidArgument before anything starts), then
+        stream TokenDeltas; the last one carries the finish reason."""
+        validate_request(request, self._vocab_size, self._description.max_context)
+        return self._generate(request)
+
+    def _require_client(self) -> VllmClient:
+        if self._client is None:
+            raise Unavailable("vLLM engine is not running")
+        return self._client
+
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        s = request.sampling
+        text = TextStream(self._tokenizer, s.stop, initial_ids=request.generated_ids)
+        if text.stopped:  # the earlier replica already reached a stop string
+            yield TokenDelta([], "", FinishReason.STOP, prefill_tokens=0)
+            return
+        if s.max_tokens == 0:  # nothing left to generate: release held-back text
+            yield TokenDelta([], text.finish(), FinishReason.LENGTH, prefill_tokens=0)
+            return
+        client = self._require_client()
+        if self._in_flight >= self._max_in_flight:
+            raise ResourceExhausted(f"{self._in_flight} requests in the vLLM engine; queue is full",
+                                    retry_after_s=1.0)
+        api = self._api
+        assert api is not None
+        context = [*request.prompt_ids, *request.generated_ids]
+        request_id = f"{request.request_id or 'ballast'}-{next(self._ids)}"
+        self._in_flight += 1
+        stream: Any = None
+        vllm_done = False
+        try:
+            try:
+                await self._ensure_awake()
+            except BallastError:
+                raise
+            except Exception as exc:
+                raise map_vllm_error(exc, lambda: client.errored) from exc
+            params = self._sampling_params(api, request)
+            prompt = api.tokens_prompt(context, cache_salt=request.tenant)
+            stream = client.generate(prompt, params, request_id)
+            emitted, first = 0, True
+            while True:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    raise map_vllm_error(exc, lambda: client.errored) from exc
+                completion = out.outputs[0]
+                reason = completion.finish_reason
+                stop_reason = getattr(completion, "stop_reason", None)
+                if reason is not None or getattr(out, "finished", False):
+                    vllm_done = True
+                if reason == "abort":
+                    raise Unavailable("vLLM aborted the request (engine asleep, paused or stopping); "
+                                      "resume it elsewhere")
+                ids = [int(t) for t in completion.token_ids]
+                eos_hit = (reason == "stop" and bool(ids) and ids[-1] in self._eos
+                           and not isinstance(stop_reason, str))
+                if eos_hit:
+                    ids.pop()  # the EOS token ends the stream but is never emitted
+                ids = ids[: s.max_tokens - emitted]
+                kept: list[int] = []
+                chunk, stopped_here = "", False
+                for token in ids:
+                    kept.append(token)
+                    piece, stopped = text.push(token)
+                    chunk += piece
+                    if stopped:
+                        stopped_here = True
+                        break
+                emitted += len(kept)
+                self._generated_total += len(kept)
+
+                finish: FinishReason | None = None
+                if stopped_here:
+                    finish = FinishReason.STOP
+                elif reason == "stop":
+                    finish = FinishReason.STOP
+                    # A stop string vLLM matched but we did not: the held-back text may be
+                    # the start of it, so it is not released.
+                    if not isinstance(stop_reason, str):
+                        chunk += text.finish()
+                elif reason is not None or emitted >= s.max_tokens:
+                    chunk += text.finish()
+                    finish = FinishReason.STOP if text.stopped else FinishReason.LENGTH
+                if finish is None and not kept and not chunk:
+                    continue
+                prefill = _prefill_tokens(out, len(context)) if first else None
+                first = False
+                if finish is not None:
+                    if vllm_done:
+                        # Let vLLM's generator end by itself: closing it early would send
+                        # a (harmless but pointless) abort for a finished request.
+                        await _drain(stream)
+                        stream = None
+                    else:
+                        # We stopped first (a stop string across the resume point, or
+                        # max_tokens): free vLLM's KV before the consumer reads the last delta.
+                        vllm_done = True
+                        await self._abort(client, request_id)
+                yield TokenDelta(kept, chunk, finish, prefill_tokens=prefill)
+                if finish is not None:
+                    return
+            raise Unavailable("the vLLM stream ended without a finish reason")
+        finally:
+            # Runs on normal end, aclose() and cancellation alike.
+            self._in_flight -= 1
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:
+                    log.debug("closing vLLM stream %s", request_id, exc_info=True)
+            if not vllm_done:
+                await self._abort(client, request_id)
+
+    def _sampling_params(self, api: VllmApi, request: EngineRequest) -> Any:
+        plan = sampling_plan(request, self._description.eos_token_ids, api.delta_output_kind)
+        kwargs = dict(plan.kwargs)
+        if plan.guided_dropped:
+            self._guided_dropped += 1
+            log.info("request %s resumes a guided stream after %d tokens: continuing unguided",
+                     request.request_id, len(request.generated_ids))
+        if plan.schema:
+            if not api.structured_field:
+                log.warning("vLLM %s has no guided decoding: response_format is only validated "
+                            "after generation", api.version)
+            kwargs.update(api.structured(plan.schema))
+        try:
+            return api.sampling_params(**kwargs)
+        except Exception as exc:  # vLLM validates its parameters on construction
+            raise map_vllm_error(exc) from exc
+
+    async def _abort(self, client: VllmClient, request_id: str) -> None:
+        try:
+            await client.abort(request_id)
+        except Exception:  # a dead engine cannot abort; the request is gone with it anyway
+            log.warning("aborting vLLM request %s failed", request_id, exc_info=True)
+
+    async def _ensure_awake(self) -> None:
+        # A sleep still in progress holds the lock and is not yet marked: wait it out too.
+        if self._sleeping or self._sleep_lock.locked():
+            log.info("waking vLLM from standby for a request")
+            await self.wake_up()
+
+    def stats(self) -> EngineStats:
+        client = self._client
+        snapshot = client.scheduler_stats() if client is not None else None
+        extra = {
+            "max_concurrency": float(self._settings.max_concurrency),
+            "generated_tokens_total": float(self._generated_total),
+            "sleeping": 1.0 if self._sleeping else 0.0,
+            "guided_resumed_unguided_total": float(self._guided_dropped),
+        }
+        if snapshot is not None:
+            extra["kv_cache_usage"] = snapshot.kv_usage
+        return engine_stats(snapshot, self._in_flight, self._settings.max_concurrency,
+                            self._kv_capacity, extra)
+
+
+async def _drain(stream: Any) -> None:
+    """Runs a finished vLLM output stream to its end."""
+    try:
+        await stream.__anext__()
+    except StopAsyncIteration:
+        return
+    except Exception:  # it already delivered its final output; nothing after it matters
+        log.debug("vLLM stream failed after its final output", exc_info=True)
+        return
+    log.debug("vLLM stream yielded after its final output")
+
+
+def _prefill_tokens(output: Any, context_tokens: int) -> int | None:
+    """Context tokens vLLM computed by prefill: all but its prefix-cache hits."""
+    cached = getattr(output, "num_cached_tokens", None)
+    if not isinstance(cached, int) or isinstance(cached, bool):
+        return None
+    return max(0, context_tokens - cached)
