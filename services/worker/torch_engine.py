@@ -17,6 +17,8 @@ computed fresh. When the turn ends its KV goes back to the LRU and is queued for
 
 from __future__ import annotations
 
+import logging
+
 import asyncio
 import os
 import time
@@ -30,6 +32,7 @@ import torch
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.worker.detokenizer import TextStream
+from services.worker.guided import GuideCompiler, GuideMismatch
 from services.worker.engine import (
     EngineRequest,
     EngineStats,
@@ -42,6 +45,8 @@ from services.worker.sampling import fresh_seed, position_generator, select_toke
 
 T = TypeVar("T")
 
+
+log = logging.getLogger(__name__)
 
 class _Sequence:
     """One running request: its KV cache, the tokens the cache holds, and the compute time
@@ -130,6 +135,10 @@ class TorchEngine:
 
         self._tokenizer = AutoTokenizer.from_pretrained(self._dir, local_files_only=True)
         self._vocab_size = _config_vocab_size(self._dir) or len(self._tokenizer)
+        # Guided decoding (JSON Schema). The model's own EOS ids, even when EOS is switched
+        # off for benchmarks, or a guided answer could never end.
+        model_eos = describe_model(self._dir, model_name).eos_token_ids
+        self._guides = GuideCompiler(description.tokenizer_json, self._vocab_size, model_eos)
         self._model: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -236,6 +245,15 @@ class TorchEngine:
         seed = fresh_seed() if s.seed is None else s.seed
         start_pos = len(request.generated_ids)
         context = [*request.prompt_ids, *request.generated_ids]
+        guide = None
+        if request.response_format:
+            try:
+                # Compiled on the engine thread (it is CPU work); a resumed stream continues
+                # the grammar from the tokens already generated.
+                guide = await self._run(self._guides.guide, request.response_format, request.generated_ids)
+            except GuideMismatch as exc:
+                log.warning("request %s: generated ids leave the grammar (%s); continuing unguided",
+                            request.request_id, exc)
 
         async with self._slot():
             seq = _Sequence()
@@ -248,7 +266,7 @@ class TorchEngine:
                     chunk = context[i : i + self._prefill_chunk]
                     last = i + self._prefill_chunk >= len(context)
                     token = await self._run(self._forward, seq, chunk,
-                                            (s, seed, start_pos) if last else None)
+                                            (s, seed, start_pos, guide) if last else None)
                     self._grow(seq, len(chunk))
                     if self._kv is not None:
                         self._kv.cost.observe_prefill(i, len(chunk), seq.last_ms)
@@ -257,7 +275,7 @@ class TorchEngine:
                 first = True
                 for k in range(s.max_tokens):
                     if k:
-                        token = await self._run(self._forward, seq, [token], (s, seed, start_pos + k))
+                        token = await self._run(self._forward, seq, [token], (s, seed, start_pos + k, guide))
                         self._grow(seq, 1)
                     self._generated_total += 1
                     # The first delta says how much of the context was actually computed.
@@ -268,6 +286,11 @@ class TorchEngine:
                         yield TokenDelta([], text.finish(), FinishReason.STOP, prefill_tokens=prefill)
                         return
                     delta, stopped = text.push(token)
+                    if guide is not None and guide.finished:
+                        # The JSON document is complete: only EOS could follow.
+                        finished = True
+                        yield TokenDelta([token], delta + text.finish(), FinishReason.STOP, prefill_tokens=prefill)
+                        return
                     if stopped:
                         finished = True
                         yield TokenDelta([token], delta, FinishReason.STOP, prefill_tokens=prefill)
@@ -368,7 +391,7 @@ class TorchEngine:
 
     # --- model compute (engine thread only) ----------------------------------------
     def _forward(self, seq: _Sequence, ids: list[int],
-                 sample: tuple[Any, int, int] | None) -> int:
+                 sample: tuple[Any, int, int, Any] | None) -> int:
         """Run `ids` through the model on top of the sequence's cache; sample the next token
         at generated position `sample[2]` when `sample` is given (else return -1)."""
         started = time.perf_counter()
@@ -380,9 +403,14 @@ class TorchEngine:
             seq.ids.extend(ids)
             token = -1
             if sample is not None:
-                sampling, seed, position = sample
+                sampling, seed, position, guide = sample
                 generator = None if sampling.temperature == 0 else position_generator(seed, position)
-                token = select_token(out.logits[0, -1], sampling.temperature, sampling.top_p, generator)
+                logits = out.logits[0, -1]
+                if guide is not None:
+                    logits = guide.apply(logits)
+                token = select_token(logits, sampling.temperature, sampling.top_p, generator)
+                if guide is not None:
+                    guide.advance(token)
         elapsed = time.perf_counter() - started
         seq.last_ms = elapsed * 1000
         self._step_seconds += elapsed

@@ -256,3 +256,59 @@ async def test_long_conversation_is_fitted_by_policy(router_stub):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(router_stub, conversation("error"), API_KEY)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_guided_requests_produce_schema_valid_json(router_stub):
+    import json
+
+    import jsonschema
+
+    schema = json.loads(PRODUCT_SCHEMA)
+    for seed in range(4):
+        request = chat_request("Give me the product as JSON.", max_tokens=96, temperature=1.0, seed=seed)
+        request.response_format = PRODUCT_SCHEMA
+        result = await collect(router_stub, request, API_KEY)
+        assert result.finished.structured_status in (common_pb2.STRUCTURED_VALID, common_pb2.STRUCTURED_REPAIRED)
+        jsonschema.validate(json.loads(result.finished.structured_output), schema)
+    # Cut short by max_tokens: the router repairs the truncated document.
+    request = chat_request("Give me the product as JSON.", max_tokens=6, temperature=1.0, seed=1)
+    request.response_format = PRODUCT_SCHEMA
+    cut = await collect(router_stub, request, API_KEY)
+    assert cut.finished.structured_status == common_pb2.STRUCTURED_REPAIRED
+    assert cut.finished.structured_repairs
+    jsonschema.validate(json.loads(cut.finished.structured_output), schema)
+
+
+async def test_resumed_guided_stream_continues_the_grammar(worker_stub, worker_app):
+    import json
+
+    import jsonschema
+
+    from ballast.v1 import worker_pb2
+
+    prompt = worker_app.engine.tokenize("<|im_start|>user\nproduct as JSON<|im_end|>\n<|im_start|>assistant\n")
+
+    async def run(generated, max_tokens):
+        request = worker_pb2.WorkerGenerateRequest(
+            prompt_ids=prompt, generated_ids=generated, response_format=PRODUCT_SCHEMA,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=11),
+        )
+        ids, text = [], ""
+        async for event in worker_stub.Generate(request, timeout=30):
+            if event.HasField("tokens"):
+                ids.extend(event.tokens.token_ids)
+                text += event.tokens.text
+        return ids, text
+
+    full_ids, full_text = await run([], 120)
+    head_ids, head_text = await run([], 7)
+    tail_ids, tail_text = await run(head_ids, 120 - len(head_ids))
+    assert head_ids + tail_ids == full_ids  # the resumed half continues the grammar exactly
+    assert head_text + tail_text == full_text
+    # The tiny model may run out of tokens inside a string: guided output is always a valid
+    # prefix, which the router's repair completes.
+    from services.router.structured import Status, check_schema, repair
+
+    result = repair(full_text, check_schema(PRODUCT_SCHEMA))
+    assert result.status in (Status.VALID, Status.REPAIRED)
+    jsonschema.validate(result.value, json.loads(PRODUCT_SCHEMA))
