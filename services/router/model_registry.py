@@ -14,8 +14,11 @@ import grpc
 
 
 class ModelRegistry:
-    def __init__(self, clients: WorkerClients, timeout_s: float) -> None:
+    def __init__(self, clients: WorkerClients, timeout_s: float, on_new_version=None) -> None:
         self._clients = clients
+        # Called with each newly learnt ModelTokenizer (e.g. to evaluate it for metrics).
+        self._on_new_version = on_new_version
+        self._background: set[asyncio.Task] = set()
         self._timeout_s = timeout_s
         self._by_version: dict[str, ModelTokenizer] = {}
         self._pending: dict[str, asyncio.Future[ModelTokenizer]] = {}
@@ -44,4 +47,8 @@ class ModelRegistry:
             raise Unavailable(f"cannot read model info from worker {worker.id}: {exc.code().name}") from None
         tokenizer = await asyncio.to_thread(ModelTokenizer.from_model_info, info)
         self._by_version[info.model_version] = tokenizer
+        if self._on_new_version is not None:
+            task = asyncio.create_task(self._on_new_version(tokenizer))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return tokenizer

@@ -21,6 +21,7 @@ from services.common.errors import BallastError, NotFound
 from services.common.membership import MembershipWatcher
 from services.degrade.router_hooks import Degrader
 from services.router.auth import Authenticator
+from services.router.context.live_eval import publish_retention
 from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
 from services.router.pools import PoolGates
@@ -60,7 +61,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.clients = clients
         self.metrics = metrics
         self.auth = Authenticator(config.auth)
-        self.models = ModelRegistry(clients, config.router.worker_connect_timeout_s)
+        self.models = ModelRegistry(
+            clients, config.router.worker_connect_timeout_s,
+            on_new_version=lambda tokenizer: publish_retention(tokenizer, metrics.context),
+        )
         self.health = WorkerHealthView(
             BreakerBoard(config.router.breaker, on_transition=self._breaker_changed),
             TemperatureGate(config.router.temperature),

@@ -196,6 +196,10 @@ async def test_metrics_count_requests_by_tier_and_outcome(router_stub, router_ap
     assert 'ballast_router_requests_total{outcome="ok",tier="S"}' in text
     assert "ballast_router_ttft_milliseconds_bucket" in text
     assert 'ballast_dependency_up{dependency="etcd"} 1.0' in text
+    deadline = asyncio.get_running_loop().time() + 30
+    while 'context_retention_rate{policy="entity_aware"}' not in router_app.telemetry.render():
+        assert asyncio.get_running_loop().time() < deadline, "retention rate never published"
+        await asyncio.sleep(0.2)
     worker_text = worker_app.telemetry.render()
     assert "ballast_worker_generated_tokens_total" in worker_text
     assert "ballast_worker_kv_used_ratio" in worker_text
