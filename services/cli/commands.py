@@ -75,8 +75,9 @@ def _local_config(args):
 BREAKER_NAMES = {0: "closed", 1: "half-open", 2: "open"}
 
 
-def _router_breakers(args) -> dict[str, str]:
-    """Breaker state per worker, as the router sees it (scraped from its /metrics)."""
+def _router_breakers(args) -> dict[str, str] | None:
+    """Breaker state per worker, as the router sees it (scraped from its /metrics); None
+    when no router could be asked. A worker the router never used has a closed breaker."""
     import urllib.request
 
     url = getattr(args, "router_metrics", None)
@@ -84,12 +85,12 @@ def _router_breakers(args) -> dict[str, str]:
         state = read_state(args.state_dir)
         router = next((p for p in (state or {}).get("processes", []) if p["name"] == "router"), None)
         if router is None or not router.get("metrics_port"):
-            return {}
+            return None
         url = f"http://127.0.0.1:{router['metrics_port']}/metrics"
     try:
         text = urllib.request.urlopen(url, timeout=2).read().decode()
     except OSError:
-        return {}
+        return None
     states = {}
     for line in text.splitlines():
         if line.startswith("ballast_breaker_state{") and 'worker="' in line:
@@ -116,7 +117,7 @@ def cmd_status(args) -> int:
         health = "draining" if record.draining else ("serving" if record.healthy else "down")
         temp = "-" if record.temperature_c is None else f"{record.temperature_c:.0f}C"
         load = f"{record.in_flight}/{record.capacity}"
-        breaker = breakers.get(record.id, "-")
+        breaker = "-" if breakers is None else breakers.get(record.id, "closed")
         print(f"{record.id:<12} {record.pool:<8} {record.model:<8} {record.model_version:<17} {load:>7} "
               f"{record.kv_used * 100:>4.0f}% {temp:>6} {health:<9} {breaker:<9} "
               f"{ttl if ttl is not None else '-':>4}s  {record.address}")
