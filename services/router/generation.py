@@ -348,7 +348,7 @@ class GenerationRunner:
             # The second net: whatever the engine produced (guided or not, cut by max_tokens),
             # validate it and repair what can be repaired.
             result = repair("".join(state.text_parts or ()), request.schema)
-            self.metrics.structured.record(result, request.model)
+            self.metrics.structured.record(result, request.model, request.schema.name)
             finished.structured_status = STRUCTURED_STATUS[result.status]
             finished.structured_repairs.extend(result.messages)
             finished.structured_output = result.text

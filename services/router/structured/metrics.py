@@ -1,4 +1,4 @@
-"""Metrics of structured output: outcomes by status and repairs by kind."""
+"""Metrics of structured output: outcomes by status and schema, repairs by kind."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ class StructuredMetrics:
                         "(extracted, syntax, truncated, filled, coerced, dropped).",
         )
 
-    def record(self, result: StructuredResult, model: str = "") -> None:
-        self.outcomes.add(1, {"status": result.status.value, "model": model})
+    def record(self, result: StructuredResult, model: str = "", schema: str = "") -> None:
+        self.outcomes.add(1, {"status": result.status.value, "model": model, "schema": schema})
         counts: dict[str, int] = {}
         for change in result.repairs:
             counts[change.kind.value] = counts.get(change.kind.value, 0) + 1

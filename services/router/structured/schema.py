@@ -6,6 +6,8 @@ the problem before anything is queued or sent to a worker.
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -32,6 +34,14 @@ class Schema:
     document: dict[str, Any]
     validator: Any = field(compare=False, repr=False)
     registry: Registry = field(compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        """A metric label for the schema: its `title`, else a short hash of its text."""
+        title = self.document.get("title") if isinstance(self.document, dict) else None
+        if isinstance(title, str) and title:
+            return title[:64]
+        return "sha256:" + hashlib.sha256(self.text.encode()).hexdigest()[:12]
 
     def is_valid(self, value: Any) -> bool:
         return self.validator.is_valid(value)
