@@ -316,3 +316,23 @@ async def test_resumed_guided_stream_continues_the_grammar(worker_stub, worker_a
     result = repair(full_text, check_schema(PRODUCT_SCHEMA))
     assert result.status in (Status.VALID, Status.REPAIRED)
     jsonschema.validate(result.value, json.loads(PRODUCT_SCHEMA))
+
+
+async def test_chinese_price_turn_survives_entity_aware_truncation(router_stub):
+    def conversation(policy: str):
+        request = chat_request("placeholder", max_tokens=16, allow_degraded=False)
+        del request.conversation.messages[:]
+        request.conversation.messages.add(role="system", content="你是一个购物客服助手。")
+        request.conversation.messages.add(role="user", content="这款手机壳多少钱？")
+        request.conversation.messages.add(role="assistant", content="这款手机壳的价格是 39 元，有黑色和白色。")
+        for i in range(60):
+            request.conversation.messages.add(role="user", content=f"第 {i} 个快递什么时候到？我住在上海浦东。")
+            request.conversation.messages.add(role="assistant", content=f"第 {i} 个快递预计明天下午送达。")
+        request.conversation.messages.add(role="user", content="刚才说的手机壳价格是多少")
+        request.context.policy = policy
+        return request
+
+    kept = await collect(router_stub, conversation("entity_aware"), API_KEY)
+    assert kept.finished.dropped_messages and 2 not in kept.finished.dropped_messages
+    lost = await collect(router_stub, conversation("drop_oldest"), API_KEY)
+    assert 2 in lost.finished.dropped_messages
