@@ -144,15 +144,19 @@ async def test_killed_worker_gets_no_requests_after_lease_ttl(mesh, router):
     await asyncio.sleep(0.2)
     retries_before = metric_value(await scrape(router_metrics_port), "ballast_router_worker_retries_total")
     survivor_before = metric_value(await scrape(survivor.metrics_port), "ballast_worker_requests_total")
-    results = await asyncio.gather(*[
-        collect(router, chat_request(f"{PROMPT} {i}", max_tokens=8, raw_prompt=True), LOCAL_API_KEY)
+    # One after another: this is about where requests go, not about admission under load.
+    results = [
+        await collect(router, chat_request(f"{PROMPT} {i}", max_tokens=8, raw_prompt=True), LOCAL_API_KEY)
         for i in range(10)
-    ])
+    ]
+    assert not any(r.finished.degradation for r in results)
     assert all(r.finished is not None for r in results)
-    assert metric_value(await scrape(router_metrics_port), "ballast_router_worker_retries_total") == retries_before
-    assert metric_value(await scrape(survivor.metrics_port), "ballast_worker_requests_total") == survivor_before + 10
-    assert gone_after <= LEASE_TTL_S + 2
-    mesh.restart_service(victim)
+    try:
+        assert metric_value(await scrape(router_metrics_port), "ballast_router_worker_retries_total") == retries_before
+        assert metric_value(await scrape(survivor.metrics_port), "ballast_worker_requests_total") == survivor_before + 10
+        assert gone_after <= LEASE_TTL_S + 2
+    finally:
+        await asyncio.to_thread(mesh.restart_service, victim)
     assert victim.name in await registered_ids(mesh)
 
 
