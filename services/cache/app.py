@@ -9,6 +9,8 @@ bound show up in this service's metrics. With Redis down every call fails UNAVAI
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 from dataclasses import dataclass
 
@@ -79,7 +81,11 @@ class CacheApp:
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(grace_s)
         await self.probe.stop()
-        await self.redis.aclose()
+        try:
+            # Bounded: a Redis that vanished must not keep the service from stopping.
+            await asyncio.wait_for(self.redis.aclose(), 5.0)
+        except asyncio.TimeoutError:
+            log.warning("closing the Redis client timed out; stopping anyway")
         self.telemetry.stop()
 
 

@@ -102,14 +102,23 @@ class WorkerApp:
                 handed = self.state.hand_off_all()
                 log.warning("grace period over: handed %d streams back to the router", handed)
                 await self.state.wait_idle(5.0)
-        await self.registration.stop()
-        await self.server.stop(1.0)
+        # Every step is bounded: a stop that hangs must not keep the process (or a rolling
+        # restart) waiting forever.
+        await _bounded("etcd deregistration", self.registration.stop(), 10.0)
+        await _bounded("gRPC server stop", self.server.stop(1.0), 5.0)
         if self.session_kv is not None:
             # The drained streams queued their sessions' KV; write it before the engine goes.
-            await self.session_kv.stop(flush_timeout_s=5.0)
+            await _bounded("KV save flush", self.session_kv.stop(flush_timeout_s=5.0), 10.0)
             self.session_kv = None
-        await self.engine.stop()
+        await _bounded("engine stop", self.engine.stop(), 15.0)
         self.telemetry.stop()
+
+
+async def _bounded(what: str, awaitable, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(awaitable, timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("%s did not finish within %.0fs; shutting down anyway", what, timeout_s)
 
 
 def _default_worker_id(host: str, port: int) -> str:
