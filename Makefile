@@ -35,9 +35,14 @@ down:
 status:
 	$(BALLAST) status
 
+# Tiers run as separate pytest processes: unit (pure logic), component (real servers on
+# port 0 in one process), then integration (every service a subprocess) and the GPU suites
+# (which skip, saying why, without a GPU).
 test: install
 	$(PY) scripts/gen_protos.py --check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q tests/component
+	$(PY) -m pytest -q -rs tests/integration tests/gpu
 
 protos: install
 	$(PY) scripts/gen_protos.py

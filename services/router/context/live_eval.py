@@ -19,7 +19,7 @@ from services.router.requests import InferenceRequest, Message
 from services.router.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
-EVALUATION_CASES = 40
+EVALUATION_CASES = 12
 
 
 def _evaluate(tokenizer: ModelTokenizer, metrics: ContextMetrics) -> None:
