@@ -15,6 +15,7 @@ from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_gr
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from tests.integration.test_mesh import metric_value, scrape
 from services.common.config import load_config
 from services.common.processes import free_port
 from services.router.tokenization import ModelTokenizer
@@ -46,24 +47,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
 async def router(mesh):
     async with open_channel(mesh.router_address) as channel:
         yield inference_pb2_grpc.InferenceStub(channel)
-
-
-async def scrape(port: int) -> str:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-    await writer.drain()
-    body = await reader.read()
-    writer.close()
-    return body.decode()
-
-
-def metric_value(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 async def wait_metric(port: int, name: str, at_least: float, timeout: float = 20.0, **labels) -> bool:
