@@ -23,25 +23,21 @@ _sym_db = _symbol_database.Default()
 
 
 from ballast.v1 import common_pb2 as ballast_dot_v1_dot_common__pb2
+from ballast.v1 import backfill_answers_pb2 as ballast_dot_v1_dot_backfill__answers__pb2
 from ballast.v1 import inference_pb2 as ballast_dot_v1_dot_inference__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
+from ballast.v1.backfill_answers_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61llast/v1/backfill.proto\x12\nballast.v1\x1a\x17\x62\x61llast/v1/common.proto\x1a\x1a\x62\x61llast/v1/inference.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"D\n\x10SubscribeRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x10\n\x06ticket\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"\"\n\x10GetAnswerRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\"\xee\x02\n\x0f\x44\x65gradedRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12,\n\x07request\x18\x04 \x01(\x0b\x32\x1b.ballast.v1.GenerateRequest\x12\x1e\n\x04tier\x18\x05 \x01(\x0e\x32\x10.ballast.v1.Tier\x12+\n\x05level\x18\x06 \x01(\x0e\x32\x1c.ballast.v1.DegradationLevel\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x15\n\rdegraded_text\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65graded_by\x18\t \x01(\t\x12/\n\x0breceived_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x64\x65graded_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06origin\x18\x0c \x01(\t\"\xa4\x03\n\x10\x42\x61\x63kfilledAnswer\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.ballast.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.ballast.v1.Usage\x12\r\n\x05model\x18\t \x01(\t\x12\x15\n\rmodel_version\x18\n \x01(\t\x12\x34\n\x0e\x64\x65graded_level\x18\x0b \x01(\x0e\x32\x1c.ballast.v1.DegradationLevel\x12\x15\n\rdegraded_text\x18\x0c \x01(\t\x12/\n\x0breceived_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63ompleted_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\x9e\x01\n\x08\x42\x61\x63kfill\x12I\n\tSubscribe\x12\x1c.ballast.v1.SubscribeRequest\x1a\x1c.ballast.v1.BackfilledAnswer0\x01\x12G\n\tGetAnswer\x12\x1c.ballast.v1.GetAnswerRequest\x1a\x1c.ballast.v1.BackfilledAnswerb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61llast/v1/backfill.proto\x12\nballast.v1\x1a\x17\x62\x61llast/v1/common.proto\x1a!ballast/v1/backfill_answers.proto\x1a\x1a\x62\x61llast/v1/inference.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xee\x02\n\x0f\x44\x65gradedRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12,\n\x07request\x18\x04 \x01(\x0b\x32\x1b.ballast.v1.GenerateRequest\x12\x1e\n\x04tier\x18\x05 \x01(\x0e\x32\x10.ballast.v1.Tier\x12+\n\x05level\x18\x06 \x01(\x0e\x32\x1c.ballast.v1.DegradationLevel\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x15\n\rdegraded_text\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65graded_by\x18\t \x01(\t\x12/\n\x0breceived_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x64\x65graded_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06origin\x18\x0c \x01(\t2\x9e\x01\n\x08\x42\x61\x63kfill\x12I\n\tSubscribe\x12\x1c.ballast.v1.SubscribeRequest\x1a\x1c.ballast.v1.BackfilledAnswer0\x01\x12G\n\tGetAnswer\x12\x1c.ballast.v1.GetAnswerRequest\x1a\x1c.ballast.v1.BackfilledAnswerP\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ballast.v1.backfill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=127
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=195
-  _globals['_GETANSWERREQUEST']._serialized_start=197
-  _globals['_GETANSWERREQUEST']._serialized_end=231
-  _globals['_DEGRADEDREQUEST']._serialized_start=234
-  _globals['_DEGRADEDREQUEST']._serialized_end=600
-  _globals['_BACKFILLEDANSWER']._serialized_start=603
-  _globals['_BACKFILLEDANSWER']._serialized_end=1023
-  _globals['_BACKFILL']._serialized_start=1026
-  _globals['_BACKFILL']._serialized_end=1184
+  _globals['_DEGRADEDREQUEST']._serialized_start=163
+  _globals['_DEGRADEDREQUEST']._serialized_end=529
+  _globals['_BACKFILL']._serialized_start=532
+  _globals['_BACKFILL']._serialized_end=690
 # @@protoc_insertion_point(module_scope)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ballast.v1 import backfill_pb2 as ballast_dot_v1_dot_backfill__pb2
+from ballast.v1 import backfill_answers_pb2 as ballast_dot_v1_dot_backfill__answers__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -39,13 +39,13 @@ class BackfillStub:
         """
         self.Subscribe = channel.unary_stream(
                 '/ballast.v1.Backfill/Subscribe',
-                request_serializer=ballast_dot_v1_dot_backfill__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=ballast_dot_v1_dot_backfill__pb2.BackfilledAnswer.FromString,
+                request_serializer=ballast_dot_v1_dot_backfill__answers__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.FromString,
                 _registered_method=True)
         self.GetAnswer = channel.unary_unary(
                 '/ballast.v1.Backfill/GetAnswer',
-                request_serializer=ballast_dot_v1_dot_backfill__pb2.GetAnswerRequest.SerializeToString,
-                response_deserializer=ballast_dot_v1_dot_backfill__pb2.BackfilledAnswer.FromString,
+                request_serializer=ballast_dot_v1_dot_backfill__answers__pb2.GetAnswerRequest.SerializeToString,
+                response_deserializer=ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.FromString,
                 _registered_method=True)
 
 
@@ -77,13 +77,13 @@ def add_BackfillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
-                    request_deserializer=ballast_dot_v1_dot_backfill__pb2.SubscribeRequest.FromString,
-                    response_serializer=ballast_dot_v1_dot_backfill__pb2.BackfilledAnswer.SerializeToString,
+                    request_deserializer=ballast_dot_v1_dot_backfill__answers__pb2.SubscribeRequest.FromString,
+                    response_serializer=ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.SerializeToString,
             ),
             'GetAnswer': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAnswer,
-                    request_deserializer=ballast_dot_v1_dot_backfill__pb2.GetAnswerRequest.FromString,
-                    response_serializer=ballast_dot_v1_dot_backfill__pb2.BackfilledAnswer.SerializeToString,
+                    request_deserializer=ballast_dot_v1_dot_backfill__answers__pb2.GetAnswerRequest.FromString,
+                    response_serializer=ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -114,8 +114,8 @@ class Backfill:
             request,
             target,
             '/ballast.v1.Backfill/Subscribe',
-            ballast_dot_v1_dot_backfill__pb2.SubscribeRequest.SerializeToString,
-            ballast_dot_v1_dot_backfill__pb2.BackfilledAnswer.FromString,
+            ballast_dot_v1_dot_backfill__answers__pb2.SubscribeRequest.SerializeToString,
+            ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.FromString,
             options,
             channel_credentials,
             insecure,
@@ -141,8 +141,8 @@ class Backfill:
             request,
             target,
             '/ballast.v1.Backfill/GetAnswer',
-            ballast_dot_v1_dot_backfill__pb2.GetAnswerRequest.SerializeToString,
-            ballast_dot_v1_dot_backfill__pb2.BackfilledAnswer.FromString,
+            ballast_dot_v1_dot_backfill__answers__pb2.GetAnswerRequest.SerializeToString,
+            ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from ballast.v1 import backfill_answers_pb2 as _backfill_answers_pb2
 from ballast.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor

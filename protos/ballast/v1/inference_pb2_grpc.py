@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from ballast.v1 import backfill_answers_pb2 as ballast_dot_v1_dot_backfill__answers__pb2
 from ballast.v1 import inference_pb2 as ballast_dot_v1_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -39,6 +40,16 @@ class InferenceStub:
                 request_serializer=ballast_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=ballast_dot_v1_dot_inference__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/ballast.v1.Inference/Subscribe',
+                request_serializer=ballast_dot_v1_dot_backfill__answers__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.FromString,
+                _registered_method=True)
+        self.GetBackfill = channel.unary_unary(
+                '/ballast.v1.Inference/GetBackfill',
+                request_serializer=ballast_dot_v1_dot_backfill__answers__pb2.GetAnswerRequest.SerializeToString,
+                response_deserializer=ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -52,6 +63,27 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Subscribe(self, request, context):
+        """Streams the better answers of degraded requests (Finished.backfill_ticket) as they become
+        ready: every undelivered answer of a session, oldest first, then new ones as they come; or
+        the one answer of a ticket, then the stream ends. Answers stored while nobody listened
+        come on the next subscription. Each ticket is pushed to exactly one subscription; read it
+        again with GetBackfill. Only the caller's tenant's answers. UNAVAILABLE while the backfill
+        service cannot be reached (subscribe again later: nothing is lost).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBackfill(self, request, context):
+        """The better answer of a ticket, delivered or not. NOT_FOUND while it is not ready (or after
+        its TTL, or when the ticket belongs to another tenant); INVALID_ARGUMENT for a string that
+        is not a ticket; UNAVAILABLE while the backfill service cannot be reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +91,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=ballast_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
                     response_serializer=ballast_dot_v1_dot_inference__pb2.GenerateEvent.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=ballast_dot_v1_dot_backfill__answers__pb2.SubscribeRequest.FromString,
+                    response_serializer=ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.SerializeToString,
+            ),
+            'GetBackfill': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBackfill,
+                    request_deserializer=ballast_dot_v1_dot_backfill__answers__pb2.GetAnswerRequest.FromString,
+                    response_serializer=ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +130,60 @@ class Inference:
             '/ballast.v1.Inference/Generate',
             ballast_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
             ballast_dot_v1_dot_inference__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ballast.v1.Inference/Subscribe',
+            ballast_dot_v1_dot_backfill__answers__pb2.SubscribeRequest.SerializeToString,
+            ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBackfill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ballast.v1.Inference/GetBackfill',
+            ballast_dot_v1_dot_backfill__answers__pb2.GetAnswerRequest.SerializeToString,
+            ballast_dot_v1_dot_backfill__answers__pb2.BackfilledAnswer.FromString,
             options,
             channel_credentials,
             insecure,
