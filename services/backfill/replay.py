@@ -39,7 +39,7 @@ class Replayer(Protocol):
     async def close(self) -> None: ...
 
 
-def _retry_after(error: grpc.aio.AioRpcError) -> float | None:
+def retry_after_hint(error: grpc.aio.AioRpcError) -> float | None:
     for key, value in error.trailing_metadata() or ():
         if key == "retry-after-ms":
             try:
@@ -53,7 +53,7 @@ def classify(error: grpc.aio.AioRpcError) -> ReplayError:
     code, details = error.code(), error.details() or ""
     message = f"{code.name}: {details}"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ReplayError(ReplayErrorKind.BUSY, message, _retry_after(error))
+        return ReplayError(ReplayErrorKind.BUSY, message, retry_after_hint(error))
     if code == grpc.StatusCode.UNAVAILABLE and (details.startswith(NO_LIVE_WORKER) or "failed to connect" in details.lower()):
         return ReplayError(ReplayErrorKind.UNHEALTHY, message)
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):

@@ -21,12 +21,11 @@ from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.backfill.metrics import BackfillMetrics
 from services.backfill.settings import BackfillSettings
 from services.backfill.store import AnswerStore, Notices
-from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from services.degrade.codec import valid_ticket
+from services.backfill.targets import check_ticket, subscription_target
+from services.common.errors import NotFound, ResourceExhausted, Unavailable
 from services.router.auth import Authenticator
 
 log = logging.getLogger(__name__)
-MAX_SESSION_CHARS = 128
 
 
 class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
@@ -41,7 +40,7 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
 
     async def GetAnswer(self, request: backfill_pb2.GetAnswerRequest, context: grpc.aio.ServicerContext):
         tenant = self.auth.tenant_for(context.invocation_metadata())
-        ticket = _check_ticket(request.ticket)
+        ticket = check_ticket(request.ticket)
         answer = await self._redis(self.store.get(ticket))
         if answer is None or answer.tenant != tenant:
             # Another tenant's ticket looks exactly like one that is not ready.
@@ -51,17 +50,13 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
     async def Subscribe(self, request: backfill_pb2.SubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[backfill_pb2.BackfilledAnswer]:
         tenant = self.auth.tenant_for(context.invocation_metadata())
-        which = request.WhichOneof("target")
+        which, target = subscription_target(request)
         if which == "ticket":
-            ticket = _check_ticket(request.ticket)
+            ticket = target
             keys = [("ticket", ticket)]
-        elif which == "session_id" and request.session_id:
-            session_id = request.session_id
-            if len(session_id) > MAX_SESSION_CHARS or any(ord(c) < 32 for c in session_id):
-                raise InvalidArgument(f"session_id must be at most {MAX_SESSION_CHARS} printable characters")
-            keys = [("session", tenant, session_id)]
         else:
-            raise InvalidArgument("set session_id or ticket")
+            session_id = target
+            keys = [("session", tenant, session_id)]
         if self.subscribers >= self.settings.max_subscribers:
             raise ResourceExhausted(f"{self.subscribers} subscriptions are open; try again later", retry_after_s=5.0)
         subscriber = uuid.uuid4().hex
@@ -124,8 +119,3 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
                 raise Unavailable(f"answer store unreachable: {exc}") from None
             raise
 
-
-def _check_ticket(ticket: str) -> str:
-    if not valid_ticket(ticket):
-        raise InvalidArgument("ticket is not a backfill ticket (from Finished.backfill_ticket)")
-    return ticket

@@ -116,7 +116,8 @@ class Mesh:
             "redis": {"url": f"redis://{self.redis.host}:{self.redis.port}/0"},
             "kafka": {"bootstrap": f"{self.kafka.host}:{self.kafka.port}"},
             "auth": {"enabled": spec.auth_enabled, "api_keys": spec.api_keys},
-            "router": {"port": self.router_port},
+            # Subscribe and GetBackfill on the router relay to this mesh's backfill service.
+            "router": {"port": self.router_port, "backfill_address": f"127.0.0.1:{self.backfill_port}"},
             "cache": {"port": self.cache_port},
             "backfill": {"port": self.backfill_port},
             "worker": {

@@ -112,6 +112,13 @@ class RouterConfig(Section):
     tiering_rules_file: str = Field(
         "", description="Auto-tagging rules (YAML); empty: the bundled defaults. etcd's copy wins."
     )
+    backfill_address: str = Field(
+        "", description="Backfill service host:port behind Subscribe and GetBackfill; empty: backfill.host:backfill.port."
+    )
+    backfill_timeout_s: float = Field(5.0, gt=0, description="Deadline of a GetBackfill call and of a backfill probe.")
+    backfill_subscribe_max_s: float = Field(
+        3600.0, gt=0, description="Longest a Subscribe stream lasts when the client sets no deadline."
+    )
 
     @field_validator("scheduling")
     @classmethod

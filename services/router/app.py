@@ -19,6 +19,7 @@ from services.common.grpc_server import add_health_and_reflection, bind, new_ser
 from services.common.etcd_watch import KeyWatcher
 from services.common.membership import MembershipWatcher
 from services.common.telemetry import Telemetry
+from services.router.backfill_proxy import BackfillProxy
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.tagging import TIERING_KEY
 from services.router.servicer import InferenceServicer
@@ -60,6 +61,8 @@ class RouterApp:
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(grace)
         await self.servicer.degrader.stop()
+        if self.servicer.backfill is not None:
+            await self.servicer.backfill.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.rules_watch.stop()
@@ -78,6 +81,8 @@ async def create_server(config: BallastConfig) -> RouterApp:
     servicer = InferenceServicer(config, membership, clients, RouterMetrics(telemetry))
     await servicer.pools.start()
     await servicer.degrader.start()
+    servicer.backfill = BackfillProxy.from_config(config, telemetry)
+    await servicer.backfill.start()
     rules_watch = KeyWatcher(config.etcd, f"{config.etcd.prefix}{TIERING_KEY}", servicer.rules_changed)
     await rules_watch.start()
     server = new_server()

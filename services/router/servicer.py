@@ -17,10 +17,11 @@ import grpc
 
 from ballast.v1 import inference_pb2, inference_pb2_grpc
 from services.common.config import BallastConfig
-from services.common.errors import BallastError, NotFound
+from services.common.errors import BallastError, NotFound, Unavailable
 from services.common.membership import MembershipWatcher
 from services.degrade.router_hooks import Degrader
 from services.router.auth import Authenticator
+from services.router.backfill_proxy import BackfillProxy
 from services.router.context.live_eval import publish_retention
 from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
@@ -85,6 +86,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             encoder_for=self._encoder_for, on_fallback=lambda labels: metrics.fallbacks.add(1, labels),
         )
         self.degrader.register_metrics(metrics._meter)
+        # Subscribe and GetBackfill relay to the backfill service; the app starts and closes it.
+        self.backfill: BackfillProxy | None = None
         metrics.observe_breakers(self.health.breakers.snapshot)
         metrics.observe_queues(lambda: {m: g.scheduler.snapshot() for m, g in self.pools.gates().items()})
 
@@ -170,3 +173,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self.metrics.requests.add(1, {"tier": tier, "outcome": outcome})
             if outcome == "ok":
                 self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"tier": tier})
+
+    async def Subscribe(self, request, context: grpc.aio.ServicerContext):
+        async for answer in self._backfill().subscribe(request, context):
+            yield answer
+
+    async def GetBackfill(self, request, context: grpc.aio.ServicerContext):
+        return await self._backfill().get(request, context)
+
+    def _backfill(self) -> BackfillProxy:
+        if self.backfill is None:
+            raise Unavailable("this router has no backfill service to relay to")
+        return self.backfill
