@@ -68,10 +68,32 @@ class AuthConfig(Section):
     default_tenant: str = Field("local", description="Tenant of every call when auth is off.")
 
 
+class TracingConfig(Section):
+    endpoint: str = Field(
+        "", description="OTLP/gRPC collector (host:port or http[s]://host:port); empty: no exporter, "
+                        "trace context still propagates."
+    )
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="Share of new traces recorded; a call that arrives with a trace context follows its caller.",
+    )
+    insecure: bool = Field(True, description="Plaintext to the collector (false: TLS).")
+    export_timeout_s: float = Field(10.0, gt=0, description="Deadline of each export to the collector.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _host_and_port(cls, value: str) -> str:
+        address = value.split("://", 1)[-1].rstrip("/")
+        if value and (":" not in address or not address.rsplit(":", 1)[1].isdigit()):
+            raise ValueError("must be host:port (or http[s]://host:port), or empty to export nothing")
+        return value
+
+
 class TelemetryConfig(Section):
     metrics_host: str = Field("127.0.0.1", description="Bind address of /metrics.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Port of /metrics; 0 picks one.")
     enabled: bool = Field(True, description="Serve Prometheus metrics.")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="Distributed traces (OTLP).")
 
 
 class RouterConfig(Section):

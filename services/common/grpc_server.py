@@ -1,4 +1,5 @@
-"""Building blocks every Ballast gRPC server shares: the error interceptor, health, reflection.
+"""Building blocks every Ballast gRPC server shares: the error and tracing interceptors, health,
+reflection.
 
 Core code raises the typed errors of `services.common.errors`; `DomainErrorInterceptor` is
 the one place they become gRPC status codes. Anything else escaping a handler is a bug and
@@ -15,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import BallastError, ResourceExhausted
+from services.common.grpc_tracing import TracingServerInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,8 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
 def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
     return grpc.aio.server(
-        interceptors=[DomainErrorInterceptor(), *(interceptors or [])],
+        # Tracing outermost: its span covers the error mapping and sees the final status code.
+        interceptors=[TracingServerInterceptor(), DomainErrorInterceptor(), *(interceptors or [])],
         options=SERVER_OPTIONS,
     )
 

@@ -1,7 +1,9 @@
-"""Metrics for every service: an OpenTelemetry MeterProvider exported on a Prometheus endpoint.
+"""Metrics for every service: an OpenTelemetry MeterProvider exported on a Prometheus endpoint;
+and the process's tracing (see tracing.py).
 
-Each service gets its own provider and registry (not the process-global ones), so tests
-can run several services in one process and still read each one's /metrics apart.
+Each service gets its own meter provider and registry (not the process-global ones), so tests
+can run several services in one process and still read each one's /metrics apart. Traces use
+the process-global TracerProvider: a span's parent may belong to another service.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
+from services.common import tracing
 from services.common.config import TelemetryConfig
 
 # Latency buckets in milliseconds: fine below 10 ms (relay overhead), coarse up to a minute.
@@ -78,6 +81,7 @@ class Telemetry:
         )
         self._http = None
         self.port = 0
+        self.tracer_provider = tracing.install(service, config.tracing)
 
     def latency_histogram(self, name: str, description: str):
         return self.meter.create_histogram(
@@ -107,3 +111,4 @@ class Telemetry:
             self._http.server_close()
             self._http = None
         self.provider.shutdown()
+        tracing.flush()

@@ -1,0 +1,157 @@
+"""W3C trace context over gRPC: a client interceptor that sends it, a server interceptor that
+continues it in a server span named after the method (`ballast.v1.Worker/Generate`).
+
+Small and explicit on purpose: the span of each hop is the parent of the next one's, whatever
+the call shape (unary or streaming either way). Health checks and reflection are not traced:
+probes every second would bury the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from services.common.tracing import PROPAGATOR, context_from_metadata, tracer
+
+UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.")
+# Server-side codes that mean the server failed (OpenTelemetry's gRPC conventions); the others
+# (bad input, not found, overload...) are the caller's outcome, not an error of this span.
+SERVER_ERROR_CODES = {
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+}
+_TRACER = tracer("grpc")
+
+
+def _traced(method: str) -> bool:
+    return not method.lstrip("/").startswith(UNTRACED_SERVICES)
+
+
+# --- client ---------------------------------------------------------------------------------
+
+def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    carrier: dict[str, str] = {}
+    # The interceptor runs in a task created with the caller's context: the current span is
+    # the caller's span at the moment it made the call.
+    PROPAGATOR.inject(carrier)
+    if not carrier:
+        return details
+    metadata = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()))
+    for key, value in carrier.items():
+        metadata[key] = value
+    return details._replace(metadata=metadata)
+
+
+class TracingClientInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Adds `traceparent` (and `tracestate`) of the current span to every outgoing call."""
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_with_context(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_context(client_call_details), request)
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_context(client_call_details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_context(client_call_details), request_iterator)
+
+
+def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """What every Ballast channel to another Ballast service passes as `interceptors=`."""
+    return [TracingClientInterceptor()]
+
+
+# --- server ---------------------------------------------------------------------------------
+
+def _status_code(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    if error is None:
+        return grpc.StatusCode.OK
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
+@contextmanager
+def _server_span(method: str, context: grpc.aio.ServicerContext) -> Iterator[None]:
+    service, _, name = method.lstrip("/").rpartition("/")
+    parent = context_from_metadata(context.invocation_metadata())
+    with _TRACER.start_as_current_span(
+        method.lstrip("/"), context=parent, kind=SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+        record_exception=False, set_status_on_exception=False,
+    ) as span:
+        error: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            code = _status_code(context, error)
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code in SERVER_ERROR_CODES:
+                if error is not None and not isinstance(error, (grpc.aio.AbortError, asyncio.CancelledError)):
+                    span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}".rstrip(": ")))
+
+
+def _unary_response(behavior, method: str):
+    async def traced(request_or_iterator, context):
+        with _server_span(method, context):
+            return await behavior(request_or_iterator, context)
+
+    return traced
+
+
+def _stream_response(behavior, method: str):
+    async def traced(request_or_iterator, context):
+        with _server_span(method, context):
+            result: Any = behavior(request_or_iterator, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    yield item
+            else:  # a handler that writes with context.write() and returns nothing
+                await result
+
+    return traced
+
+
+class TracingServerInterceptor(grpc.aio.ServerInterceptor):
+    """Continues the caller's trace (or starts one) in a server span around each call."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not _traced(method):
+            return handler
+        kinds = (
+            (handler.unary_unary, grpc.unary_unary_rpc_method_handler, _unary_response),
+            (handler.unary_stream, grpc.unary_stream_rpc_method_handler, _stream_response),
+            (handler.stream_unary, grpc.stream_unary_rpc_method_handler, _unary_response),
+            (handler.stream_stream, grpc.stream_stream_rpc_method_handler, _stream_response),
+        )
+        for behavior, make_handler, wrap in kinds:
+            if behavior is not None:
+                return make_handler(
+                    wrap(behavior, method),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler

@@ -1,0 +1,113 @@
+"""Distributed traces: the process's TracerProvider and W3C trace context in Kafka headers.
+
+Spans are always created and their context always propagates (router -> worker -> cache over
+gRPC metadata, see grpc_tracing.py; router -> backfill through Kafka record headers), so one
+trace id ties a request together even where nothing is exported. An OTLP/gRPC exporter is
+added only when `telemetry.tracing.endpoint` is set. The provider is the OpenTelemetry global:
+one per process, set up by the first service configured in it; later ones reuse it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Iterable, Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from services.common.config import TracingConfig
+
+log = logging.getLogger(__name__)
+
+# W3C trace context only (traceparent, tracestate): what every OpenTelemetry SDK reads, whatever
+# OTEL_PROPAGATORS says in this process.
+PROPAGATOR = TraceContextTextMapPropagator()
+TRACEPARENT = "traceparent"
+
+_install_lock = threading.Lock()
+
+
+def install(service: str, config: TracingConfig) -> TracerProvider:
+    """The process's SDK TracerProvider, created (with an exporter when configured) on first use."""
+    with _install_lock:
+        current = trace.get_tracer_provider()
+        if isinstance(current, TracerProvider):
+            return current
+        provider = TracerProvider(
+            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+            resource=Resource.create({"service.name": f"ballast-{service}"}),
+        )
+        if config.endpoint:
+            provider.add_span_processor(BatchSpanProcessor(otlp_exporter(config)))
+            log.info("exporting traces to %s (sample ratio %.3g)", config.endpoint, config.sample_ratio)
+        trace.set_tracer_provider(provider)
+        return provider
+
+
+def otlp_exporter(config: TracingConfig):
+    # Imported here: a process that exports nothing never loads the OTLP protobufs.
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=config.endpoint, insecure=config.insecure, timeout=config.export_timeout_s)
+
+
+def flush(timeout_s: float = 5.0) -> None:
+    """Exports what is buffered (a stopping service); the provider itself lives until exit."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.force_flush(int(timeout_s * 1000))
+
+
+def tracer(component: str) -> Tracer:
+    """The tracer of one Ballast component ("router", "worker", ...); resolves the provider lazily."""
+    return trace.get_tracer(f"ballast.{component}")
+
+
+def trace_id(span: Span | None = None) -> str:
+    """The current (or given) span's trace id in hex, for logs; "" outside any trace."""
+    ctx = (span or trace.get_current_span()).get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+def end_span(span: Span, error: BaseException | None = None, **attributes) -> None:
+    """Ends `span` once, marking it failed when `error` is a real failure (not a cancellation)."""
+    if not span.is_recording():
+        return
+    for key, value in attributes.items():
+        span.set_attribute(f"ballast.{key}", value)
+    if error is not None and not isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    span.end()
+
+
+# --- Kafka record headers -----------------------------------------------------------------
+
+def context_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, bytes]]:
+    """The trace context of `ctx` (default: the current one) as Kafka headers; [] outside a trace."""
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier, context=ctx)
+    return [(key, value.encode()) for key, value in carrier.items()]
+
+
+def context_from_headers(headers: Iterable[tuple[str, bytes | str | None]]) -> otel_context.Context:
+    """The trace context carried by Kafka headers (an empty context when there is none)."""
+    carrier: dict[str, str] = {}
+    for key, value in headers:
+        if value is not None and key.lower() in PROPAGATOR.fields:
+            carrier[key.lower()] = value.decode(errors="replace") if isinstance(value, bytes) else value
+    return PROPAGATOR.extract(carrier, context=otel_context.Context())
+
+
+def context_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | Mapping | None) -> otel_context.Context:
+    """The trace context in gRPC metadata (keys are lower case on the wire)."""
+    pairs = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
+    return context_from_headers(pairs)
