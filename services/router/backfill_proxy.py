@@ -43,13 +43,14 @@ DEPENDENCY = "backfill"
 # Only credentials travel on: the backfill authenticates the caller with the same keys.
 FORWARDED_METADATA = (API_KEY_HEADER, "authorization")
 # gRPC's default reconnect backoff grows to two minutes; a restarted backfill should be
-# found again within seconds.
+# found again within a second, well inside CONNECT_WAIT_S.
 PROXY_CHANNEL_OPTIONS = [
     *CHANNEL_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 3000),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# How long a call waits for a connection before it is UNAVAILABLE.
+CONNECT_WAIT_S = 2.0
 # Errors the backfill sends that mean the same to the router's caller.
 _PASSED_ON: dict[grpc.StatusCode, type[BallastError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -120,6 +121,7 @@ class BackfillProxy:
                   context: grpc.aio.ServicerContext) -> backfill_pb2.BackfilledAnswer:
         metadata = self._forwarded(context)
         check_ticket(request.ticket)
+        await self._reach(context)
         try:
             return await self._stub.GetAnswer(request, metadata=metadata, timeout=self._timeout(context, self.timeout_s))
         except grpc.aio.AioRpcError as error:
@@ -129,6 +131,7 @@ class BackfillProxy:
                         context: grpc.aio.ServicerContext) -> AsyncIterator[backfill_pb2.BackfilledAnswer]:
         metadata = self._forwarded(context)
         subscription_target(request)
+        await self._reach(context)
         call = self._stub.Subscribe(request, metadata=metadata, timeout=self._timeout(context, self.subscribe_max_s))
         self.subscriptions += 1
         try:
@@ -150,6 +153,24 @@ class BackfillProxy:
         return tuple((name.lower(), value) for name, value in metadata
                      if name.lower() in FORWARDED_METADATA and isinstance(value, str))
 
+    async def _reach(self, context: grpc.aio.ServicerContext) -> None:
+        """Waits briefly for a connection, so a backfill that just came back is found at once
+        (a call on a channel still backing off would fail without trying)."""
+        if self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            async with asyncio.timeout(self._timeout(context, CONNECT_WAIT_S)):
+                await self._channel.channel_ready()
+        except TimeoutError:
+            self._recheck_soon()
+            raise Unavailable(f"backfill service at {self.address} is unreachable, try again later "
+                              "(nothing is lost)") from None
+
+    def _recheck_soon(self) -> None:
+        """Lets the probe say now, not at its next round, whether the backfill is reachable."""
+        if self._recheck is None or self._recheck.done():
+            self._recheck = asyncio.create_task(self._probe.probe_once(), name="backfill-recheck")
+
     @staticmethod
     def _timeout(context: grpc.aio.ServicerContext, cap_s: float) -> float:
         remaining = context.time_remaining()
@@ -162,9 +183,7 @@ class BackfillProxy:
             return passed_on(details)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ResourceExhausted(details, retry_after_s=retry_after_hint(error) or 1.0)
-        # Reachable or not, let the probe say so now rather than at its next round.
-        if self._recheck is None or self._recheck.done():
-            self._recheck = asyncio.create_task(self._probe.probe_once(), name="backfill-recheck")
+        self._recheck_soon()
         if code == grpc.StatusCode.UNAVAILABLE:
             return Unavailable(f"backfill service at {self.address} is unavailable, try again later "
                                f"(nothing is lost): {details}")
