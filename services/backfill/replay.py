@@ -15,6 +15,7 @@ import grpc
 
 from ballast.v1 import backfill_pb2, inference_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_tracing import client_interceptors
 from services.degrade.codec import ReplayResult, replay_request
 from services.degrade.ladder import NO_LIVE_WORKER
 
@@ -69,7 +70,9 @@ class RouterReplayer:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._metadata = (("x-api-key", api_key),) if api_key else ()
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Carries the trace of the degraded request, so its replay joins the original trace.
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                                  interceptors=client_interceptors())
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
     async def replay(self, record: backfill_pb2.DegradedRequest) -> ReplayResult:

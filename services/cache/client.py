@@ -28,6 +28,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_tracing import client_interceptors
 
 SERVICE_NAME = "ballast.v1.KVCache"
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -90,7 +91,9 @@ class KVCacheClient:
     def __init__(self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.address = address
         self._chunk = chunk_bytes
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # The caller's span (a worker's restore or save) is the parent of the cache's.
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                                  interceptors=client_interceptors())
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

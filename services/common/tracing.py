@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import AsyncContextManager, AsyncIterator, Iterable, Mapping, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -26,6 +27,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from services.common.config import TracingConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # W3C trace context only (traceparent, tracestate): what every OpenTelemetry SDK reads, whatever
 # OTEL_PROPAGATORS says in this process.
@@ -87,6 +89,25 @@ def end_span(span: Span, error: BaseException | None = None, **attributes) -> No
         span.record_exception(error)
         span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
     span.end()
+
+
+@asynccontextmanager
+async def span_until_entered(
+    tracer_: Tracer, name: str, manager: AsyncContextManager[T], attributes: Mapping | None = None
+) -> AsyncIterator[T]:
+    """Enters `manager` (a wait for a slot, a lock) under a span that ends once it is entered.
+
+    The span measures only the wait; the body that follows is not part of it.
+    """
+    async with AsyncExitStack() as stack:
+        span = tracer_.start_span(name, attributes=dict(attributes or {}))
+        try:
+            value = await stack.enter_async_context(manager)
+        except BaseException as error:
+            end_span(span, error)
+            raise
+        end_span(span)
+        yield value
 
 
 # --- Kafka record headers -----------------------------------------------------------------

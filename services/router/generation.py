@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from ballast.v1 import common_pb2, inference_pb2, worker_pb2
+from services.common import tracing
 from services.common.config import RouterConfig
 from services.common.errors import (
     BallastError,
@@ -46,6 +49,7 @@ from services.router.scheduling.async_gate import Grant
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
+TRACER = tracing.tracer("router")
 
 TIER_TO_PB = {"S": common_pb2.TIER_S, "A": common_pb2.TIER_A, "B": common_pb2.TIER_B}
 STRUCTURED_STATUS = {
@@ -168,7 +172,9 @@ class GenerationRunner:
             prefer=self.pools.key_for(self.affinity.preferred(request.tenant, request.session_id)),
         )
         control = AttemptControl()
-        async with gate.slot(ticket, on_preempt=lambda _grant: control.interrupt("preempted")) as grant:
+        admission = gate.slot(ticket, on_preempt=lambda _grant: control.interrupt("preempted"))
+        async with tracing.span_until_entered(TRACER, "router.admission", admission,
+                                              {"ballast.tier": tier, "ballast.pool": request.model}) as grant:
             while True:
                 if control.take() == "preempted":
                     await self._pause(grant, state, tier)
@@ -201,8 +207,8 @@ class GenerationRunner:
                     self._check_retriable(error, worker, deadline, attempts)
                     why = _resume_reason(error)
                     self.metrics.worker_attempts.add(1, {"reason": why})
-                    log.info("request %s: worker %s failed (%s) after %d tokens; trying another",
-                             request.request_id, worker.id, why, len(state.sent_ids))
+                    log.info("request %s (trace %s): worker %s failed (%s) after %d tokens; trying another",
+                             request.request_id, tracing.trace_id(), worker.id, why, len(state.sent_ids))
                     await self._another_slot(grant, request)
                     if state.sent_ids:
                         state.resumes += 1
@@ -216,12 +222,14 @@ class GenerationRunner:
         avoid = grant.ticket.avoid | {grant.worker_id}
         if not self.pools.has_capacity(request.model, excluding=avoid):
             raise Unavailable(f"no live worker for model {request.model!r} left to try")
-        await grant.retry_elsewhere()
+        with TRACER.start_as_current_span("router.admission", attributes={"ballast.admission": "retry"}):
+            await grant.retry_elsewhere()
 
     async def _pause(self, grant: Grant, state: StreamState, tier: str) -> None:
         """Gives the slot up after preemption and waits for a new one (the client sees a pause)."""
         self.metrics.preemptions.add(1, {"tier": tier})
-        await grant.resume()
+        with TRACER.start_as_current_span("router.admission", attributes={"ballast.admission": "preempted"}):
+            await grant.resume()
         state.resumes += 1
 
     def _resumed(self, state: StreamState, why: str) -> inference_pb2.GenerateEvent:
@@ -290,8 +298,14 @@ class GenerationRunner:
         if control.reason == "preempted":
             control.take()
             raise Preempted()
+        attempt = TRACER.start_span("router.worker_attempt", attributes={
+            "ballast.worker": worker.id, "ballast.worker.address": worker.address,
+            "ballast.resume_from": len(plan.generated_ids), "ballast.resumes": state.resumes})
+        finished = False
         with self.clients.in_use(worker.address) as stub:
-            call = stub.Generate(worker_request, timeout=max(0.001, deadline - time.monotonic()))
+            # Current only while the call is made: the worker's span becomes this attempt's child.
+            with trace.use_span(attempt):
+                call = stub.Generate(worker_request, timeout=max(0.001, deadline - time.monotonic()))
             control.call = call
             # A worker whose lease is gone is dead or cut off: do not wait for a stall.
             lease_watch = asyncio.create_task(self._watch_lease(worker.id, control))
@@ -312,9 +326,10 @@ class GenerationRunner:
                             state.text_parts.append(event.tokens.text)
                         yield inference_pb2.GenerateEvent(tokens=event.tokens)
                     elif event.HasField("finished"):
-                        finished = event.finished
+                        finished = True
                         yield self._finished(
-                            finished.reason, finished.usage.prompt_tokens, len(state.sent_ids), state, request
+                            event.finished.reason, event.finished.usage.prompt_tokens, len(state.sent_ids), state,
+                            request,
                         )
                         return
             except asyncio.CancelledError:
@@ -330,6 +345,7 @@ class GenerationRunner:
             finally:
                 control.call = None
                 lease_watch.cancel()
+                tracing.end_span(attempt, sys.exc_info()[1], tokens=relayed, finished=finished)
                 if relayed:
                     self.metrics.tokens.add(relayed, {"tier": tier})
                     grant.add_tokens(state.sent_ids[-relayed:])

@@ -14,6 +14,7 @@ import grpc
 
 from ballast.v1 import worker_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_tracing import client_interceptors
 
 
 class WorkerClients:
@@ -25,7 +26,7 @@ class WorkerClients:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
