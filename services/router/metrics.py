@@ -10,6 +10,7 @@ from services.common.telemetry import Telemetry
 from services.router.context.metrics import ContextMetrics
 from services.router.scheduling.scheduler import SchedulerObserver
 from services.router.structured.metrics import StructuredMetrics
+from services.router.turns import TurnMetrics
 
 BREAKER_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -57,6 +58,7 @@ class RouterMetrics:
         )
         self.structured = StructuredMetrics(meter)
         self.context = ContextMetrics(meter)
+        self.turns = TurnMetrics(meter)
         self._meter = meter
         self.ttft = telemetry.latency_histogram(
             "ballast_router_ttft", "Time from request to first token, by tier."

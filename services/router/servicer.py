@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
-from ballast.v1 import inference_pb2, inference_pb2_grpc
+from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.common.config import BallastConfig
 from services.common.errors import BallastError, NotFound, Unavailable
 from services.common.membership import MembershipWatcher
@@ -28,6 +29,7 @@ from services.router.metrics import RouterMetrics, SchedulerMetrics
 from services.router.pools import PoolGates
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest, request_from_pb
+from services.router.turns import classify_turn
 from services.router.resilience.breaker import BreakerBoard
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.retry_budget import RetryBudget
@@ -148,12 +150,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         started = time.perf_counter()
         tier = "unknown"
         outcome = "ok"
+        model = ""
+        failure: BaseException | None = None
+        finished: inference_pb2.Finished | None = None
         self.metrics.in_flight.add(1)
         try:
             tenant = self.auth.tenant_for(context.invocation_metadata())
             inference = request_from_pb(request, tenant, self.router_config)
             self._check_model_known(inference.model)
+            model = inference.model
             tier, reason, weight = self._tier(inference)
+            # The Started event has no field for it: the trace is found by request id instead.
+            trace.get_current_span().set_attributes(
+                {"ballast.request_id": inference.request_id, "ballast.tier": tier, "ballast.model": model}
+            )
             deadline = self._deadline(context)
 
             def pool_stream(request: InferenceRequest):
@@ -164,13 +174,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for event in self.degrader.run(
                 pool_stream, inference, tier=tier, tier_reason=reason, deadline=deadline, started=started
             ):
+                if event.HasField("finished"):
+                    finished = event.finished
                 yield event
         except BaseException as error:
             outcome = _outcome(error)
+            failure = error
             raise
         finally:
             self.metrics.in_flight.add(-1)
             self.metrics.requests.add(1, {"tier": tier, "outcome": outcome})
+            remaining = context.time_remaining()
+            self.metrics.turns.record(classify_turn(
+                failure, finished is not None,
+                finished is not None and finished.structured_status == common_pb2.STRUCTURED_FAILED,
+                deadline_passed=remaining is not None and remaining <= 0,
+            ), model)
             if outcome == "ok":
                 self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"tier": tier})
 
