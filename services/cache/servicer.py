@@ -16,6 +16,7 @@ import zlib
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from ballast.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.cache.framing import Packer, Unpacker
@@ -64,6 +65,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         timeout, bound = self._budget(context, 0)
         cached = await self.store.lookup(scope, hashes, timeout, bound)
         self.metrics.latency.record((time.perf_counter() - started) * 1000, {"method": "Lookup"})
+        # The call's server span (see grpc_tracing): what was asked and found.
+        trace.get_current_span().set_attributes({"ballast.kv.blocks": len(hashes), "ballast.kv.cached": cached})
         return kvcache_pb2.KVLookupReply(cached_blocks=cached)
 
     async def Delete(self, request: kvcache_pb2.KVDeleteRequest, context) -> kvcache_pb2.KVDeleteReply:
@@ -96,13 +99,16 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         bound = remaining is not None and remaining < own
         deadline = time.monotonic() + (remaining if bound else own)
         packer = Packer(self.config.chunk_bytes)
+        served = 0
         async for record in self.store.get(scope, hashes, layout, deadline, bound):
+            served += 1
             for headers, data in packer.add(record.header.to_pb(), record.payload):
                 yield kvcache_pb2.KVGetReply(headers=headers, data=data)
         last = packer.finish()
         if last is not None:
             yield kvcache_pb2.KVGetReply(headers=last[0], data=last[1])
         self.metrics.latency.record((time.perf_counter() - started) * 1000, {"method": "Get"})
+        trace.get_current_span().set_attributes({"ballast.kv.blocks": len(hashes), "ballast.kv.served": served})
 
     # --- Put: client stream (not covered by the interceptor, so errors map here) ---------
     async def Put(self, request_iterator, context) -> kvcache_pb2.KVPutReply:
@@ -117,6 +123,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             log.exception("bug in KVCache/Put")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in KVCache/Put")
         self.metrics.latency.record((time.perf_counter() - started) * 1000, {"method": "Put"})
+        trace.get_current_span().set_attributes(
+            {"ballast.kv.stored": outcome.stored_blocks, "ballast.kv.rejected": outcome.rejected_blocks})
         return kvcache_pb2.KVPutReply(stored_blocks=outcome.stored_blocks,
                                       stored_bytes=outcome.stored_bytes,
                                       rejected_blocks=outcome.rejected_blocks)

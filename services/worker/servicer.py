@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -14,6 +15,7 @@ from typing import AsyncIterator
 import grpc
 
 from ballast.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common import tracing
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.common.sampling_pb import FINISH_TO_PB, sampling_from_pb
 from services.common.streams import Coalescer
@@ -21,6 +23,7 @@ from services.worker.engine import Engine, EngineRequest, TokenDelta
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+TRACER = tracing.tracer("worker")
 
 # A worker trusts the router for policy but still refuses nonsense sizes.
 MAX_TOKENS_HARD_LIMIT = 1 << 20
@@ -152,15 +155,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.state.streams.add(stream)
         # Counted as the engine reports it (restored KV is not computed), else the whole context.
         context_tokens, prefill_counted = len(engine_request.prompt_ids) + index, False
+        # Siblings under the call's span, never current: the engine's own spans (KV restore and
+        # save) stay children of the call, whichever phase they fall in.
+        prefill = TRACER.start_span("worker.prefill", attributes={
+            "ballast.context_tokens": context_tokens, "ballast.resume_from": index})
+        decode = None
         try:
             async for delta in stream:
                 if delta.prefill_tokens is not None and not prefill_counted:
                     self.metrics.prefill_tokens.add(delta.prefill_tokens)
                     prefill_counted = True
+                    if prefill.is_recording():
+                        prefill.set_attribute("ballast.prefill_tokens", delta.prefill_tokens)
                 if delta.token_ids:
                     if first_token_at is None:
                         first_token_at = time.perf_counter()
                         self.metrics.ttft.record((first_token_at - started) * 1000)
+                        tracing.end_span(prefill)
+                        decode = TRACER.start_span("worker.decode")
                     yield worker_pb2.WorkerGenerateEvent(
                         tokens=common_pb2.Tokens(text=delta.text, token_ids=delta.token_ids, first_index=index)
                     )
@@ -186,6 +198,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             outcome = "handed_off"
             raise
         finally:
+            failure = sys.exc_info()[1]
+            tracing.end_span(prefill, failure, outcome=outcome)
+            if decode is not None:
+                tracing.end_span(decode, failure, outcome=outcome, tokens=index - len(engine_request.generated_ids))
             self.state.streams.discard(stream)
             await stream.aclose()
             self.state.release()

@@ -17,9 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from opentelemetry import context as otel_context
+
 from services.cache.blocks import chain_hashes
 from services.cache.client import FetchedBlocks, KVCacheClient, PutBlock
 from services.cache.types import KVLayout, KVScope
+from services.common import tracing
 from services.common.errors import BallastError, Unavailable
 from services.common.telemetry import DependencyStatus
 from services.worker.kv.cost import CostModel
@@ -27,6 +30,7 @@ from services.worker.kv.metrics import KVMetrics
 from services.worker.kv.saver import SaveQueue
 
 log = logging.getLogger(__name__)
+TRACER = tracing.tracer("worker")
 
 DEPENDENCY = "kvcache"
 # Encodes blocks [first, end) of a finished sequence into (bytes, CRC-32) pairs.
@@ -63,6 +67,8 @@ class _SaveJob:
     scope: KVScope
     token_ids: tuple[int, ...]
     encode: BlockEncoder
+    # The turn's trace: the save runs later, in the background, but belongs to that turn.
+    trace_context: otel_context.Context | None = None
 
 
 @dataclass
@@ -169,6 +175,13 @@ class SessionKV:
 
     async def fetch(self, tenant: str, context: Sequence[int]) -> Fetch | None:
         """Fetches the longest cached prefix of `context` worth restoring; None to recompute."""
+        with TRACER.start_as_current_span("worker.kv_restore",
+                                          attributes={"ballast.context_tokens": len(context)}) as span:
+            fetched = await self._fetch(tenant, context)
+            span.set_attribute("ballast.kv.blocks", fetched.blocks.blocks if fetched is not None else 0)
+            return fetched
+
+    async def _fetch(self, tenant: str, context: Sequence[int]) -> Fetch | None:
         if not self._available:
             self.metrics.lookups.add(1, {"result": "unavailable"})
             return None
@@ -235,7 +248,7 @@ class SessionKV:
         if not self._available:
             self.metrics.saves.add(1, {"outcome": "unavailable"})
             return "unavailable"
-        job = _SaveJob(self.scope(tenant), tuple(token_ids), encode)
+        job = _SaveJob(self.scope(tenant), tuple(token_ids), encode, otel_context.get_current())
         outcome = self._queue.offer((tenant, session_id), job)
         if outcome != "queued":
             self.metrics.saves.add(1, {"outcome": outcome})
@@ -263,6 +276,13 @@ class SessionKV:
             self.metrics.saves.add(1, {"outcome": outcome})
 
     async def _save_one(self, job: _SaveJob) -> str:
+        with TRACER.start_as_current_span("worker.kv_save", context=job.trace_context,
+                                          attributes={"ballast.tokens": len(job.token_ids)}) as span:
+            outcome = await self._write(job)
+            span.set_attribute("ballast.outcome", outcome)
+            return outcome
+
+    async def _write(self, job: _SaveJob) -> str:
         if not self._available:
             return "unavailable"
         started = time.perf_counter()
