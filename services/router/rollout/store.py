@@ -1,0 +1,63 @@
+"""Reads and writes rollout documents in etcd; every write is a compare-and-swap.
+
+A write names the mod revision it read (0: the key must not exist yet) and succeeds only
+if the key is unchanged, so two routers that both see a breach, or an operator and a
+router acting at once, cannot overwrite each other: the loser re-reads and finds the
+decision already made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aetcd
+
+from services.common.config import EtcdConfig
+from services.router.rollout.state import ROLLOUT_PREFIX, Rollout, load_rollout, rollout_key
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A rollout as read from etcd, with the revision a compare-and-swap must match."""
+
+    rollout: Rollout
+    mod_revision: int
+
+
+class RolloutStore:
+    """Rollout documents under `<prefix>rollout/`, over one connected aetcd client."""
+
+    def __init__(self, client: aetcd.Client, config: EtcdConfig) -> None:
+        self.client = client
+        self.config = config
+
+    def key(self, model: str) -> bytes:
+        return rollout_key(self.config.prefix, model).encode()
+
+    async def read(self, model: str) -> Stored | None:
+        """The model's rollout, or None; a stored document that is invalid raises RolloutError."""
+        got = await asyncio.wait_for(self.client.get(self.key(model)), self.config.timeout_s)
+        if got is None:
+            return None
+        return Stored(load_rollout(got.value, model), got.mod_revision)
+
+    async def read_all(self) -> dict[str, bytes]:
+        """Every stored document by model name, unparsed (for listings that show bad ones too)."""
+        prefix = f"{self.config.prefix}{ROLLOUT_PREFIX}".encode()
+        result = await asyncio.wait_for(self.client.get_prefix(prefix), self.config.timeout_s)
+        return {kv.key[len(prefix):].decode(): kv.value for kv in result}
+
+    async def swap(self, rollout: Rollout, mod_revision: int) -> bool:
+        """Writes the document if the key still has `mod_revision` (0: absent); False if not."""
+        key = self.key(rollout.model)
+        txn = self.client.transactions
+        succeeded, _responses = await asyncio.wait_for(
+            self.client.transaction(
+                compare=[txn.mod(key) == mod_revision],
+                success=[txn.put(key, rollout.to_json())],
+                failure=[],
+            ),
+            self.config.timeout_s,
+        )
+        return bool(succeeded)
