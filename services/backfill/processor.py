@@ -7,6 +7,9 @@ unreachable Redis or broker, a refused API key all wait with backoff and never c
 attempts; only replays that fail on their own count, and after `max_attempts` the record goes
 to the dead-letter topic. The handler returns only when the record is settled, and only then
 does the consumer commit its offset.
+
+Each record is handled in a span that continues the trace of the request that degraded (its
+`traceparent` header), so the replay through the router shows up in that request's trace.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import logging
 import time
 from typing import Awaitable, Callable, TypeVar
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from redis.exceptions import RedisError
 
 from ballast.v1 import backfill_pb2
 from services.backfill.consumer import Record
+from services.common import tracing
 from services.backfill.metrics import BackfillMetrics
 from services.backfill.replay import Replayer, ReplayError, ReplayErrorKind
 from services.backfill.settings import BackfillSettings
@@ -35,6 +41,7 @@ from services.degrade.topics import (
 )
 
 log = logging.getLogger(__name__)
+TRACER = tracing.tracer("backfill")
 T = TypeVar("T")
 # Failures of our own dependencies: wait and try again, never blame the request.
 INFRA_ERRORS = (RedisError, OSError, DeliveryFailed, asyncio.TimeoutError)
@@ -60,6 +67,16 @@ class Processor:
 
     async def handle(self, record: Record) -> str:
         """Settles one record; returns the outcome (stored, duplicate or dead_lettered)."""
+        with TRACER.start_as_current_span(
+            "backfill.handle", context=tracing.context_from_headers(record.headers), kind=SpanKind.CONSUMER,
+            attributes={"messaging.system": "kafka", "messaging.destination.name": record.topic,
+                        "messaging.kafka.partition": record.partition, "messaging.kafka.offset": record.offset},
+        ) as span:
+            outcome = await self._handle(record)
+            span.set_attribute("ballast.outcome", outcome)
+            return outcome
+
+    async def _handle(self, record: Record) -> str:
         try:
             degraded = decode_degraded(record.value)
         except InvalidDegradedRequest as exc:
@@ -67,6 +84,7 @@ class Processor:
             await self._dead_letter(record, f"invalid: {exc}", attempts=0, cause="invalid")
             return "dead_lettered"
         where = (record.partition, record.offset)
+        trace.get_current_span().set_attribute("ballast.ticket", degraded.ticket)
         self._in_hand[where] = seconds(degraded.received_at)
         try:
             return await self._settle(record, degraded)

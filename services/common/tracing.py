@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import AsyncContextManager, AsyncIterator, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, AsyncContextManager, AsyncIterator, Iterable, Mapping, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.common.config import TracingConfig
+if TYPE_CHECKING:  # config imports modules that trace (the degrade hand-off)
+    from services.common.config import TracingConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

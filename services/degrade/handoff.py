@@ -6,6 +6,11 @@ one transaction (group commit: one fsync per batch, not per request). A drainer 
 the outbox's rows in order with an idempotent, acks=all producer and deletes each row when its
 delivery report arrives; while the broker is unreachable rows wait (bounded) and the drainer
 retries with backoff, starting again from the oldest row.
+
+Each record carries the trace context of the request that degraded (W3C `traceparent` header),
+so the backfill's replay continues that request's trace. The context is kept in memory beside
+the row, not in the outbox: rows drained after a restart go out without it (a trace link is
+worth less than a schema change to the outbox).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from services.common import tracing
 from services.degrade.kafka import AsyncProducer, Delivered, DeliveryFailed, ensure_topics
 from services.degrade.outbox import Outbox, OutboxDepth, OutboxError, OutboxFull, Synchronous
 from services.degrade.topics import CONTENT_TYPE_HEADER, DEGRADED_CONTENT_TYPE, DEGRADED_TOPIC
@@ -69,7 +75,10 @@ class HandOff:
         # calls stay in submission order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox")
         self._producer = AsyncProducer(settings.bootstrap, settings.delivery_timeout_s, settings.client_id)
-        self._pending: list[tuple[bytes | None, bytes, asyncio.Future[int]]] = []
+        # (key, value, trace headers, future) of submits waiting for the next outbox commit.
+        self._pending: list[tuple[bytes | None, bytes, list[tuple[str, bytes]], asyncio.Future[int]]] = []
+        # Row id -> trace headers of rows not delivered yet (bounded by the outbox's rows).
+        self._trace_headers: dict[int, list[tuple[str, bytes]]] = {}
         self._flusher: asyncio.Task | None = None
         self._drainer: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -130,7 +139,7 @@ class HandOff:
             self._refuse("pending")
             raise OutboxFull(f"{len(self._pending)} hand-offs already wait for the outbox")
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._pending.append((key, value, future))
+        self._pending.append((key, value, tracing.context_headers(), future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush(), name="outbox-commit")
         # Shielded: a caller that goes away must not break the batch it is part of.
@@ -147,14 +156,16 @@ class HandOff:
         while self._pending:
             batch, self._pending = self._pending, []
             try:
-                ids = await loop.run_in_executor(self._executor, self._outbox.append, [(k, v) for k, v, _f in batch])
+                ids = await loop.run_in_executor(self._executor, self._outbox.append, [(k, v) for k, v, _h, _f in batch])
             except Exception as exc:  # noqa: BLE001 - every waiter learns it failed
                 error = exc if isinstance(exc, OutboxError) else OutboxError(f"outbox write failed: {exc!r}")
-                for _k, _v, future in batch:
+                for _k, _v, _h, future in batch:
                     if not future.done():
                         future.set_exception(error)
                 continue
-            for (_k, _v, future), row_id in zip(batch, ids):
+            for (_k, _v, trace_headers, future), row_id in zip(batch, ids):
+                if row_id is not None and trace_headers:
+                    self._trace_headers[row_id] = trace_headers
                 if future.done():
                     continue
                 if row_id is None:
@@ -225,7 +236,9 @@ class HandOff:
                 except Exception as exc:  # noqa: BLE001 - broker away: try again later
                     self.stats.last_error = f"cannot create topic {s.topic}: {exc!r}"
                     return False
-            futures = [self._producer.send_nowait(s.topic, item.value, item.key, s.headers) for item in items]
+            futures = [self._producer.send_nowait(s.topic, item.value, item.key,
+                                                  [*s.headers, *self._trace_headers.get(item.id, ())])
+                       for item in items]
             try:
                 # librdkafka fails each record after message.timeout.ms; the margin covers the report.
                 async with asyncio.timeout(s.delivery_timeout_s + 5.0):
@@ -238,6 +251,8 @@ class HandOff:
             delivered = [item.id for item, result in zip(items, results) if isinstance(result, Delivered)]
             if delivered:
                 await loop.run_in_executor(self._executor, self._outbox.delete, delivered)
+                for row_id in delivered:
+                    self._trace_headers.pop(row_id, None)
                 self.stats.delivered += len(delivered)
             failures = [r for r in results if not isinstance(r, Delivered)]
             if failures:

@@ -6,6 +6,9 @@ producer turns fatal when the broker forgets its producer id (a Tansu restart do
 that), so after any failed delivery the caller `reset()`s it: a fresh producer, new id.
 Duplicates that a reset can cause are absorbed downstream (the backfill keys everything by
 ticket); ordering within a key holds because a caller never sends past a failure.
+
+Records carry the W3C trace context of the span that sends them (`traceparent` header) unless
+the caller passes one of its own, as the outbox drainer does for requests degraded earlier.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from confluent_kafka import KafkaError, KafkaException, Producer
+
+from services.common import tracing
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +122,11 @@ class AsyncProducer:
         if producer is None:
             future.set_exception(DeliveryFailed("producer is stopped"))
             return future
+        headers = list(headers or ())
+        if not any(name == tracing.TRACEPARENT for name, _value in headers):
+            headers.extend(tracing.context_headers())
         try:
-            producer.produce(topic, value=value, key=key, headers=list(headers or ()),
+            producer.produce(topic, value=value, key=key, headers=headers,
                              on_delivery=self._resolver(future))
         except BufferError:
             future.set_exception(DeliveryFailed("producer queue is full"))
