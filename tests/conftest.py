@@ -11,6 +11,8 @@ import pytest
 from services.common.localservers import EtcdServer, KafkaBroker, RedisServer
 from tests.model_fixtures import tiny_model_dir  # noqa: F401  (re-exported fixture)
 
+pytest_plugins = ["tests.hang_report"]
+
 
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory):

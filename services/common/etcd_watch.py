@@ -12,6 +12,7 @@ from typing import Callable
 
 from services.common.config import EtcdConfig
 from services.common.membership import ETCD_ERRORS, make_client
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,5 @@ class KeyWatcher:
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.key.decode()}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
+        self._task = None

@@ -21,6 +21,7 @@ import aetcd.exceptions
 
 from services.common.config import EtcdConfig
 from services.common.telemetry import DependencyStatus
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,8 @@ class WorkerRegistration:
         backoff = self.config.reconnect_backoff_s
         while True:
             try:
-                await asyncio.wait_for(self._publish(), timeout=self.config.timeout_s * 2)
+                async with asyncio.timeout(self.config.timeout_s * 2):
+                    await self._publish()
                 self._dependencies.set("etcd", True)
                 self.registered.set()
                 backoff = self.config.reconnect_backoff_s
@@ -150,19 +152,16 @@ class WorkerRegistration:
                 delay, backoff = backoff, min(backoff * 2, 5.0)
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=delay)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: wait_for can swallow the cancel that stops us.
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
 
     async def stop(self) -> None:
         """Stops refreshing and revokes the lease, so routers drop this worker at once."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         if self._lease is not None:
             try:
                 await asyncio.wait_for(self._lease.revoke(), timeout=self.config.timeout_s)
@@ -214,13 +213,8 @@ class MembershipWatcher:
         self._task = asyncio.create_task(self._run(), name="etcd-membership")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def wait_for(self, predicate: Callable[[dict[str, WorkerRecord]], bool], timeout: float) -> bool:
         """Waits until the membership satisfies `predicate`; False on timeout."""

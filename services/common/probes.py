@@ -7,6 +7,7 @@ import logging
 from typing import Awaitable, Callable
 
 from services.common.telemetry import DependencyStatus
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ class DependencyProbe:
 
     async def probe_once(self) -> bool:
         try:
-            await asyncio.wait_for(self._check(), self._timeout_s)
+            # asyncio.timeout, not wait_for: wait_for can swallow the cancel that stops us.
+            async with asyncio.timeout(self._timeout_s):
+                await self._check()
             up = True
         except asyncio.CancelledError:
             raise
@@ -61,10 +64,5 @@ class DependencyProbe:
         self._task = asyncio.create_task(self._run(), name=f"probe-{self.name}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None

@@ -76,7 +76,8 @@ class WorkerState:
 
     async def wait_idle(self, timeout: float) -> bool:
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
             return True
         except asyncio.TimeoutError:
             return False

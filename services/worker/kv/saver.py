@@ -57,7 +57,8 @@ class SaveQueue(Generic[T]):
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is queued or being handled, False if `timeout_s` passed first."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
             return True
         except asyncio.TimeoutError:
             return False

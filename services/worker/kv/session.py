@@ -28,6 +28,7 @@ from services.common.telemetry import DependencyStatus
 from services.worker.kv.cost import CostModel
 from services.worker.kv.metrics import KVMetrics
 from services.worker.kv.saver import SaveQueue
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 TRACER = tracing.tracer("worker")
@@ -124,12 +125,7 @@ class SessionKV:
         if self._available and not await self.flush(flush_timeout_s):
             log.warning("stopping with %d session saves unwritten", len(self._queue))
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await stop_task(task)
         self._tasks = []
         self._encoder.shutdown(wait=False, cancel_futures=True)
         await self.client.close()
@@ -258,10 +254,12 @@ class SessionKV:
         while True:
             job = await self._queue.take()
             try:
-                outcome = await asyncio.wait_for(self._save_one(job), self.settings.save_timeout_s)
+                # asyncio.timeout, not wait_for: wait_for can swallow the cancel that stops us.
+                async with asyncio.timeout(self.settings.save_timeout_s):
+                    outcome = await self._save_one(job)
             except asyncio.CancelledError:
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 outcome = "error"
                 log.warning("kv save gave up after %.1fs", self.settings.save_timeout_s)
             except BallastError as error:
