@@ -22,6 +22,7 @@ import aetcd
 
 from services.common.config import EtcdConfig
 from services.common.membership import ETCD_ERRORS, make_client
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class LeaderLock:
         without waiting for the TTL."""
         lease = self._lease if self.is_leader else None
         if self._task is not None:
-            await _cancel(self._task)
+            await stop_task(self._task)
             self._task = None
         self._set_leader(False)
         if lease is not None:
@@ -179,8 +180,9 @@ class LeaderLock:
 
         try:
             # The bound makes a lost watch cost one TTL of delay, never a stuck follower.
-            await asyncio.wait_for(deleted(), timeout=self.ttl_s * 2)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.ttl_s * 2):
+                await deleted()
+        except TimeoutError:
             pass
         finally:
             await watch.cancel()
@@ -201,30 +203,23 @@ class LeaderLock:
         try:
             while not lost.is_set():
                 try:
-                    await asyncio.wait_for(lost.wait(), interval)
+                    # asyncio.timeout, not wait_for: wait_for can swallow the cancel that stops us.
+                    async with asyncio.timeout(interval):
+                        await lost.wait()
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
-                reply = await asyncio.wait_for(lease.refresh(), min(self.config.timeout_s, interval))
+                async with asyncio.timeout(min(self.config.timeout_s, interval)):
+                    reply = await lease.refresh()
                 if reply is None or reply.TTL <= 0:
                     log.warning("leader lease of %s expired", self.key.decode())
                     break
         finally:
-            await _cancel(follower)
+            await stop_task(follower)
             try:
                 await watch.cancel()
             except ETCD_ERRORS:
                 pass
-
-
-async def _cancel(task: asyncio.Task) -> None:
-    """Cancels `task` and waits for it to end. Python 3.11's wait_for can swallow a
-    cancellation that lands as its inner wait completes, so cancel until it is really done."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=1.0)
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("task %s ended with %r", task.get_name(), task.exception())
 
 
 async def _close(client: aetcd.Client) -> None:
