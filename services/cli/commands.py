@@ -185,3 +185,65 @@ def cmd_bench_failover(args) -> int:
     from bench.failover import run_benchmark
 
     return run_benchmark(kills=args.kills, interval=args.interval, clients=args.clients, out=args.out)
+
+
+def _rollout_call(args, make) -> int:
+    """Runs one rollout command against the configured etcd; errors go to stderr."""
+    from services.cli.rollout import RolloutCommandError, describe
+    from services.common.membership import ETCD_ERRORS
+
+    config = _local_config(args)
+    try:
+        rollout = asyncio.run(make(config.etcd))
+    except RolloutCommandError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ETCD_ERRORS as exc:
+        print(f"cannot reach etcd at {config.etcd.host}:{config.etcd.port}: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(describe(rollout, {})))
+    return 0
+
+
+def cmd_rollout_start(args) -> int:
+    from services.cli.rollout import start_rollout
+
+    gate = {key: value for key, value in (
+        ("window_s", args.window_s), ("min_requests", args.min_requests),
+        ("max_error_rate", args.max_error_rate), ("max_p99_ms", args.max_p99_ms)) if value is not None}
+    return _rollout_call(args, lambda etcd: start_rollout(
+        etcd, args.model, args.candidate, stable=args.stable, weight=args.weight, mode=args.mode,
+        mirror_percent=args.mirror, gate=gate))
+
+
+def cmd_rollout_promote(args) -> int:
+    from services.cli.rollout import decide_rollout
+    from services.router.rollout.state import Phase
+
+    reason = f"promoted by operator{': ' + args.reason if args.reason else ''}"
+    return _rollout_call(args, lambda etcd: decide_rollout(etcd, args.model, Phase.PROMOTED, reason))
+
+
+def cmd_rollout_abort(args) -> int:
+    from services.cli.rollout import decide_rollout
+    from services.router.rollout.state import Phase
+
+    reason = f"aborted by operator{': ' + args.reason if args.reason else ''}"
+    return _rollout_call(args, lambda etcd: decide_rollout(etcd, args.model, Phase.ROLLED_BACK, reason))
+
+
+def cmd_rollout_status(args) -> int:
+    from services.cli.rollout import describe, rollout_status
+    from services.common.membership import ETCD_ERRORS
+
+    config = _local_config(args)
+    try:
+        rows = asyncio.run(rollout_status(config.etcd, args.model))
+    except ETCD_ERRORS as exc:
+        print(f"cannot read etcd at {config.etcd.host}:{config.etcd.port}: {exc}", file=sys.stderr)
+        return 1
+    for model, rollout, workers in rows:
+        print("\n".join(describe(rollout, workers)) if not isinstance(rollout, str) else f"{model}: {rollout}")
+    if not rows:
+        print("(no rollouts)" if args.model is None else f"(no rollout of {args.model!r})")
+    return 0

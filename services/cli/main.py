@@ -2,6 +2,7 @@
 
   ballast up / down / status       run the local mesh in the background, stop it, look at it
   ballast chat "text"              stream an answer through the router
+  ballast rollout start|status|promote|abort   canary / blue-green rollouts of a model version
   ballast model build-tiny DIR     build the small CPU model
   ballast bench overhead           measure what the router adds
 """
@@ -55,6 +56,35 @@ def _add_chat(sub) -> None:
     p.set_defaults(handler="services.cli.commands:cmd_chat")
 
 
+def _add_rollout(sub) -> None:
+    p = sub.add_parser("rollout", help="canary and blue-green rollouts of a model version (etcd)")
+    rsub = p.add_subparsers(dest="rollout_command", required=True)
+    s = rsub.add_parser("start", help="start sending a share of sessions (and mirrored copies) to a candidate version")
+    s.add_argument("model")
+    s.add_argument("candidate", help="the candidate's model version (the hash its workers report)")
+    s.add_argument("--stable", help="version serving now (default: the last rollout's outcome, or the workers' one version)")
+    s.add_argument("--weight", type=float, default=10.0, help="percent of sessions on the candidate (blue-green: 0 or 100)")
+    s.add_argument("--mode", choices=["canary", "blue-green"], default="canary")
+    s.add_argument("--mirror", type=float, default=0.0, help="percent of stable requests copied to the candidate")
+    s.add_argument("--window-s", type=float, help="clean window before promotion (s); also the measuring window")
+    s.add_argument("--min-requests", type=int, help="candidate requests a clean window needs")
+    s.add_argument("--max-error-rate", type=float, help="error rate (0..1) that rolls back")
+    s.add_argument("--max-p99-ms", type=float, help="p99 time to first token (ms) that rolls back")
+    s.set_defaults(handler="services.cli.commands:cmd_rollout_start")
+    st = rsub.add_parser("status", help="rollouts in etcd, with the workers of each version")
+    st.add_argument("model", nargs="?")
+    st.set_defaults(handler="services.cli.commands:cmd_rollout_status")
+    for name, help_text in (("promote", "send all traffic to the candidate now"),
+                            ("abort", "roll back: all traffic to the stable version now")):
+        d = rsub.add_parser(name, help=help_text)
+        d.add_argument("model")
+        d.add_argument("--reason", default="", help="why (kept in the rollout document)")
+        d.set_defaults(handler=f"services.cli.commands:cmd_rollout_{name}")
+    for parser in rsub.choices.values():
+        parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+        parser.add_argument("--config", help="ballast.yaml (default: the local mesh's)")
+
+
 def _add_model(sub) -> None:
     p = sub.add_parser("model", help="model tools")
     msub = p.add_subparsers(dest="model_command", required=True)
@@ -90,7 +120,7 @@ def _add_bench(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ballast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_up, _add_down, _add_status, _add_chat, _add_model, _add_bench):
+    for add in (_add_up, _add_down, _add_status, _add_chat, _add_rollout, _add_model, _add_bench):
         add(sub)
     return parser
 

@@ -66,6 +66,7 @@ class RouterApp:
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.rules_watch.stop()
+        await self.servicer.rollouts.stop()
         await self.servicer.pools.stop()
         await self.membership.stop()
         await self.clients.close()
@@ -85,6 +86,7 @@ async def create_server(config: BallastConfig) -> RouterApp:
     await servicer.backfill.start()
     rules_watch = KeyWatcher(config.etcd, f"{config.etcd.prefix}{TIERING_KEY}", servicer.rules_changed)
     await rules_watch.start()
+    await servicer.rollouts.start()
     server = new_server()
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])

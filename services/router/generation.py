@@ -2,6 +2,7 @@
 
 The client sees one unbroken stream. When a worker dies, stalls, drains or errors after
 some tokens were sent, the request continues on another worker of the same model version
+(enforced: during a rollout the version is the one the session drew, see rollout/split.py)
 from the prompt plus every token already sent (`generated_ids`), with `max_tokens` reduced:
 no token lost, none repeated, indices continuous. Sampling resumes exactly because the
 random state at each position derives from the seed and the position (the router gives
@@ -43,6 +44,9 @@ from services.router.resilience.breaker import Outcome, classify_exception
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import Refusal, RetryBudget, RetryBudgetExhausted
+from services.router.rollout.controller import RolloutController
+from services.router.rollout.mirror import Answer, MirrorHandle
+from services.router.rollout.split import Role, Route
 from services.router.resilience.stall import StreamStalled, with_stall_timeout
 from services.router.pools import PoolGates, slot_key, worker_id_of
 from services.router.scheduling.async_gate import Grant
@@ -91,6 +95,10 @@ def error_from_worker(exc: grpc.aio.AioRpcError, worker_id: str) -> BallastError
     return Unavailable(f"worker {worker_id} failed: {code.name}: {exc.details()}")
 
 
+def _pool_words(model: str, version: str | None) -> str:
+    return f"model {model!r}" + (f" version {version}" if version else "")
+
+
 def _resume_reason(error: BaseException) -> str:
     if isinstance(error, Preempted):
         return "preempted"
@@ -112,8 +120,10 @@ class StreamState:
     model_version: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
-    # Relayed text, kept only for a request with a JSON Schema (to validate and repair it).
+    # Relayed text, kept only for a request with a JSON Schema (to validate and repair it)
+    # or a mirrored one (to compare it with the candidate's answer).
     text_parts: list[str] | None = None
+    keep_text: bool = False
     dropped: tuple[int, ...] = ()
 
 
@@ -146,6 +156,7 @@ class GenerationRunner:
         retry_budget: RetryBudget,
         pools: PoolGates,
         metrics: RouterMetrics,
+        rollouts: RolloutController | None = None,
     ) -> None:
         self.config = config
         self.membership = membership
@@ -156,6 +167,8 @@ class GenerationRunner:
         self.pools = pools
         self.metrics = metrics
         self.affinity = SessionAffinity()
+        # Without etcd (a runner built on its own) no rollout is ever seen: plain routing.
+        self.rollouts = rollouts or RolloutController(None, clients, models)
 
     async def run(
         self, request: InferenceRequest, tier: str, reason: str, weight: float,
@@ -163,10 +176,73 @@ class GenerationRunner:
     ) -> AsyncIterator[inference_pb2.GenerateEvent]:
         state = StreamState()
         attempts = self.retry_budget.start()
+        route = self.rollouts.route(request)
+        mirror = self._mirror(request, route, deadline)
+        state.keep_text = mirror is not None
+        error: BaseException | None = None
+        try:
+            if route is None:
+                async for event in self._run_in_pool(request, None, state, attempts, tier, reason, weight, deadline, started):
+                    yield event
+            else:
+                async for event in self._run_routed(request, route, state, attempts, tier, reason, weight, deadline, started):
+                    yield event
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if mirror is not None:
+                # Hands the primary's answer to the mirror's comparison; never waits for it.
+                mirror.primary_done(self._answer(state, started, error))
+
+    def _mirror(self, request: InferenceRequest, route: Route | None, deadline: float) -> MirrorHandle | None:
+        if route is None or not route.mirror:
+            return None
+        return self.rollouts.mirror(request, lambda version: self.pools.idle_worker(request.model, version), deadline)
+
+    def _answer(self, state: StreamState, started: float, error: BaseException | None) -> Answer:
+        return Answer(list(state.sent_ids), "".join(state.text_parts or ()), self._ttft_ms(state, started),
+                      error=None if error is None else type(error).__name__)
+
+    async def _run_routed(
+        self, request: InferenceRequest, route: Route, state: StreamState, attempts, tier: str, reason: str,
+        weight: float, deadline: float, started: float,
+    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        """Runs a request on its rollout version. Only before the first token may it move to
+        the other version (the one without workers, or whose workers all failed): after
+        that, a resume needs the very same weights."""
+        versions = route.versions()
+        for position, version in enumerate(versions):
+            last = position == len(versions) - 1
+            if not last and not self.pools.has_capacity(request.model, version=version):
+                if self.pools.isolated(request.model, version):
+                    # Every worker of the version failed so often its breaker shut it out.
+                    self.rollouts.observe(request.model, version, False)
+                self.rollouts.fell_back(request.model, route)
+                continue
+            try:
+                async for event in self._run_in_pool(request, version, state, attempts, tier, reason, weight, deadline, started):
+                    yield event
+                return
+            except Unavailable as error:
+                if last or state.sent_ids:
+                    raise
+                if isinstance(error, RetryBudgetExhausted) and route.role is not Role.CANDIDATE:
+                    raise  # a failing candidate is the trial's cost, not the client's: it always falls back
+                log.info("request %s: version %s failed before its first token (%s); trying %s",
+                         request.request_id, version, error, versions[position + 1])
+                self.rollouts.fell_back(request.model, route)
+                state.model_version = ""  # starts again on the other version, with its tokenizer
+
+    async def _run_in_pool(
+        self, request: InferenceRequest, version: str | None, state: StreamState, attempts, tier: str,
+        reason: str, weight: float, deadline: float, started: float,
+    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        """Runs a request on the model's workers (of `version` only, when given)."""
         stall_s = self.config.stall.timeout_for(tier)
-        gate = self.pools.gate(request.model)
-        if not self.pools.has_capacity(request.model):
-            raise Unavailable(f"no live worker for model {request.model!r}")
+        gate = self.pools.gate(request.model, version)
+        if not self.pools.has_capacity(request.model, version=version):
+            raise Unavailable(f"no live worker for {_pool_words(request.model, version)}")
         ticket = gate.scheduler.new_ticket(
             request.request_id, request.tenant, tier, weight=weight, client_deadline=deadline,
             prefer=self.pools.key_for(self.affinity.preferred(request.tenant, request.session_id)),
@@ -181,10 +257,15 @@ class GenerationRunner:
                 worker = self.membership.get(worker_id_of(grant.worker_id))
                 if worker is not None and slot_key(worker) != grant.worker_id:
                     worker = None  # restarted since dispatch: a new incarnation, a new slot
+                if worker is not None and state.model_version and worker.model_version != state.model_version:
+                    if state.sent_ids:
+                        worker = None  # a resume continues on the very same weights only
+                    else:
+                        state.model_version = ""  # nothing sent yet: start afresh on this version
                 permit = self.health.acquire(worker.id) if worker is not None else None
                 if worker is None or permit is None:
                     # Gone or breaker-probes busy since dispatch: not an attempt, just another slot.
-                    await self._another_slot(grant, request)
+                    await self._another_slot(grant, request, self._pinned(version, state))
                     continue
                 try:
                     if not state.model_version:
@@ -192,6 +273,7 @@ class GenerationRunner:
                     async for event in self._attempt(request, worker, state, tier, deadline, started, stall_s, grant, control):
                         yield event
                     permit.record(Outcome.SUCCESS)
+                    self.rollouts.observe(request.model, worker.model_version, True, self._ttft_ms(state, started))
                     self.affinity.served(request.tenant, request.session_id, worker.id)
                     return
                 except InvalidArgument:
@@ -203,13 +285,16 @@ class GenerationRunner:
                     if state.sent_ids:
                         yield self._resumed(state, "preempted")
                 except (grpc.aio.AioRpcError, Unavailable) as error:
-                    permit.record(classify_exception(error))
+                    outcome = classify_exception(error)
+                    permit.record(outcome)
+                    if outcome is Outcome.FAULT:
+                        self.rollouts.observe(request.model, worker.model_version, False)
                     self._check_retriable(error, worker, deadline, attempts)
                     why = _resume_reason(error)
                     self.metrics.worker_attempts.add(1, {"reason": why})
                     log.info("request %s (trace %s): worker %s failed (%s) after %d tokens; trying another",
                              request.request_id, tracing.trace_id(), worker.id, why, len(state.sent_ids))
-                    await self._another_slot(grant, request)
+                    await self._another_slot(grant, request, self._pinned(version, state))
                     if state.sent_ids:
                         state.resumes += 1
                         self.metrics.resumes.add(1, {"tier": tier, "reason": why})
@@ -217,11 +302,21 @@ class GenerationRunner:
                 finally:
                     permit.release()
 
-    async def _another_slot(self, grant: Grant, request: InferenceRequest) -> None:
-        """Queues for another worker, unless none is left to wait for: then fail fast."""
+    @staticmethod
+    def _pinned(version: str | None, state: StreamState) -> str | None:
+        """The version the next worker must have: the rollout's, or the one tokens came from."""
+        return version or (state.model_version if state.sent_ids else None)
+
+    @staticmethod
+    def _ttft_ms(state: StreamState, started: float) -> float | None:
+        return None if state.first_token_at is None else (state.first_token_at - started) * 1000
+
+    async def _another_slot(self, grant: Grant, request: InferenceRequest, version: str | None = None) -> None:
+        """Queues for another worker (of `version`, when given), unless none is left to wait
+        for: then fail fast."""
         avoid = grant.ticket.avoid | {grant.worker_id}
-        if not self.pools.has_capacity(request.model, excluding=avoid):
-            raise Unavailable(f"no live worker for model {request.model!r} left to try")
+        if not self.pools.has_capacity(request.model, excluding=avoid, version=version):
+            raise Unavailable(f"no live worker for {_pool_words(request.model, version)} left to try")
         with TRACER.start_as_current_span("router.admission", attributes={"ballast.admission": "retry"}):
             await grant.retry_elsewhere()
 
@@ -247,7 +342,7 @@ class GenerationRunner:
         state.prompt_ids = list(fit.prompt_ids)
         state.dropped = tuple(fit.dropped)
         self.metrics.context.record(fit, request.model)
-        if request.schema is not None:
+        if request.schema is not None or state.keep_text:
             state.text_parts = []
         state.model_version = worker.model_version
         return inference_pb2.GenerateEvent(

@@ -3,7 +3,8 @@
 A gate hands out worker slots: only routable workers (healthy, not draining, breaker
 closed, not hot) count, each with the capacity it advertises, so the router never sends a
 worker more than it can take. Gates are pumped whenever the membership changes, so a new
-or recovered worker takes queued work at once.
+or recovered worker takes queued work at once. During a rollout each version of a model
+gets its own gate (`model@version`), so a request never lands on the other version's workers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from typing import Mapping
 
 from services.common.membership import MembershipWatcher
-from services.router.resilience.health_view import WorkerHealthView
+from services.router.resilience.health_view import Unroutable, WorkerHealthView
 from services.router.scheduling.async_gate import AsyncGate
 from services.router.scheduling.clock import MonotonicClock
 from services.common.membership import WorkerRecord
@@ -21,6 +22,9 @@ from services.router.scheduling.scheduler import PoolScheduler, SchedulerObserve
 from services.router.scheduling.tiers import TierPolicy
 
 log = logging.getLogger(__name__)
+
+# Reasons a worker is out that come from its own failures (not heat, draining or health).
+BREAKER_REASONS = (Unroutable.BREAKER_OPEN, Unroutable.PROBES_BUSY)
 
 
 def slot_key(worker: WorkerRecord) -> str:
@@ -31,6 +35,11 @@ def slot_key(worker: WorkerRecord) -> str:
 
 def worker_id_of(key: str) -> str:
     return key.partition("@")[0]
+
+
+def pool_name(model: str, version: str | None) -> str:
+    """A gate's name: the model, or `model@version` for a gate limited to one version."""
+    return model if version is None else f"{model}@{version}"
 
 
 class PoolGates:
@@ -48,27 +57,48 @@ class PoolGates:
         self._gates: dict[str, AsyncGate] = {}
         self._task: asyncio.Task | None = None
 
-    def _slots(self, model: str) -> Mapping[str, WorkerSlots]:
+    def _routable(self, model: str, version: str | None) -> list[WorkerRecord]:
         workers = self.membership.workers()
         self.health.update(workers)
-        routable = [w for w in self.health.routable(workers.values()) if w.model == model]
-        return {slot_key(w): WorkerSlots(w.capacity, w.in_flight) for w in routable}
+        return [w for w in self.health.routable(workers.values())
+                if w.model == model and (version is None or w.model_version == version)]
 
-    def has_capacity(self, model: str, excluding: frozenset[str] | set[str] = frozenset()) -> bool:
-        """Whether any routable worker serves the model (busy or not), apart from the slot
-        keys in `excluding`."""
-        return any(key not in excluding for key in self._slots(model))
+    def _slots(self, model: str, version: str | None = None) -> Mapping[str, WorkerSlots]:
+        return {slot_key(w): WorkerSlots(w.capacity, w.in_flight) for w in self._routable(model, version)}
+
+    def has_capacity(
+        self, model: str, excluding: frozenset[str] | set[str] = frozenset(), version: str | None = None
+    ) -> bool:
+        """Whether any routable worker serves the model (of `version`, when given; busy or
+        not), apart from the slot keys in `excluding`."""
+        return any(key not in excluding for key in self._slots(model, version))
+
+    def isolated(self, model: str, version: str) -> bool:
+        """Whether the version has workers and the breakers keep every one of them out."""
+        members = [w for w in self.membership.workers().values() if w.model == model and w.model_version == version]
+        return bool(members) and all(self.health.reason(w) in BREAKER_REASONS for w in members)
+
+    def idle_worker(self, model: str, version: str) -> WorkerRecord | None:
+        """The least loaded routable worker of a version with a free slot, while nothing
+        queues for that version (extra work such as a mirrored copy must not wait or crowd)."""
+        gate = self._gates.get(pool_name(model, version))
+        if gate is not None and gate.scheduler.queued() > 0:
+            return None
+        free = [w for w in self._routable(model, version) if w.in_flight < w.capacity]
+        return min(free, key=lambda w: w.in_flight / w.capacity, default=None)
 
     def key_for(self, worker_id: str | None) -> str | None:
         """The slot key of a worker's current incarnation (for affinity), if it is a member."""
         worker = self.membership.get(worker_id) if worker_id else None
         return slot_key(worker) if worker is not None else None
 
-    def gate(self, model: str) -> AsyncGate:
-        gate = self._gates.get(model)
+    def gate(self, model: str, version: str | None = None) -> AsyncGate:
+        """The gate of a model's workers; of one version's only, when given (rollouts)."""
+        name = pool_name(model, version)
+        gate = self._gates.get(name)
         if gate is None:
-            scheduler = PoolScheduler(self.policy, MonotonicClock(), pool=model, observer=self.observer)
-            gate = self._gates[model] = AsyncGate(scheduler, lambda: self._slots(model))
+            scheduler = PoolScheduler(self.policy, MonotonicClock(), pool=name, observer=self.observer)
+            gate = self._gates[name] = AsyncGate(scheduler, lambda: self._slots(model, version))
         return gate
 
     def gates(self) -> dict[str, AsyncGate]:

@@ -34,6 +34,7 @@ from services.router.resilience.breaker import BreakerBoard
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.retry_budget import RetryBudget
 from services.router.resilience.temperature import TemperatureGate
+from services.router.rollout.controller import RolloutController
 from services.router.scheduling.tagging import RuleError, TagInput, TierClassifier, default_rules, load_rules
 from services.router.scheduling.tiers import TierPolicy
 from services.router.worker_clients import WorkerClients
@@ -76,8 +77,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.pools = PoolGates(
             TierPolicy.from_mapping(config.router.scheduling), membership, self.health, SchedulerMetrics(metrics)
         )
+        # Rollouts follow etcd; the app starts and stops the controller.
+        self.rollouts = RolloutController(config.etcd, clients, self.models, metrics._meter)
         self.runner = GenerationRunner(
-            config.router, membership, clients, self.models, self.health, self.retry_budget, self.pools, metrics
+            config.router, membership, clients, self.models, self.health, self.retry_budget, self.pools, metrics,
+            rollouts=self.rollouts,
         )
         self.classifier = TierClassifier(
             self._initial_rules(config.router.tiering_rules_file),

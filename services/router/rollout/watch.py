@@ -12,6 +12,7 @@ from typing import Callable
 
 from services.common.config import EtcdConfig
 from services.common.membership import ETCD_ERRORS, make_client
+from services.common.tasks import stop_task
 from services.router.rollout.state import ROLLOUT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,5 @@ class RolloutWatch:
         self._task = asyncio.create_task(self._run(), name="rollout-watch")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
