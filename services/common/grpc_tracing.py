@@ -47,30 +47,32 @@ def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDet
     return details._replace(metadata=metadata)
 
 
-class TracingClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds `traceparent` (and `tracestate`) of the current span to every outgoing call."""
-
+# grpc.aio files an interceptor under the first call shape it implements only, so each shape
+# needs a class of its own.
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(_with_context(client_call_details), request)
 
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(_with_context(client_call_details), request)
 
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(_with_context(client_call_details), request_iterator)
 
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(_with_context(client_call_details), request_iterator)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """What every Ballast channel to another Ballast service passes as `interceptors=`."""
-    return [TracingClientInterceptor()]
+    """What every channel to another Ballast service passes as `interceptors=`: each call sends
+    the `traceparent` (and `tracestate`) of the span current when it was made."""
+    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
 
 
 # --- server ---------------------------------------------------------------------------------

@@ -1,0 +1,241 @@
+"""Traces across the mesh, in process on port 0: real router, worker (tiny model), cache service
+over real Redis, and the backfill service on a real Kafka-protocol broker.
+
+Spans are read from an in-memory exporter added to the process's SDK TracerProvider, the same
+provider the services use; each test follows one trace id from a client span of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import pytest
+import pytest_asyncio
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from ballast.v1 import inference_pb2_grpc
+from services.backfill.app import create_server as create_backfill
+from services.backfill.settings import BackfillSettings
+from services.cache.app import create_server as create_cache
+from services.cli.client import chat_request, collect
+from services.common import tracing
+from services.common.config import TracingConfig, load_config
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_tracing import client_interceptors
+from services.degrade.handoff import HandOff, HandOffSettings
+from services.router.app import create_server as create_router
+from services.worker.app import create_server as create_worker
+from tests.component.conftest import API_KEY, TENANT, make_config
+from tests.component.test_backfill_handoff import read_topic
+from tests.component.test_backfill_service import domain_request, hand_off
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+# Long enough for two KV blocks of 16 tokens, so the worker looks its prefix up and saves it.
+PROMPT = "My order 12345 has not arrived yet; the blue phone case was paid for on Monday. Where is it now?"
+TEST_TRACER = trace.get_tracer("tests.tracing")
+
+
+@pytest.fixture(scope="module")
+def spans():
+    provider = tracing.install("tests", TracingConfig())
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter
+    exporter.shutdown()
+
+
+@pytest.fixture(scope="module")
+def etcd_prefix():
+    return f"/ballast-trace-{uuid.uuid4().hex[:8]}/"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def cache(redis_server, spans):
+    app = await create_cache(load_config(environ={
+        "BALLAST__REDIS__URL": redis_server.url,
+        "BALLAST__CACHE__PORT": "0",
+        "BALLAST__CACHE__KEY_PREFIX": f"trace-{uuid.uuid4().hex[:8]}:",
+        "BALLAST__TELEMETRY__METRICS_PORT": "0",
+    }))
+    yield app
+    await app.shutdown(grace_s=1.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def router(etcd_server, tiny_model_dir, etcd_prefix, cache, spans):
+    worker = await create_worker(make_config(
+        etcd_server, tiny_model_dir, etcd_prefix,
+        BALLAST__WORKER__CACHE_ADDRESS=cache.address,
+        BALLAST__WORKER__KV_BLOCK_TOKENS="16",
+        BALLAST__WORKER__KV_MEMORY_SESSIONS="0",
+        BALLAST__WORKER__KV_RESTORE_POLICY="always",
+    ))
+    await worker.registration.registered.wait()
+    app = await create_router(make_config(etcd_server, tiny_model_dir, etcd_prefix))
+    assert await app.membership.wait_for(lambda workers: worker.worker_id in workers, timeout=10)
+    yield app
+    await app.shutdown(grace_s=1.0)
+    await worker.shutdown(grace_s=1.0)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def traced_stub(router):
+    """A client whose channel sends the current span's context, as a traced caller's would."""
+    async with grpc.aio.insecure_channel(router.address, options=CHANNEL_OPTIONS,
+                                         interceptors=client_interceptors()) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+def of_trace(exporter: InMemorySpanExporter, trace_id: int) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+
+
+async def wait_for_spans(exporter, trace_id: int, names: set[str], timeout_s: float = 30.0) -> list[ReadableSpan]:
+    """Spans of the trace once every one of `names` has ended (KV saves end after the stream)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = of_trace(exporter, trace_id)
+        missing = names - {s.name for s in found}
+        if not missing:
+            return found
+        assert time.monotonic() < deadline, f"spans never ended: {sorted(missing)}; have {sorted(s.name for s in found)}; all {[(s.name, hex(s.context.trace_id), s.parent) for s in exporter.get_finished_spans()]}"
+        await asyncio.sleep(0.1)
+
+
+def only(found: list[ReadableSpan], name: str, parent: ReadableSpan | None = None) -> ReadableSpan:
+    matches = [s for s in found if s.name == name and (parent is None or s.parent.span_id == parent.context.span_id)]
+    assert len(matches) == 1, f"{name} under {parent.name if parent else '-'}: {[(s.name, s.parent) for s in found]}"
+    return matches[0]
+
+
+async def test_one_request_is_one_trace_through_router_worker_and_cache(traced_stub, spans):
+    with TEST_TRACER.start_as_current_span("client") as client:
+        result = await collect(traced_stub, chat_request(PROMPT, max_tokens=8, session_id=f"s-{uuid.uuid4().hex}"),
+                               API_KEY)
+    assert result.finished is not None
+    trace_id = client.get_span_context().trace_id
+    found = await wait_for_spans(spans, trace_id, {
+        "ballast.v1.Inference/Generate", "router.admission", "router.worker_attempt",
+        "ballast.v1.Worker/Generate", "worker.prefill", "worker.decode", "worker.kv_restore",
+        "worker.kv_save", "ballast.v1.KVCache/Lookup", "ballast.v1.KVCache/Put",
+    })
+
+    router_span = only(found, "ballast.v1.Inference/Generate")
+    assert router_span.parent.span_id == client.get_span_context().span_id
+    assert router_span.parent.is_remote and router_span.kind is SpanKind.SERVER
+    assert router_span.attributes["ballast.tier"] in ("S", "A", "B")
+    assert router_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+    only(found, "router.admission", parent=router_span)
+    attempt = only(found, "router.worker_attempt", parent=router_span)
+    assert attempt.attributes["ballast.finished"] is True and attempt.attributes["ballast.tokens"] > 0
+
+    worker_span = only(found, "ballast.v1.Worker/Generate", parent=attempt)
+    assert worker_span.kind is SpanKind.SERVER and worker_span.parent.is_remote
+    prefill = only(found, "worker.prefill", parent=worker_span)
+    decode = only(found, "worker.decode", parent=worker_span)
+    assert prefill.end_time <= decode.start_time
+
+    restore = only(found, "worker.kv_restore", parent=worker_span)
+    only(found, "ballast.v1.KVCache/Lookup", parent=restore)
+    save = only(found, "worker.kv_save", parent=worker_span)
+    assert save.attributes["ballast.outcome"] == "saved"
+    only(found, "ballast.v1.KVCache/Lookup", parent=save)
+    put = only(found, "ballast.v1.KVCache/Put", parent=save)
+    assert put.attributes["ballast.kv.stored"] >= 1
+
+    # Every span of the request is in the one trace; none ended in error.
+    assert {s.context.trace_id for s in found} == {trace_id}
+    assert all(s.status.status_code is not StatusCode.ERROR for s in found)
+
+
+async def test_a_request_without_trace_context_starts_its_own_trace(router, spans):
+    async with grpc.aio.insecure_channel(router.address, options=CHANNEL_OPTIONS) as channel:
+        result = await collect(inference_pb2_grpc.InferenceStub(channel),
+                               chat_request("Hello there", max_tokens=4, request_id="untraced-1"), API_KEY)
+    assert result.finished is not None
+    roots = [s for s in spans.get_finished_spans()
+             if s.name == "ballast.v1.Inference/Generate" and s.attributes.get("ballast.request_id") == "untraced-1"]
+    assert len(roots) == 1 and roots[0].parent is None
+    worker_spans = await wait_for_spans(spans, roots[0].context.trace_id, {"ballast.v1.Worker/Generate"})
+    assert only(worker_spans, "router.worker_attempt").parent.span_id == roots[0].context.span_id
+
+
+async def test_bad_input_is_recorded_on_the_span_but_is_not_a_server_error(traced_stub, spans):
+    with TEST_TRACER.start_as_current_span("client") as client:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await collect(traced_stub, chat_request("hi", model="no-such-model"), API_KEY)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    found = await wait_for_spans(spans, client.get_span_context().trace_id, {"ballast.v1.Inference/Generate"})
+    router_span = only(found, "ballast.v1.Inference/Generate")
+    assert router_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert router_span.status.status_code is StatusCode.UNSET
+    assert not [s for s in found if s.name == "router.worker_attempt"]
+
+
+# --- through Kafka ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def names():
+    suffix = uuid.uuid4().hex[:8]
+    return {"topic": f"degraded-{suffix}", "backfilled": f"backfilled-{suffix}", "deadletter": f"dead-{suffix}",
+            "group": f"backfill-{suffix}", "prefix": f"trace-{suffix}:backfill:"}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def handoff(kafka_broker, tmp_path_factory, names):
+    handoff = HandOff(HandOffSettings(outbox_path=tmp_path_factory.mktemp("outbox") / "o.sqlite",
+                                      bootstrap=kafka_broker.bootstrap, topic=names["topic"],
+                                      topic_partitions=1, delivery_timeout_s=5))
+    await handoff.start()
+    yield handoff
+    await handoff.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def backfill(kafka_broker, redis_server, router, names, spans):
+    config = load_config(environ={
+        "BALLAST__KAFKA__BOOTSTRAP": kafka_broker.bootstrap,
+        "BALLAST__REDIS__URL": redis_server.url,
+        "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}"}}',
+        "BALLAST__TELEMETRY__METRICS_PORT": "0",
+    })
+    settings = BackfillSettings(
+        port=0, topic=names["topic"], backfilled_topic=names["backfilled"], deadletter_topic=names["deadletter"],
+        topic_partitions=1, group_id=names["group"], session_timeout_ms=6000, heartbeat_interval_ms=1000,
+        router_address=router.address, router_api_key=API_KEY, replay_timeout_s=30, max_attempts=2,
+        retry_backoff_s=0.2, busy_backoff_s=0.2, redis_prefix=names["prefix"], delivery_timeout_s=5,
+    )
+    app = await create_backfill(config, settings)
+    yield app
+    await app.shutdown(grace_s=1.0)
+
+
+async def test_handoff_carries_the_trace_and_the_backfill_replay_continues_it(
+        kafka_broker, handoff, backfill, names, spans):
+    request = domain_request("Is the blue phone case back in stock?", session=f"s-{uuid.uuid4().hex}")
+    # Stands for the router's span of the request that degraded: the hand-off reads the current one.
+    with TEST_TRACER.start_as_current_span("degraded request") as original:
+        ticket = await hand_off(handoff, request)
+    context = original.get_span_context()
+
+    records = await asyncio.to_thread(read_topic, kafka_broker.bootstrap, names["topic"], 1)
+    headers = dict(records[0].headers())
+    assert headers["traceparent"].decode() == f"00-{context.trace_id:032x}-{context.span_id:016x}-01"
+
+    found = await wait_for_spans(spans, context.trace_id, {
+        "backfill.handle", "ballast.v1.Inference/Generate", "ballast.v1.Worker/Generate"}, timeout_s=90)
+    handle = only(found, "backfill.handle")
+    assert handle.parent.span_id == context.span_id and handle.parent.is_remote
+    assert handle.kind is SpanKind.CONSUMER and handle.attributes["ballast.ticket"] == ticket
+    assert handle.attributes["ballast.outcome"] == "stored"
+    replay = only(found, "ballast.v1.Inference/Generate", parent=handle)
+    attempt = only(found, "router.worker_attempt", parent=replay)
+    only(found, "ballast.v1.Worker/Generate", parent=attempt)
