@@ -44,6 +44,10 @@ class WorkerRecord:
     temperature_c: float | None = None
     healthy: bool = True
     draining: bool = False
+    # A warm standby: model loaded, not routable until promoted (it then publishes
+    # standby=false). It also publishes healthy=false, so routers that skip unhealthy
+    # workers skip it without knowing this field.
+    standby: bool = False
     max_context: int = 0
     started_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
@@ -66,7 +70,7 @@ class WorkerRecord:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.standby
 
 
 def workers_prefix(config: EtcdConfig) -> str:

@@ -20,6 +20,8 @@ from services.common.etcd_watch import KeyWatcher
 from services.common.membership import MembershipWatcher
 from services.common.telemetry import Telemetry
 from services.router.backfill_proxy import BackfillProxy
+from services.router.autoscale.controller import AutoscalerController
+from services.router.autoscale.runtime import router_identity, start_autoscaler
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.tagging import TIERING_KEY
 from services.router.servicer import InferenceServicer
@@ -42,6 +44,8 @@ class RouterApp:
     health: object
     rules_watch: KeyWatcher
     _sweeper: asyncio.Task | None = None
+    # The autoscaler's reports, leader campaign and (while leader) decisions; None when off.
+    autoscaler: AutoscalerController | None = None
 
     @property
     def address(self) -> str:
@@ -61,6 +65,9 @@ class RouterApp:
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(grace)
         await self.servicer.degrader.stop()
+        if self.autoscaler is not None:
+            # Resigns leadership at once, so another router decides without waiting a TTL.
+            await self.autoscaler.stop()
         if self.servicer.backfill is not None:
             await self.servicer.backfill.close()
         if self._sweeper is not None:
@@ -96,5 +103,6 @@ async def create_server(config: BallastConfig) -> RouterApp:
     await set_serving(health, [SERVICE_NAME], True)
     app = RouterApp(config, server, port, membership, clients, servicer, telemetry, health, rules_watch)
     app._sweeper = asyncio.create_task(app._sweep_channels())
+    app.autoscaler = await start_autoscaler(config, membership, servicer, telemetry, router_identity(port))
     log.info("router serving on %s", app.address)
     return app

@@ -24,6 +24,7 @@ from services.worker.engine import Engine
 from services.worker.kv import SessionKV, start_session_kv
 from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import FaultInjector, WorkerServicer, WorkerState
+from services.worker.standby import StandbyControl
 from services.worker.temperature import TemperatureSource
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class WorkerApp:
     temperature: TemperatureSource
     # Session KV persistence through the cache service (None: worker.cache_address unset).
     session_kv: SessionKV | None = None
+    # Warm standby role and its watch (promotion by the autoscaler).
+    standby: StandbyControl | None = None
 
     @property
     def address(self) -> str:
@@ -85,10 +88,15 @@ class WorkerApp:
             queued=stats.waiting,
             kv_used=round(stats.kv_used, 4),
             temperature_c=self.temperature.read(),
-            healthy=not self.state.draining,
+            healthy=not self.state.draining and not self.is_standby,
             draining=self.state.draining,
+            standby=self.is_standby,
             max_context=model.max_context,
         )
+
+    @property
+    def is_standby(self) -> bool:
+        return self.standby is not None and self.standby.standby
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Drains and stops; safe to call twice."""
@@ -104,6 +112,8 @@ class WorkerApp:
                 await self.state.wait_idle(5.0)
         # Every step is bounded: a stop that hangs must not keep the process (or a rolling
         # restart) waiting forever.
+        if self.standby is not None:
+            await _bounded("standby watch stop", self.standby.stop(), 5.0)
         await _bounded("etcd deregistration", self.registration.stop(), 10.0)
         await _bounded("gRPC server stop", self.server.stop(1.0), 5.0)
         if self.session_kv is not None:
@@ -154,15 +164,20 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
     )
     app.session_kv = await start_session_kv(config.worker, engine, telemetry, health)
     app.registration = WorkerRegistration(config.etcd, app.record, telemetry.dependencies)
+    app.standby = StandbyControl(
+        config.etcd, worker_id, engine, config.worker.standby, app.registration.publish_now
+    )
     await server.start()
     telemetry.start()
     await set_serving(health, [SERVICE_NAME], True)
     await app.registration.start()
+    await app.standby.start()
     try:
         # Ready means registered, when etcd is there; without etcd the worker still serves
         # direct calls and keeps trying to register in the background.
         await asyncio.wait_for(app.registration.registered.wait(), config.etcd.timeout_s * 2)
     except asyncio.TimeoutError:
         log.warning("not registered in etcd yet; retrying in the background")
-    log.info("worker %s serving %s (%s) on %s", worker_id, engine.model.name, engine.model.version, app.address)
+    log.info("worker %s %s %s (%s) on %s", worker_id, "warm standby for" if app.is_standby else "serving",
+             engine.model.name, engine.model.version, app.address)
     return app

@@ -150,6 +150,10 @@ class PoolAutoscaler:
             ),
         )
 
+    def latency_values(self, now: float) -> tuple[list[float], list[float]]:
+        """The TTFT and end-to-end samples in the window, for a router's report to the leader."""
+        return self._ttft.values(now), self._e2e.values(now)
+
     def _queue_growing(self, signals: PoolSignals) -> bool:
         policy = self.policy
         return (
@@ -200,13 +204,16 @@ class PoolAutoscaler:
 
     # -- decision -------------------------------------------------------------------------
 
-    def decide(self, now: float, current: Replicas) -> ScaleDecision:
-        """The decision at `now`; call once per tick (it advances cooldowns and the calm timer)."""
+    def decide(self, now: float, current: Replicas, signals: PoolSignals | None = None) -> ScaleDecision:
+        """The decision at `now`; call once per tick (it advances cooldowns and the calm timer).
+        `signals` replaces this pool's own windows: the elected leader passes what it merged
+        from every router's report."""
         policy = self.policy
         if self._started is None:
             self._started = now
             self._arrivals.mark(now)
-        signals = self.signals(now)
+        if signals is None:
+            signals = self.signals(now)
         pressure = self._pressure(signals)
         surge = self._surge_ratio(now, signals)
         if self._calm(signals) and not pressure:

@@ -40,6 +40,11 @@ class LatencyWindow:
         self._expire(now)
         return len(self._samples)
 
+    def values(self, now: float) -> list[float]:
+        """The samples still in the window (for a summary another process can merge)."""
+        self._expire(now)
+        return [value for _, value in self._samples]
+
     def percentile(self, now: float, quantile: float, min_samples: int = 1) -> float | None:
         """Nearest-rank percentile (0 < quantile <= 1); None with fewer than `min_samples`."""
         self._expire(now)

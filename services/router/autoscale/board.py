@@ -1,0 +1,113 @@
+"""Routers' window reports in etcd: each router keeps its own fresh under a lease; the leader
+reads them all.
+
+`<prefix>autoscale/reports/<router_id>` holds a `RouterReport` as JSON. The lease (a few
+report intervals long) takes a dead router's report away, so the leader never decides on a
+router that stopped measuring. Reports older than `max_age_s` are ignored as well: a router
+whose clock or loop stalls must not pin the pool's p99.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import aetcd
+
+from services.common.config import EtcdConfig
+from services.common.membership import ETCD_ERRORS, make_client
+from services.common.tasks import stop_task
+from services.router.autoscale.report import RouterReport
+
+log = logging.getLogger(__name__)
+
+
+def reports_prefix(config: EtcdConfig) -> str:
+    return f"{config.prefix}autoscale/reports/"
+
+
+class ReportBoard:
+    def __init__(
+        self,
+        config: EtcdConfig,
+        router_id: str,
+        build: Callable[[], RouterReport],
+        interval_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.router_id = router_id
+        self._build = build
+        self.interval_s = interval_s
+        self._clock = clock
+        self.ttl_s = max(2, round(interval_s * 3 + 0.49))
+        self.max_age_s = max(self.ttl_s * 2.0, 10.0)
+        self._client: aetcd.Client | None = None
+        self._lease: aetcd.leases.Lease | None = None
+        self._task: asyncio.Task | None = None
+        self.published = asyncio.Event()
+
+    @property
+    def key(self) -> bytes:
+        return f"{reports_prefix(self.config)}{self.router_id}".encode()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="autoscale-reports")
+
+    async def stop(self) -> None:
+        await stop_task(self._task)
+        self._task = None
+        if self._lease is not None:
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    await self._lease.revoke()
+            except ETCD_ERRORS:
+                pass  # it expires on its own
+        await self._reset()
+
+    async def _reset(self) -> None:
+        client, self._client, self._lease = self._client, None, None
+        if client is not None:
+            try:
+                await client.close()
+            except Exception:  # a broken channel may fail to close; it is gone either way
+                pass
+
+    async def publish(self) -> None:
+        if self._client is None:
+            self._client = make_client(self.config)
+            await self._client.connect()
+        if self._lease is None:
+            self._lease = await self._client.lease(self.ttl_s)
+        else:
+            reply = await self._lease.refresh()
+            if reply is None or reply.TTL <= 0:
+                self._lease = await self._client.lease(self.ttl_s)
+        await self._client.put(self.key, self._build().to_json(), lease=self._lease)
+        self.published.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.config.timeout_s * 2):
+                    await self.publish()
+            except ETCD_ERRORS as exc:
+                log.debug("could not publish the autoscaler report: %s", exc)
+                await self._reset()
+            await asyncio.sleep(self.interval_s)
+
+    async def read_all(self, client: aetcd.Client) -> list[RouterReport]:
+        """Every live router's report, skipping malformed and stale ones."""
+        now = self._clock()
+        reports = []
+        for kv in await client.get_prefix(reports_prefix(self.config).encode()):
+            try:
+                report = RouterReport.from_json(kv.value)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring malformed autoscaler report %s: %s", kv.key, exc)
+                continue
+            if now - report.at <= self.max_age_s:
+                reports.append(report)
+        return reports

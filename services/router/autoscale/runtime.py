@@ -1,0 +1,53 @@
+"""Wiring the autoscaler into a router process: the executor it acts through, the taps on the
+request path, and the controller that campaigns and decides. Nothing runs unless
+`autoscaler.enabled` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from services.common.config import BallastConfig
+from services.common.membership import MembershipWatcher
+from services.common.telemetry import Telemetry
+from services.router.autoscale.controller import AutoscalerController
+from services.router.autoscale.executor import RoleExecutor
+from services.router.autoscale.observer import QueueWaitTap, RouterObservations, pool_of_model, tap_runner
+
+
+def router_identity(port: int) -> str:
+    """Unique among live routers (host, port, pid): the leader lock and reports key on it."""
+    return f"{socket.gethostname()}-{port}-{os.getpid()}"
+
+
+def make_executor(config: BallastConfig, router_id: str) -> RoleExecutor:
+    kind = config.autoscaler.executor
+    if kind == "local":
+        from services.router.autoscale.local_executor import LocalExecutor
+
+        return LocalExecutor(config, router_id)
+    if kind == "kubernetes":
+        from services.router.autoscale.kubernetes_executor import KubernetesExecutor
+
+        return KubernetesExecutor(config.etcd, config.autoscaler.kubernetes, list(config.autoscaler.pools))
+    return RoleExecutor(config.etcd)
+
+
+async def start_autoscaler(
+    config: BallastConfig, membership: MembershipWatcher, servicer: Any, telemetry: Telemetry, router_id: str
+) -> AutoscalerController | None:
+    """Taps the servicer's request path and starts the controller; None when disabled."""
+    if not config.autoscaler.enabled:
+        return None
+    observations = RouterObservations(
+        config.autoscaler.policy(), lambda model: pool_of_model(membership.workers(), model)
+    )
+    tap_runner(servicer.runner, observations)
+    servicer.metrics.queue_wait = QueueWaitTap(servicer.metrics.queue_wait, observations)
+    controller = AutoscalerController(
+        config, router_id, membership, observations, make_executor(config, router_id), telemetry.meter
+    )
+    await controller.start()
+    return controller
