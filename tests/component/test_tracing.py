@@ -227,8 +227,9 @@ async def test_handoff_carries_the_trace_and_the_backfill_replay_continues_it(
     context = original.get_span_context()
 
     records = await asyncio.to_thread(read_topic, kafka_broker.bootstrap, names["topic"], 1)
+    assert [name for name, _value in records[0].headers()].count("traceparent") == 1
     headers = dict(records[0].headers())
-    assert headers["traceparent"].decode() == f"00-{context.trace_id:032x}-{context.span_id:016x}-01"
+    assert headers["traceparent"].decode() == f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
     found = await wait_for_spans(spans, context.trace_id, {
         "backfill.handle", "ballast.v1.Inference/Generate", "ballast.v1.Worker/Generate"}, timeout_s=90)
