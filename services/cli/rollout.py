@@ -6,29 +6,18 @@ an operator never overwrites a gate decision made a moment before (or the other 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from dataclasses import asdict
 
 from services.cli.etcd_view import list_workers
 from services.common.config import EtcdConfig
-from services.common.membership import make_client
 from services.router.rollout.state import Phase, Rollout, RolloutError, load_rollout, parse_rollout
-from services.router.rollout.store import RolloutStore, Stored
+from services.router.rollout.store import RolloutStore, Stored, with_store
 
 
 class RolloutCommandError(Exception):
     """The command cannot be done as asked; the message says why and what to do."""
-
-
-async def _with_store(config: EtcdConfig, action):
-    client = make_client(config)
-    try:
-        await asyncio.wait_for(client.connect(), config.timeout_s)
-        return await action(RolloutStore(client, config))
-    finally:
-        await client.close()
 
 
 async def _stable_version(config: EtcdConfig, store: RolloutStore, model: str, candidate: str,
@@ -65,7 +54,7 @@ async def start_rollout(config: EtcdConfig, model: str, candidate: str, *, stabl
         await _swap(store, rollout, current)
         return rollout
 
-    return await _with_store(config, action)
+    return await with_store(config, action)
 
 
 async def decide_rollout(config: EtcdConfig, model: str, phase: Phase, reason: str) -> Rollout:
@@ -81,7 +70,7 @@ async def decide_rollout(config: EtcdConfig, model: str, phase: Phase, reason: s
         await _swap(store, decided, current)
         return decided
 
-    return await _with_store(config, action)
+    return await with_store(config, action)
 
 
 async def rollout_status(config: EtcdConfig, model: str | None = None) -> list[tuple[str, Rollout | str, Counter]]:
@@ -100,7 +89,7 @@ async def rollout_status(config: EtcdConfig, model: str | None = None) -> list[t
             rows.append((name, shown, Counter(w.model_version for w in workers if w.model == name)))
         return rows
 
-    return await _with_store(config, action)
+    return await with_store(config, action)
 
 
 async def _read(store: RolloutStore, model: str) -> Stored | None:

@@ -124,7 +124,7 @@ LONG_GATE = ("--window-s", "3600", "--min-requests", "100000")
 async def test_a_ten_percent_canary_takes_its_sessions_and_keeps_them(mesh, stub, capsys):
     code, out = await cli(mesh, capsys, "start", "tiny", mesh.v2, "--weight", "10", *LONG_GATE)
     assert code == 0, out
-    assert f"stable     {mesh.v1}  (1 workers)" in out.replace("(0 workers)", "(1 workers)") or mesh.v1 in out
+    assert f"stable     {mesh.v1}" in out and "running (canary)" in out
     rollout = await router_follows(mesh, lambda r: r.running and r.candidate == mesh.v2)
     assert rollout.stable == mesh.v1  # inferred from the one version the workers ran
 
@@ -156,6 +156,9 @@ async def test_mirrored_answers_never_reach_the_client(mesh, stub, capsys):
     code, out = await cli(mesh, capsys, "start", "tiny", mesh.v2, "--weight", "0", "--mirror", "100", *LONG_GATE)
     assert code == 0, out
     await router_follows(mesh, lambda r: r.running and r.mirror_percent == 100)
+    scored = []
+    mesh.router.servicer.rollouts.mirrors.business_score = lambda request, primary, candidate: scored.append(
+        (request.request_id, primary, candidate)) or float(primary == candidate)
     copies_before = mesh.candidate.state.served
     for i, prompt in enumerate(PROMPTS):
         result = await ask(stub, f"mirror-{i}", prompt, max_tokens=8)
@@ -173,6 +176,10 @@ async def test_mirrored_answers_never_reach_the_client(mesh, stub, capsys):
     metrics = mesh.router.telemetry.render()
     assert f'ballast_rollout_mirror_requests_total{{model="tiny",outcome="compared"}} {len(PROMPTS)}.0' in metrics
     assert "ballast_rollout_mirror_token_agreement_count" in metrics
+    # The business hook saw both answers: the primary's is what the client got.
+    assert len(scored) == len(PROMPTS) and f"ballast_rollout_mirror_business_score_count{{model=\"tiny\"}} {len(PROMPTS)}" in metrics
+    assert any(primary != candidate for _id, primary, candidate in scored)
+    mesh.router.servicer.rollouts.mirrors.business_score = None
     code, out = await cli(mesh, capsys, "abort", "tiny")
     assert code == 0, out
 
@@ -220,3 +227,42 @@ async def test_an_erroring_candidate_is_rolled_back_and_clients_never_see_it(mes
         assert code == 2 and "already rolled_back" in out
     finally:
         mesh.fault_file.unlink(missing_ok=True)
+
+
+async def test_a_bad_document_is_refused_and_the_rollout_in_force_stays(mesh, capsys):
+    before = await router_follows(mesh, lambda r: True)
+    client = make_client(mesh.router.config.etcd)
+    try:
+        await client.connect()
+        store = RolloutStore(client, mesh.router.config.etcd)
+        await client.put(store.key("tiny"), b'{"model": "tiny", "stable": "a", "candidate": "a", "weight": 10}')
+        for _ in range(100):
+            if 'ballast_rollout_rejected_documents_total{model="tiny"}' in mesh.router.telemetry.render():
+                break
+            await asyncio.sleep(0.05)
+        assert mesh.router.servicer.rollouts.rollouts["tiny"] == before
+        code, out = await cli(mesh, capsys, "status")
+        assert code == 0 and "tiny: invalid: rollout field 'candidate'" in out
+        code, out = await cli(mesh, capsys, "start", "tiny", mesh.v2, "--stable", mesh.v1)
+        assert code == 2 and "is invalid" in out
+        await client.put(store.key("tiny"), before.to_json())
+    finally:
+        await client.close()
+
+
+async def test_of_two_writers_with_the_same_revision_only_one_wins(mesh):
+    client = make_client(mesh.router.config.etcd)
+    try:
+        await client.connect()
+        store = RolloutStore(client, mesh.router.config.etcd)
+        seen = await store.read("tiny")
+        promote = seen.rollout.decided(Phase.PROMOTED, "writer a")
+        roll_back = seen.rollout.decided(Phase.ROLLED_BACK, "writer b")
+        results = await asyncio.gather(store.swap(promote, seen.mod_revision), store.swap(roll_back, seen.mod_revision))
+        assert sorted(results) == [False, True]
+        assert (await store.read("tiny")).rollout == (promote if results[0] else roll_back)
+        # A document that does not exist yet can be created only once.
+        fresh = Rollout("tiny-new", "a", "b")
+        assert await store.swap(fresh, 0) and not await store.swap(fresh, 0)
+    finally:
+        await client.close()

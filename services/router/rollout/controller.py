@@ -23,7 +23,7 @@ from opentelemetry.metrics import Meter, NoOpMeter
 
 from services.common.config import EtcdConfig
 from services.common.leader import LeaderLock
-from services.common.membership import ETCD_ERRORS, WorkerRecord, make_client
+from services.common.membership import ETCD_ERRORS, WorkerRecord
 from services.common.tasks import stop_task
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
@@ -32,7 +32,7 @@ from services.router.rollout.metrics import RolloutMetrics
 from services.router.rollout.mirror import BusinessScore, Comparison, MirrorHandle, MirrorRunner
 from services.router.rollout.split import Route, choose
 from services.router.rollout.state import Phase, Rollout, RolloutError, load_rollout
-from services.router.rollout.store import RolloutStore
+from services.router.rollout.store import RolloutStore, with_store
 from services.router.rollout.watch import RolloutWatch
 from services.router.worker_clients import WorkerClients
 
@@ -61,7 +61,6 @@ class RolloutController:
         self._gates: dict[str, SloGate] = {}
         self._deciding: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._client = None
         self._watch = (RolloutWatch(etcd, self.replace_all, self.apply) if etcd is not None else None)
         self.leader = None if etcd is None else LeaderLock(
             etcd, LEADER_LOCK, f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -185,43 +184,31 @@ class RolloutController:
     async def _decide(self, seen: Rollout, reading: GateReading) -> None:
         model = seen.model
         decision = reading.verdict.value
-        try:
-            store = RolloutStore(await self._connected(), self.etcd)
+
+        async def write(store: RolloutStore) -> Rollout | None:
             stored = await store.read(model)
             current = stored.rollout if stored is not None else None
             if current is None or not current.running or (current.stable, current.candidate) != (
                     seen.stable, seen.candidate):
-                self.metrics.decisions.add(1, {"model": model, "decision": decision, "outcome": "lost_race"})
-                return
+                return None  # decided or replaced meanwhile
             decided = current.decided(VERDICT_PHASE[reading.verdict], f"gate: {reading.reason}")
-            if not await store.swap(decided, stored.mod_revision):
-                self.metrics.decisions.add(1, {"model": model, "decision": decision, "outcome": "lost_race"})
-                return
-            self.metrics.decisions.add(1, {"model": model, "decision": decision, "outcome": "written"})
-            log.warning("rollout of %s: %s of %s (%s)", model, decision, seen.candidate, reading.reason)
-            self._set(decided)  # at once here; the watch brings it to the other routers
+            return decided if await store.swap(decided, stored.mod_revision) else None
+
+        try:
+            decided = await with_store(self.etcd, write)
         except ETCD_ERRORS as exc:
             log.warning("could not write the %s of %s's rollout (will retry): %s", decision, model, exc)
-            await self._reset_client()
+            return
         except RolloutError as exc:
             log.error("rollout document of %s became invalid; no decision written: %s", model, exc)
+            return
         finally:
             self._deciding.discard(model)
-
-    async def _connected(self):
-        if self._client is None:
-            client = make_client(self.etcd)
-            await asyncio.wait_for(client.connect(), self.etcd.timeout_s)
-            self._client = client
-        return self._client
-
-    async def _reset_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                await client.close()
-            except Exception:  # closing a broken channel may fail; it is gone either way
-                pass
+        outcome = "lost_race" if decided is None else "written"
+        self.metrics.decisions.add(1, {"model": model, "decision": decision, "outcome": outcome})
+        if decided is not None:
+            log.warning("rollout of %s: %s of %s (%s)", model, decision, seen.candidate, reading.reason)
+            self._set(decided)  # at once here; the watch brings it to the other routers
 
     async def _tick(self) -> None:
         # Promotion is due when the window has passed, even if no request arrives then.
@@ -247,5 +234,4 @@ class RolloutController:
             await self.leader.stop()
         tasks = list(self._tasks) + list(self.mirrors.tasks)
         await asyncio.gather(*(stop_task(task) for task in tasks))
-        await self._reset_client()
 

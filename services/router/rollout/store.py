@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Awaitable, Callable, TypeVar
 
 import aetcd
 
 from services.common.config import EtcdConfig
+from services.common.membership import make_client
 from services.router.rollout.state import ROLLOUT_PREFIX, Rollout, load_rollout, rollout_key
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,3 +66,16 @@ class RolloutStore:
             self.config.timeout_s,
         )
         return bool(succeeded)
+
+
+async def with_store(config: EtcdConfig, action: Callable[[RolloutStore], Awaitable[T]]) -> T:
+    """Runs `action` on a store over a fresh connection (rollout writes are rare: none is kept)."""
+    client = make_client(config)
+    try:
+        await asyncio.wait_for(client.connect(), config.timeout_s)
+        return await action(RolloutStore(client, config))
+    finally:
+        try:
+            await client.close()
+        except Exception:  # closing a broken channel may fail; it is gone either way
+            pass
