@@ -44,15 +44,21 @@ def install(service: str, config: TracingConfig) -> TracerProvider:
         current = trace.get_tracer_provider()
         if isinstance(current, TracerProvider):
             return current
-        provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
-            resource=Resource.create({"service.name": f"ballast-{service}"}),
-        )
-        if config.endpoint:
-            provider.add_span_processor(BatchSpanProcessor(otlp_exporter(config)))
-            log.info("exporting traces to %s (sample ratio %.3g)", config.endpoint, config.sample_ratio)
+        provider = build_provider(service, config)
         trace.set_tracer_provider(provider)
         return provider
+
+
+def build_provider(service: str, config: TracingConfig) -> TracerProvider:
+    """A TracerProvider as `config` says: sampled at the root by ratio, then by the caller's choice."""
+    provider = TracerProvider(
+        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+        resource=Resource.create({"service.name": f"ballast-{service}"}),
+    )
+    if config.endpoint:
+        provider.add_span_processor(BatchSpanProcessor(otlp_exporter(config)))
+        log.info("exporting traces to %s (sample ratio %.3g)", config.endpoint, config.sample_ratio)
+    return provider
 
 
 def otlp_exporter(config: TracingConfig):

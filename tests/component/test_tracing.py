@@ -94,6 +94,13 @@ async def traced_stub(router):
         yield inference_pb2_grpc.InferenceStub(channel)
 
 
+def turns(router, outcome: str) -> float:
+    """The router's `ballast_agent_turns_total` for one outcome (all models)."""
+    prefix = "ballast_agent_turns_total{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in router.telemetry.render().splitlines()
+               if line.startswith(prefix) and f'outcome="{outcome}"' in line)
+
+
 def of_trace(exporter: InMemorySpanExporter, trace_id: int) -> list[ReadableSpan]:
     return [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
 
@@ -116,11 +123,13 @@ def only(found: list[ReadableSpan], name: str, parent: ReadableSpan | None = Non
     return matches[0]
 
 
-async def test_one_request_is_one_trace_through_router_worker_and_cache(traced_stub, spans):
+async def test_one_request_is_one_trace_through_router_worker_and_cache(router, traced_stub, spans):
+    succeeded = turns(router, "success")
     with TEST_TRACER.start_as_current_span("client") as client:
         result = await collect(traced_stub, chat_request(PROMPT, max_tokens=8, session_id=f"s-{uuid.uuid4().hex}"),
                                API_KEY)
     assert result.finished is not None
+    assert turns(router, "success") == succeeded + 1
     trace_id = client.get_span_context().trace_id
     found = await wait_for_spans(spans, trace_id, {
         "ballast.v1.Inference/Generate", "router.admission", "router.worker_attempt",
@@ -168,11 +177,14 @@ async def test_a_request_without_trace_context_starts_its_own_trace(router, span
     assert only(worker_spans, "router.worker_attempt").parent.span_id == roots[0].context.span_id
 
 
-async def test_bad_input_is_recorded_on_the_span_but_is_not_a_server_error(traced_stub, spans):
+async def test_bad_input_is_recorded_on_the_span_but_is_not_a_server_error(router, traced_stub, spans):
+    rejected, succeeded = turns(router, "rejected"), turns(router, "success")
     with TEST_TRACER.start_as_current_span("client") as client:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await collect(traced_stub, chat_request("hi", model="no-such-model"), API_KEY)
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    # Not a turn the service failed: it counts as rejected, outside the success rate.
+    assert (turns(router, "rejected"), turns(router, "success")) == (rejected + 1, succeeded)
     found = await wait_for_spans(spans, client.get_span_context().trace_id, {"ballast.v1.Inference/Generate"})
     router_span = only(found, "ballast.v1.Inference/Generate")
     assert router_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
