@@ -2,7 +2,8 @@
 over real Redis, and the backfill service on a real Kafka-protocol broker.
 
 Spans are read from an in-memory exporter added to the process's SDK TracerProvider, the same
-provider the services use; each test follows one trace id from a client span of its own.
+provider the services use; each test follows one trace id from a client span of its own. The
+OTLP exporter is checked against a collector served on loopback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -252,3 +254,40 @@ async def test_handoff_carries_the_trace_and_the_backfill_replay_continues_it(
     replay = only(found, "ballast.v1.Inference/Generate", parent=handle)
     attempt = only(found, "router.worker_attempt", parent=replay)
     only(found, "ballast.v1.Worker/Generate", parent=attempt)
+
+
+# --- export ----------------------------------------------------------------------------------------
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace collector on loopback that keeps what it receives."""
+
+    def __init__(self) -> None:
+        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
+
+    async def Export(self, request, context):
+        self.requests.append(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+async def test_spans_are_exported_to_the_configured_otlp_collector():
+    collector = Collector()
+    server = grpc.aio.server()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    provider = tracing.build_provider("router", TracingConfig(endpoint=f"127.0.0.1:{port}", export_timeout_s=5))
+    try:
+        with provider.get_tracer("ballast.router").start_as_current_span("exported") as span:
+            span.set_attribute("ballast.request_id", "r-1")
+        # The exporter's client is synchronous: flush off the loop that serves the collector.
+        assert await asyncio.to_thread(provider.force_flush, 10_000)
+    finally:
+        await asyncio.to_thread(provider.shutdown)
+        await server.stop(grace=None)
+    exported = [(resource_spans.resource, exported_span)
+                for request in collector.requests for resource_spans in request.resource_spans
+                for scope_spans in resource_spans.scope_spans for exported_span in scope_spans.spans]
+    assert [s.name for _, s in exported] == ["exported"]
+    resource, exported_span = exported[0]
+    assert exported_span.trace_id == span.get_span_context().trace_id.to_bytes(16, "big")
+    assert {a.key: a.value.string_value for a in resource.attributes}["service.name"] == "ballast-router"
