@@ -162,6 +162,7 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
         health=health,
         temperature=TemperatureSource(config.worker.temperature_file),
     )
+    metrics.observe_temperature(app.temperature.read)
     app.session_kv = await start_session_kv(config.worker, engine, telemetry, health)
     app.registration = WorkerRegistration(config.etcd, app.record, telemetry.dependencies)
     app.standby = StandbyControl(

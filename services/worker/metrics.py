@@ -1,4 +1,4 @@
-"""The worker's metrics: requests by outcome, latency, tokens, and its load."""
+"""The worker's metrics: requests by outcome, latency, tokens, its load and GPU temperature."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class WorkerMetrics:
         )
         self._stats = stats
         self._in_flight = in_flight
+        self._meter = meter
         meter.create_observable_gauge(
             "ballast_worker_in_flight", callbacks=[self._observe_in_flight],
             description="Requests admitted and not finished.",
@@ -41,6 +42,19 @@ class WorkerMetrics:
         meter.create_observable_gauge(
             "ballast_worker_kv_used_ratio", callbacks=[self._observe_kv],
             description="Share of the KV-cache capacity in use.",
+        )
+
+    def observe_temperature(self, read: Callable[[], float | None]) -> None:
+        """Exports the GPU temperature the worker reports to the balancer (none when unknown)."""
+
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            celsius = read()
+            if celsius is not None:
+                yield Observation(celsius)
+
+        self._meter.create_observable_gauge(
+            "ballast_worker_temperature", callbacks=[observe], unit="Cel",
+            description="GPU temperature in degrees Celsius (NVML, or the configured override file).",
         )
 
     def _observe_in_flight(self, _options: CallbackOptions) -> Iterable[Observation]:
