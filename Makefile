@@ -49,6 +49,7 @@ protos: install
 
 bench-overhead: install
 	$(BALLAST) bench overhead
+bench-backfill: install ; $(PY) -m bench.backfill
 
 clean: down
 	rm -rf .ballast

@@ -174,13 +174,16 @@ class Processor:
         backoff = 0.5
         warned = False
         while True:
+            generation = self.producer.resets
             try:
                 return await call()
             except INFRA_ERRORS as exc:
                 if not warned:
                     log.warning("cannot %s (%r); retrying until it works", what, exc)
                     warned = True
-                if reset_producer:
+                # One reset per failure: a reset fails every record in flight, and if each of
+                # those reset again, concurrent publishes would keep failing one another.
+                if reset_producer and self.producer.resets == generation:
                     await self.producer.reset()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)

@@ -43,7 +43,8 @@ class BackfillSettings(BaseModel):
     retry_backoff_s: float = Field(2.0, gt=0, description="Wait after a failed replay; doubles per attempt.")
     retry_backoff_max_s: float = Field(60.0, gt=0, description="Longest wait between failed replays.")
     busy_backoff_s: float = Field(1.0, gt=0, description="Wait when the primary pool is busy or down; doubles.")
-    busy_backoff_max_s: float = Field(30.0, gt=0, description="Longest wait for a busy or down primary pool.")
+    # A retry against a down pool costs one refused call; a long wait here is pure lag after recovery.
+    busy_backoff_max_s: float = Field(5.0, gt=0, description="Longest wait for a busy or down primary pool.")
     # Storage and delivery.
     redis_prefix: str = Field("ballast:backfill:", min_length=1, description="Prefix of every backfill key in Redis.")
     answer_ttl_s: int = Field(3 * 86400, ge=60, description="How long better answers (and delivery marks) are kept.")

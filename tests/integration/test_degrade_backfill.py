@@ -1,9 +1,9 @@
 """Degradation and backfill across the local mesh: every service a process, real etcd, Redis and
 Kafka broker. A degraded request handed off (as a router does) is replayed by the backfill
-process through the router on a real worker and pushed to a subscriber once. When the router
-runs the degradation ladder (a `degrade` section in the shared config), the whole path is
-checked too: primary pool gone → light-model pool → rules, each marked, each backfilled once
-the primary pool is back."""
+process through the router on a real worker and pushed once to a subscriber of the router.
+When the router runs the degradation ladder (a `degrade` section in the shared config), the
+whole path is checked too: primary pool gone → light-model pool → rules, each marked, each
+backfilled once the primary pool is back."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from ballast.v1 import backfill_pb2, backfill_pb2_grpc, common_pb2, inference_pb2_grpc
+from ballast.v1 import backfill_pb2, common_pb2, inference_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.common.config import BallastConfig
@@ -54,16 +54,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running.stop()
 
 
-def backfill_address(mesh) -> str:
-    return next(s for s in mesh.services if s.name == "backfill").address
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def backfill(mesh):
-    async with open_channel(backfill_address(mesh)) as channel:
-        yield backfill_pb2_grpc.BackfillStub(channel)
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def router(mesh):
     async with open_channel(mesh.router_address) as channel:
@@ -81,7 +71,7 @@ async def first_answer(stub, timeout_s: float = 90.0, **target) -> backfill_pb2.
     raise AssertionError("subscription ended without an answer")
 
 
-async def test_handed_off_request_is_replayed_by_the_backfill_process(mesh, backfill, router, tmp_path):
+async def test_handed_off_request_is_replayed_by_the_backfill_process(mesh, router, tmp_path):
     handoff = HandOff(HandOffSettings(outbox_path=tmp_path / "outbox.sqlite", bootstrap=mesh.kafka.bootstrap,
                                       delivery_timeout_s=5))
     await handoff.start()
@@ -94,7 +84,8 @@ async def test_handed_off_request_is_replayed_by_the_backfill_process(mesh, back
         ticket = make_ticket("local", request.request_id)
         record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="admission",
                                      degraded_text="quick answer", degraded_by="rules", received_at=time.time())
-        subscription = asyncio.create_task(first_answer(backfill, session_id=session))
+        # Subscribed through the router, which relays from the backfill service.
+        subscription = asyncio.create_task(first_answer(router, session_id=session))
         await handoff.submit(kafka_key(session, ticket), record.SerializeToString())
         answer = await subscription
     finally:
@@ -104,7 +95,7 @@ async def test_handed_off_request_is_replayed_by_the_backfill_process(mesh, back
     assert list(answer.token_ids) == direct.token_ids
 
 
-async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back(mesh, backfill, router):
+async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back(mesh, router):
     primary = mesh.workers()[0]
     light = mesh.start_worker(extra_env={"BALLAST__WORKER__POOL": "light", "BALLAST__WORKER__MODEL_NAME": LIGHT_MODEL})
     expected = await collect(router, chat_request(PROMPT, max_tokens=16, raw_prompt=True), LOCAL_API_KEY)
@@ -131,13 +122,13 @@ async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back
     assert "手机壳" in ruled.text
 
     # Nothing better can come while the primary pool is down; it comes once it is back.
-    waiting = asyncio.create_task(first_answer(backfill, ticket=ticket, timeout_s=120))
+    waiting = asyncio.create_task(first_answer(router, ticket=ticket, timeout_s=120))
     await asyncio.sleep(3)
     assert not waiting.done()
     primary = await asyncio.to_thread(mesh.restart_service, primary)
     answer = await waiting
     assert answer.text == expected.text and answer.degraded_level == common_pb2.DEGRADATION_LIGHT_MODEL
-    ruled_answer = await first_answer(backfill, ticket=ruled.finished.backfill_ticket)
+    ruled_answer = await first_answer(router, ticket=ruled.finished.backfill_ticket)
     assert ruled_answer.degraded_level == common_pb2.DEGRADATION_RULES and ruled_answer.text
 
     # allow_degraded=false: the client gets the error instead.
