@@ -230,11 +230,13 @@ async def test_an_erroring_candidate_is_rolled_back_and_clients_never_see_it(mes
 
 
 async def test_a_bad_document_is_refused_and_the_rollout_in_force_stays(mesh, capsys):
-    before = await router_follows(mesh, lambda r: True)
+    before = Rollout("tiny", mesh.v1, mesh.v2).decided(Phase.ROLLED_BACK, "baseline")
     client = make_client(mesh.router.config.etcd)
     try:
         await client.connect()
         store = RolloutStore(client, mesh.router.config.etcd)
+        await client.put(store.key("tiny"), before.to_json())
+        await router_follows(mesh, lambda r: r == before)
         await client.put(store.key("tiny"), b'{"model": "tiny", "stable": "a", "candidate": "a", "weight": 10}')
         for _ in range(100):
             if 'ballast_rollout_rejected_documents_total{model="tiny"}' in mesh.router.telemetry.render():
@@ -245,7 +247,6 @@ async def test_a_bad_document_is_refused_and_the_rollout_in_force_stays(mesh, ca
         assert code == 0 and "tiny: invalid: rollout field 'candidate'" in out
         code, out = await cli(mesh, capsys, "start", "tiny", mesh.v2, "--stable", mesh.v1)
         assert code == 2 and "is invalid" in out
-        await client.put(store.key("tiny"), before.to_json())
     finally:
         await client.close()
 
@@ -255,6 +256,7 @@ async def test_of_two_writers_with_the_same_revision_only_one_wins(mesh):
     try:
         await client.connect()
         store = RolloutStore(client, mesh.router.config.etcd)
+        await client.put(store.key("tiny"), Rollout("tiny", mesh.v1, mesh.v2, reason="baseline").to_json())
         seen = await store.read("tiny")
         promote = seen.rollout.decided(Phase.PROMOTED, "writer a")
         roll_back = seen.rollout.decided(Phase.ROLLED_BACK, "writer b")
