@@ -5,11 +5,14 @@ uses (resources, namespace, labels/commonLabels, images, configMapGenerator, str
 patches); where kubectl is installed, its built-in kustomize renders the same trees and both
 must agree. Built-in kinds are validated against the Kubernetes JSON schemas shipped inside
 kubernetes-validate; custom resources (Prometheus Operator, Strimzi) get their required fields
-checked here. PromQL is parsed with promql-parser. Nothing here touches the network.
+checked here. PromQL is parsed with promql-parser; every metric a dashboard panel or an alert
+uses must be one the services export (names read from their source, rendered by the real
+Prometheus exporter). Nothing here touches the network.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 import hashlib
@@ -60,18 +63,62 @@ EXISTING_METRICS = {
     "ballast_worker_kv_used_ratio",
     "ballast_dependency_up",
 }
-PLANNED_METRICS = {
-    "fallback_trigger_count_total",
-    "ballast_breaker_state",
-    "ballast_worker_temperature_celsius",
-    "ballast_kv_hits_total",
-    "ballast_kv_misses_total",
-    "ballast_backfill_lag_seconds",
-    "ballast_desired_replicas",
-    "agent_turn_success_rate",
-    "context_retention_rate",
+# Calls that create a metric instrument (OpenTelemetry's, and Telemetry's latency helper).
+INSTRUMENT_FACTORIES = {
+    "create_counter", "create_up_down_counter", "create_histogram", "create_gauge",
+    "create_observable_counter", "create_observable_up_down_counter", "create_observable_gauge",
+    "latency_histogram",
 }
-KNOWN_METRICS = EXISTING_METRICS | PLANNED_METRICS
+
+
+def declared_instruments() -> list[tuple[str, str, str]]:
+    """(factory, name, unit) of every instrument created anywhere under services/."""
+    found, dynamic = [], set()
+    for path in sorted((REPO / "services").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in INSTRUMENT_FACTORIES):
+                continue
+            keywords = {k.arg: k.value for k in node.keywords}
+            name = node.args[0] if node.args else keywords.get("name")
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+                dynamic.add(path.relative_to(REPO).as_posix())
+                continue
+            unit = keywords.get("unit")
+            unit = unit.value if isinstance(unit, ast.Constant) else ("ms" if node.func.attr == "latency_histogram" else "")
+            found.append((node.func.attr, name.value, unit))
+    # Only the latency helper itself passes a name through; anything else could not be checked.
+    assert dynamic == {"services/common/telemetry.py"}, dynamic
+    return found
+
+
+@functools.cache
+def exported_metric_names() -> frozenset[str]:
+    """The series names the services' instruments produce, as the real exporter writes them."""
+    from opentelemetry.metrics import Observation
+
+    from services.common.config import TelemetryConfig
+    from services.common.telemetry import Telemetry
+
+    telemetry = Telemetry("deploy-check", TelemetryConfig(enabled=False))
+    try:
+        for factory, name, unit in declared_instruments():
+            if factory == "latency_histogram":
+                telemetry.latency_histogram(name, "").record(1.0)
+            elif factory.startswith("create_observable"):
+                getattr(telemetry.meter, factory)(name, callbacks=[lambda _options: [Observation(1)]], unit=unit)
+            else:
+                instrument = getattr(telemetry.meter, factory)(name, unit=unit)
+                (getattr(instrument, "add", None) or getattr(instrument, "record", None) or instrument.set)(1)
+        return frozenset(_series_names(telemetry.render()))
+    finally:
+        telemetry.stop()
+
+
+def _series_names(text: str) -> set[str]:
+    return {re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+            for line in text.splitlines() if line and not line.startswith("#")}
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -786,12 +833,12 @@ def test_existing_metric_names_are_what_the_services_export():
                 metrics = WorkerMetrics(telemetry, lambda: EngineStats(), lambda: 0)
                 metrics.requests.add(1, {"outcome": "ok"})
                 metrics.tokens.add(1)
-            for line in telemetry.render().splitlines():
-                if line and not line.startswith("#"):
-                    exported.add(re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0))
+            exported |= _series_names(telemetry.render())
         finally:
             telemetry.stop()
     assert EXISTING_METRICS <= exported, EXISTING_METRICS - exported
+    # The names read from the source are what live services really export.
+    assert exported <= exported_metric_names(), exported - exported_metric_names()
 
 
 def test_grafana_dashboard_parses_and_uses_known_metrics():
@@ -808,20 +855,21 @@ def test_grafana_dashboard_parses_and_uses_known_metrics():
         for target in panel["targets"]:
             names = _metric_names(target["expr"])
             assert names, f"{panel['title']}: no metric in {target['expr']}"
-            assert names <= KNOWN_METRICS, f"{panel['title']}: unknown {names - KNOWN_METRICS}"
+            assert names <= exported_metric_names(), f"{panel['title']}: not exported: {names - exported_metric_names()}"
             used |= names
-    # What the dashboard exists to show.
+    # What the dashboard exists to show, business health included.
     assert {
         "ballast_router_requests_total", "ballast_router_ttft_milliseconds_bucket",
-        "fallback_trigger_count_total", "ballast_breaker_state", "ballast_worker_temperature_celsius",
-        "ballast_kv_hits_total", "ballast_kv_misses_total", "ballast_backfill_lag_seconds",
-        "ballast_desired_replicas", "ballast_dependency_up",
+        "ballast_router_fallback_trigger_count_total", "ballast_breaker_state", "ballast_worker_temperature_celsius",
+        "ballast_worker_kv_lookups_total", "ballast_backfill_current_lag_seconds",
+        "ballast_desired_replicas", "ballast_dependency_up", "ballast_agent_turns_total",
+        "ballast_agent_turn_success_rate", "ballast_context_retention_rate",
     } <= used
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
             query = variable["query"]["query"]
             metric = re.match(r"label_values\((\w+),", query).group(1)
-            assert metric in KNOWN_METRICS
+            assert metric in exported_metric_names()
 
 
 def _duration_s(text: str) -> float:
@@ -840,17 +888,19 @@ def test_alert_rules_parse_and_cover_the_required_alerts():
             assert item["annotations"]["summary"]
             _duration_s(item.get("for", "0s"))
             names = _metric_names(item["expr"])
-            assert names and names <= KNOWN_METRICS, f"{item['alert']}: {names - KNOWN_METRICS}"
+            assert names and names <= exported_metric_names(), f"{item['alert']}: {names - exported_metric_names()}"
             alerts[item["alert"]] = item
     exprs = {name: " ".join(a["expr"].split()) for name, a in alerts.items()}
 
     fallbacks = exprs["BallastFallbacksHigh"]
-    assert "fallback_trigger_count_total[1h]" in fallbacks and fallbacks.endswith("> 50")
+    assert "ballast_router_fallback_trigger_count_total[1h]" in fallbacks and fallbacks.endswith("> 50")
     ttft = exprs["BallastSTierTTFTOverBudget"]
     assert 'ballast_router_ttft_milliseconds_bucket{tier="S"}' in ttft and "histogram_quantile(0.99" in ttft
     assert re.search(r"\)\s*> 800\b", ttft)
     assert "ballast_dependency_up" in exprs["BallastDependencyDown"] and exprs["BallastDependencyDown"].endswith("== 0")
     assert "ballast_breaker_state" in exprs["BallastBreakerOpen"]
+    turns = exprs["BallastTurnSuccessLow"]
+    assert 'ballast_agent_turns_total{outcome="success"}' in turns and re.search(r"\)\s*< 0\.95\b", turns)
 
 
 def test_adapter_serves_desired_replicas_as_external_metric():
