@@ -1,0 +1,140 @@
+"""The autoscaler with its local executor: real etcd, real worker processes it starts itself.
+
+A router (in process, elected leader) holds a pool whose latency target the tiny model on CPU
+meets only unloaded (300 ms p99 TTFT, one sequence at a time per worker). A load step
+breaches it; the leader adds capacity: a cold-started worker process, or, with a warm standby
+kept, a promotion. Each test checks that the new capacity becomes routable and takes requests,
+and prints how long that took from the scale-out decision (bench/scale.py measures it properly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import grpc
+import pytest
+
+from ballast.v1 import inference_pb2_grpc
+from services.cli.client import chat_request, collect
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.router.app import create_server as create_router
+from services.router.autoscale.decision import Action
+from tests.component.conftest import API_KEY, make_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(150)]
+
+PROMPT = "Customer asks where order 7041 is and when it ships."
+
+
+def policy(standby: int) -> str:
+    # At most two replicas: one serving plus, on a breach, either a cold start or the standby.
+    return ('{"primary": {"min_replicas": 1, "max_replicas": 2, "target_p99_ttft_ms": 300, '
+            '"calm_p99_ttft_ms": 150, "min_samples": 10, "latency_window_s": 8, "scale_out_cooldown_s": 30, '
+            f'"calm_for_s": 600, "standby_replicas": {standby}}}}}')
+
+
+def autoscaled_config(etcd_server, model_dir, state_dir, standby: int):
+    return make_config(
+        etcd_server, model_dir, f"/ballast-test-{uuid.uuid4().hex[:8]}/",
+        BALLAST__WORKER__MAX_CONCURRENCY="1",
+        BALLAST__WORKER__DRAIN_GRACE_S="2",
+        BALLAST__AUTOSCALER__ENABLED="true",
+        BALLAST__AUTOSCALER__EXECUTOR="local",
+        BALLAST__AUTOSCALER__TICK_S="0.5",
+        BALLAST__AUTOSCALER__POOLS=policy(standby),
+        BALLAST__AUTOSCALER__LOCAL__STATE_DIR=str(state_dir),
+        BALLAST__AUTOSCALER__LOCAL__STOP_GRACE_S="5",
+    )
+
+
+async def _poll(predicate, timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
+    return predicate()
+
+
+@contextlib.asynccontextmanager
+async def load(address: str, clients: int):
+    """`clients` closed-loop clients sending requests until the block ends (bounded by it)."""
+    stop = asyncio.Event()
+
+    async def client(stub) -> None:
+        while not stop.is_set():
+            try:
+                await collect(stub, chat_request(PROMPT, max_tokens=24, raw_prompt=True), API_KEY)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.1)
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        tasks = [asyncio.create_task(client(stub)) for _ in range(clients)]
+        try:
+            yield
+        finally:
+            stop.set()
+            await asyncio.wait(tasks, timeout=30)
+            for task in tasks:
+                task.cancel()
+
+
+def serving_ids(router) -> set[str]:
+    return {w.id for w in router.membership.workers().values() if w.routable}
+
+
+def standby_ids(router) -> set[str]:
+    return {w.id for w in router.membership.workers().values() if w.standby}
+
+
+def scale_out(router):
+    decision = router.autoscaler.decisions.get("primary")
+    return decision if decision is not None and decision.action is Action.SCALE_OUT and decision.serving >= 2 else None
+
+
+async def test_a_load_step_breaches_the_p99_and_a_cold_started_worker_serves(etcd_server, tiny_model_dir, tmp_path):
+    router = await create_router(autoscaled_config(etcd_server, tiny_model_dir, tmp_path, standby=0))
+    try:
+        assert await router.autoscaler.lock.wait_leader(15)
+        # Below min_replicas: the leader cold-starts the first worker itself.
+        assert await _poll(lambda: len(serving_ids(router)) == 1, 60), "the first worker never served"
+        first = serving_ids(router)
+        async with load(router.address, clients=6):
+            assert await _poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
+            decision = scale_out(router)
+            assert decision.signals.p99_ttft_ms >= 270
+            assert await _poll(lambda: len(serving_ids(router)) == 2, 60), "the new worker never became routable"
+            serving_after = time.time() - decision.at
+            (new,) = serving_ids(router) - first
+            # It takes requests: its heartbeat shows work in flight while the load runs.
+            assert await _poll(lambda: router.membership.get(new).in_flight > 0, 15), "the new worker took no request"
+        print(f"\ncold start: {serving_after:.2f}s from the scale-out decision to routable")
+    finally:
+        await router.shutdown(grace_s=1.0)
+    assert not router.autoscaler.executor.children, "worker processes outlived the router"
+
+
+async def test_a_warm_standby_is_promoted_on_a_breach_and_serves(etcd_server, tiny_model_dir, tmp_path):
+    router = await create_router(autoscaled_config(etcd_server, tiny_model_dir, tmp_path, standby=1))
+    try:
+        assert await router.autoscaler.lock.wait_leader(15)
+        assert await _poll(lambda: len(serving_ids(router)) == 1 and len(standby_ids(router)) == 1, 60), \
+            "the pool never reached one serving and one warm worker"
+        (warm,) = standby_ids(router)
+        async with load(router.address, clients=6):
+            assert await _poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
+            decision = scale_out(router)
+            assert await _poll(lambda: warm in serving_ids(router), 10), "the warm standby was not promoted"
+            promoted_after = time.time() - decision.at
+            assert await _poll(lambda: router.membership.get(warm).in_flight > 0, 15), "the promoted worker took no request"
+            # At max_replicas no warm replacement is started: the pool is serving two, standby none.
+            assert (decision.serving, decision.standby) == (2, 0)
+            assert len(router.autoscaler.executor.children) == 2
+        print(f"\nwarm promotion: {promoted_after:.2f}s from the scale-out decision to routable")
+    finally:
+        await router.shutdown(grace_s=1.0)
+    assert not router.autoscaler.executor.children, "worker processes outlived the router"
