@@ -23,20 +23,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from ballast.v1 import inference_pb2_grpc
-from services.backfill.app import create_server as create_backfill
-from services.backfill.settings import BackfillSettings
 from services.cache.app import create_server as create_cache
 from services.cli.client import chat_request, collect
 from services.common import tracing
 from services.common.config import TracingConfig, load_config
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.grpc_tracing import client_interceptors
-from services.degrade.handoff import HandOff, HandOffSettings
 from services.router.app import create_server as create_router
 from services.worker.app import create_server as create_worker
-from tests.component.conftest import API_KEY, TENANT, make_config
+from tests.component.conftest import API_KEY, make_config
 from tests.component.test_backfill_handoff import read_topic
-from tests.component.test_backfill_service import domain_request, hand_off
+from tests.component.test_backfill_service import (  # noqa: F401  (fixtures used below)
+    backfill_app, domain_request, hand_off, handoff, names,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -196,44 +195,14 @@ async def test_bad_input_is_recorded_on_the_span_but_is_not_a_server_error(route
 
 # --- through Kafka ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def names():
-    suffix = uuid.uuid4().hex[:8]
-    return {"topic": f"degraded-{suffix}", "backfilled": f"backfilled-{suffix}", "deadletter": f"dead-{suffix}",
-            "group": f"backfill-{suffix}", "prefix": f"trace-{suffix}:backfill:"}
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def handoff(kafka_broker, tmp_path_factory, names):
-    handoff = HandOff(HandOffSettings(outbox_path=tmp_path_factory.mktemp("outbox") / "o.sqlite",
-                                      bootstrap=kafka_broker.bootstrap, topic=names["topic"],
-                                      topic_partitions=1, delivery_timeout_s=5))
-    await handoff.start()
-    yield handoff
-    await handoff.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def backfill(kafka_broker, redis_server, router, names, spans):
-    config = load_config(environ={
-        "BALLAST__KAFKA__BOOTSTRAP": kafka_broker.bootstrap,
-        "BALLAST__REDIS__URL": redis_server.url,
-        "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}"}}',
-        "BALLAST__TELEMETRY__METRICS_PORT": "0",
-    })
-    settings = BackfillSettings(
-        port=0, topic=names["topic"], backfilled_topic=names["backfilled"], deadletter_topic=names["deadletter"],
-        topic_partitions=1, group_id=names["group"], session_timeout_ms=6000, heartbeat_interval_ms=1000,
-        router_address=router.address, router_api_key=API_KEY, replay_timeout_s=30, max_attempts=2,
-        retry_backoff_s=0.2, busy_backoff_s=0.2, redis_prefix=names["prefix"], delivery_timeout_s=5,
-    )
-    app = await create_backfill(config, settings)
-    yield app
-    await app.shutdown(grace_s=1.0)
+async def router_app(router):
+    """The backfill service of test_backfill_service replays through this module's router."""
+    return router
 
 
 async def test_handoff_carries_the_trace_and_the_backfill_replay_continues_it(
-        kafka_broker, handoff, backfill, names, spans):
+        kafka_broker, handoff, backfill_app, names, spans):
     request = domain_request("Is the blue phone case back in stock?", session=f"s-{uuid.uuid4().hex}")
     # Stands for the router's span of the request that degraded: the hand-off reads the current one.
     with TEST_TRACER.start_as_current_span("degraded request") as original:
