@@ -20,10 +20,10 @@ from services.common.config import load_config
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.processes import free_port
 from services.degrade.codec import make_ticket
-from services.degrade.handoff import HandOff, HandOffSettings
 from services.router.app import create_server as create_router
 from tests.component.conftest import API_KEY, TENANT, make_config
-from tests.component.test_backfill_service import OTHER_KEY, PROMPT, domain_request, hand_off, meta, wait_for
+# handoff: the same fixture, on this module's topic (names).
+from tests.component.test_backfill_service import OTHER_KEY, PROMPT, domain_request, hand_off, handoff, meta, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -74,16 +74,6 @@ async def backfill(kafka_broker, redis_server, router, names):
     holder = {"app": await start_backfill(kafka_broker, redis_server, router, names)}
     yield holder
     await holder["app"].shutdown(grace_s=1.0)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def handoff(kafka_broker, tmp_path_factory, names):
-    handoff = HandOff(HandOffSettings(outbox_path=tmp_path_factory.mktemp("proxy-outbox") / "o.sqlite",
-                                      bootstrap=kafka_broker.bootstrap, topic=names["topic"],
-                                      topic_partitions=1, delivery_timeout_s=5))
-    await handoff.start()
-    yield handoff
-    await handoff.stop()
 
 
 @pytest_asyncio.fixture(loop_scope="session")
