@@ -21,7 +21,7 @@ from typing import Callable
 import aetcd
 
 from services.common.config import EtcdConfig
-from services.common.membership import ETCD_ERRORS, make_client
+from services.common.membership import ETCD_ERRORS, close_client, make_client
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class LeaderLock:
             except ETCD_ERRORS as exc:
                 log.warning("could not resign (the lease will expire): %s", exc)
             finally:
-                await _close(client)
+                await close_client(client)
         self._lease = None
 
     async def holder(self) -> str | None:
@@ -123,7 +123,7 @@ class LeaderLock:
             result = await client.get(self.key)
             return None if result is None else result.value.decode()
         finally:
-            await _close(client)
+            await close_client(client)
 
     async def _run(self) -> None:
         backoff = self.config.reconnect_backoff_s
@@ -136,7 +136,7 @@ class LeaderLock:
                 log.warning("leader lock %s: etcd unreachable, campaigning again: %s", self.key.decode(), exc)
             finally:
                 self._set_leader(False)
-                await _close(client)
+                await close_client(client)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -220,10 +220,3 @@ class LeaderLock:
                 await watch.cancel()
             except ETCD_ERRORS:
                 pass
-
-
-async def _close(client: aetcd.Client) -> None:
-    try:
-        await client.close()
-    except Exception:  # closing a broken channel may fail; it is gone either way
-        pass

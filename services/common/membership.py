@@ -86,6 +86,16 @@ def make_client(config: EtcdConfig) -> aetcd.Client:
     return aetcd.Client(host=config.host, port=config.port, timeout=max(1, round(config.timeout_s + 0.49)))
 
 
+async def close_client(client: aetcd.Client | None) -> None:
+    """Closes a client that may already be broken (closing a dead channel can fail; it is gone
+    either way)."""
+    if client is not None:
+        try:
+            await client.close()
+        except Exception:
+            pass
+
+
 class WorkerRegistration:
     """Keeps one worker's leased record in etcd fresh until stopped."""
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 import uuid
 
 import grpc
@@ -25,21 +24,13 @@ from services.router.autoscale.executor import RoleExecutor
 from services.router.autoscale.observer import RouterObservations
 from services.worker.app import create_server as create_worker
 from tests.component.conftest import API_KEY, make_config
+from tests.polling import poll
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(120)]
 
 PROMPT = "Where is my order? I paid for a blue phone case yesterday."
 # Two serving replicas at least: with one serving and one warm, the leader must promote.
 POLICY = '{"primary": {"min_replicas": 2, "max_replicas": 3, "min_samples": 5}}'
-
-
-async def _poll(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(interval)
-    return predicate()
 
 
 async def _read_decision(config, pool: str) -> dict | None:
@@ -86,14 +77,14 @@ async def test_a_warm_standby_takes_no_traffic_until_the_leader_promotes_it(etcd
                                  BALLAST__AUTOSCALER__POOLS=POLICY)
             leader = await create_router(config)
             assert await leader.autoscaler.lock.wait_leader(15)
-            promoted = await _poll(lambda: (r := router.membership.get("warm-1")) is not None and r.routable, 20)
+            promoted = await poll(lambda: (r := router.membership.get("warm-1")) is not None and r.routable, 20)
             assert promoted, "the leader did not promote the warm standby"
             assert warm.standby.promoted_in_s is not None
 
             decision = await _read_decision(config, "primary")
             assert decision["leader"] == leader.autoscaler.router_id
             assert decision["current"] == {"serving": 2, "standby": 0} or decision["action"] == "scale_out"
-            assert await _poll(lambda: _gauge(leader.telemetry, "primary") == 2.0, 10)
+            assert await poll(lambda: _gauge(leader.telemetry, "primary") == 2.0, 10)
 
             before = warm.state.served
             await asyncio.gather(*(collect(stub, chat_request(PROMPT, max_tokens=12, raw_prompt=True), API_KEY)
@@ -130,7 +121,7 @@ async def test_one_router_decides_and_another_takes_over_when_it_resigns(etcd_se
         assert await a.lock.wait_leader(10)
         await b.start()
         # No worker at all: below min_replicas, the leader asks for two.
-        assert await _poll(lambda: a.ticks >= 2, 15)
+        assert await poll(lambda: a.ticks >= 2, 15)
         decision = await _read_decision(config, "primary")
         assert decision["leader"] == "router-a" and decision["action"] == "scale_out"
         assert decision["serving"] == 2 and decision["current"] == {"serving": 0, "standby": 0}
@@ -139,7 +130,7 @@ async def test_one_router_decides_and_another_takes_over_when_it_resigns(etcd_se
         assert not b.lock.is_leader and b.ticks == 0 and _gauge(b_metrics, "primary") is None
 
         # Both routers publish their windows; the leader reads them all.
-        assert await _poll(lambda: b.board.published.is_set(), 10)
+        assert await poll(lambda: b.board.published.is_set(), 10)
         client = make_client(config.etcd)
         await client.connect()
         try:
@@ -150,7 +141,7 @@ async def test_one_router_decides_and_another_takes_over_when_it_resigns(etcd_se
 
         await a.stop()
         assert await b.lock.wait_leader(10), "router-b did not take over after router-a resigned"
-        assert await _poll(lambda: b.ticks >= 1, 10)
+        assert await poll(lambda: b.ticks >= 1, 10)
         assert (await _read_decision(config, "primary"))["leader"] == "router-b"
         assert _gauge(b_metrics, "primary") == 2.0
     finally:

@@ -23,6 +23,7 @@ from services.common.grpc_server import CHANNEL_OPTIONS
 from services.router.app import create_server as create_router
 from services.router.autoscale.decision import Action
 from tests.component.conftest import API_KEY, make_config
+from tests.polling import poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(150)]
 
@@ -32,7 +33,7 @@ PROMPT = "Customer asks where order 7041 is and when it ships."
 def policy(standby: int) -> str:
     # At most two replicas: one serving plus, on a breach, either a cold start or the standby.
     return ('{"primary": {"min_replicas": 1, "max_replicas": 2, "target_p99_ttft_ms": 300, '
-            '"calm_p99_ttft_ms": 150, "min_samples": 10, "latency_window_s": 8, "scale_out_cooldown_s": 30, '
+            '"calm_p99_ttft_ms": 150, "min_samples": 10, "latency_window_s": 8, "scale_out_cooldown_s": 10, '
             f'"calm_for_s": 600, "standby_replicas": {standby}}}}}')
 
 
@@ -48,15 +49,6 @@ def autoscaled_config(etcd_server, model_dir, state_dir, standby: int):
         BALLAST__AUTOSCALER__LOCAL__STATE_DIR=str(state_dir),
         BALLAST__AUTOSCALER__LOCAL__STOP_GRACE_S="5",
     )
-
-
-async def _poll(predicate, timeout: float, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(interval)
-    return predicate()
 
 
 @contextlib.asynccontextmanager
@@ -101,17 +93,17 @@ async def test_a_load_step_breaches_the_p99_and_a_cold_started_worker_serves(etc
     try:
         assert await router.autoscaler.lock.wait_leader(15)
         # Below min_replicas: the leader cold-starts the first worker itself.
-        assert await _poll(lambda: len(serving_ids(router)) == 1, 60), "the first worker never served"
+        assert await poll(lambda: len(serving_ids(router)) == 1, 60), "the first worker never served"
         first = serving_ids(router)
         async with load(router.address, clients=6):
-            assert await _poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
+            assert await poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
             decision = scale_out(router)
             assert decision.signals.p99_ttft_ms >= 270
-            assert await _poll(lambda: len(serving_ids(router)) == 2, 60), "the new worker never became routable"
+            assert await poll(lambda: len(serving_ids(router)) == 2, 60), "the new worker never became routable"
             serving_after = time.time() - decision.at
             (new,) = serving_ids(router) - first
             # It takes requests: its heartbeat shows work in flight while the load runs.
-            assert await _poll(lambda: router.membership.get(new).in_flight > 0, 15), "the new worker took no request"
+            assert await poll(lambda: router.membership.get(new).in_flight > 0, 15), "the new worker took no request"
         print(f"\ncold start: {serving_after:.2f}s from the scale-out decision to routable")
     finally:
         await router.shutdown(grace_s=1.0)
@@ -122,15 +114,15 @@ async def test_a_warm_standby_is_promoted_on_a_breach_and_serves(etcd_server, ti
     router = await create_router(autoscaled_config(etcd_server, tiny_model_dir, tmp_path, standby=1))
     try:
         assert await router.autoscaler.lock.wait_leader(15)
-        assert await _poll(lambda: len(serving_ids(router)) == 1 and len(standby_ids(router)) == 1, 60), \
+        assert await poll(lambda: len(serving_ids(router)) == 1 and len(standby_ids(router)) == 1, 60), \
             "the pool never reached one serving and one warm worker"
         (warm,) = standby_ids(router)
         async with load(router.address, clients=6):
-            assert await _poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
+            assert await poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
             decision = scale_out(router)
-            assert await _poll(lambda: warm in serving_ids(router), 10), "the warm standby was not promoted"
+            assert await poll(lambda: warm in serving_ids(router), 10, interval=0.01), "the warm standby was not promoted"
             promoted_after = time.time() - decision.at
-            assert await _poll(lambda: router.membership.get(warm).in_flight > 0, 15), "the promoted worker took no request"
+            assert await poll(lambda: router.membership.get(warm).in_flight > 0, 15), "the promoted worker took no request"
             # At max_replicas no warm replacement is started: the pool is serving two, standby none.
             assert (decision.serving, decision.standby) == (2, 0)
             assert len(router.autoscaler.executor.children) == 2

@@ -17,7 +17,7 @@ from typing import Callable
 import aetcd
 
 from services.common.config import EtcdConfig
-from services.common.membership import ETCD_ERRORS, make_client
+from services.common.membership import ETCD_ERRORS, close_client, make_client
 from services.common.tasks import stop_task
 from services.router.autoscale.report import RouterReport
 
@@ -69,11 +69,7 @@ class ReportBoard:
 
     async def _reset(self) -> None:
         client, self._client, self._lease = self._client, None, None
-        if client is not None:
-            try:
-                await client.close()
-            except Exception:  # a broken channel may fail to close; it is gone either way
-                pass
+        await close_client(client)
 
     async def publish(self) -> None:
         if self._client is None:

@@ -26,7 +26,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from services.common.config import BallastConfig
 from services.common.leader import LeaderLock
-from services.common.membership import ETCD_ERRORS, MembershipWatcher, make_client
+from services.common.membership import ETCD_ERRORS, MembershipWatcher, close_client, make_client
 from services.common.tasks import stop_task
 from services.router.autoscale.board import ReportBoard
 from services.router.autoscale.decision import Autoscaler, ScaleDecision
@@ -124,11 +124,7 @@ class AutoscalerController:
 
     async def _reset_client(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                await client.close()
-            except Exception:  # a broken channel may fail to close; it is gone either way
-                pass
+        await close_client(client)
 
     async def _run(self) -> None:
         while True:

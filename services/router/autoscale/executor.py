@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 import aetcd
 
 from services.common.config import EtcdConfig
-from services.common.membership import WorkerRecord, make_client
+from services.common.membership import WorkerRecord, close_client, make_client
 from services.common.worker_roles import SERVING, STANDBY, request_role
 from services.router.autoscale.decision import Replicas, ScaleDecision
 
@@ -137,8 +137,4 @@ class RoleExecutor:
 
     async def close(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                await client.close()
-            except Exception:  # a broken channel may fail to close; it is gone either way
-                pass
+        await close_client(client)
