@@ -7,7 +7,7 @@ DEGRADED_TOPIC = "ballast.degraded.v1"
 # Better answers, written by the backfill service after storing them (key: session id / ticket).
 BACKFILLED_TOPIC = "ballast.backfilled.v1"
 # Degraded requests the backfill service gave up on, with why in the headers.
-DEADLETTER_TOPIC = "ballast.deadletter.v1"
+DEADLETTER_TOPIC = "ballast.degraded.dlq.v1"
 
 # Every record says what it holds, so a consumer in any language can decode it.
 CONTENT_TYPE_HEADER = "content-type"

@@ -694,7 +694,7 @@ def test_kafka_cluster_and_topics():
         assert config["min.insync.replicas"] <= config["default.replication.factor"]
         topics = kinds(objects, "KafkaTopic")
         assert {t["spec"]["topicName"] for t in topics} == {
-            "ballast.degraded.v1", "ballast.backfilled.v1", "ballast.deadletter.v1"
+            "ballast.degraded.v1", "ballast.backfilled.v1", "ballast.degraded.dlq.v1"
         }, name
         for topic in topics:
             _require(topic, "spec.partitions", "spec.replicas")
