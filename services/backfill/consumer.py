@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +150,7 @@ class ConsumerLoop:
         if self._tasks:
             await asyncio.wait(list(self._tasks.values()), timeout=grace_s)
         for task in list(self._tasks.values()):
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            await stop_task(task)
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._consumer is not None:

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ballast.v1 import backfill_pb2
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,5 @@ class Notices:
         self._task = asyncio.create_task(self._listen_forever(), name="backfill-notices")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await stop_task(self._task)
+        self._task = None

@@ -27,6 +27,7 @@ from services.common import tracing
 from services.degrade.kafka import AsyncProducer, Delivered, DeliveryFailed, ensure_topics
 from services.degrade.outbox import Outbox, OutboxDepth, OutboxError, OutboxFull, Synchronous
 from services.degrade.topics import CONTENT_TYPE_HEADER, DEGRADED_CONTENT_TYPE, DEGRADED_TOPIC
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,7 @@ class HandOff:
         if self._drainer is not None and self._outbox is not None:
             self._wake.set()
             await self.wait_drained(drain_timeout_s)
-            self._drainer.cancel()
-            await asyncio.gather(self._drainer, return_exceptions=True)
+            await stop_task(self._drainer)
         await self._producer.stop(flush_timeout_s=1.0)
         if self._outbox is not None:
             outbox = self._outbox

@@ -20,6 +20,7 @@ from services.router.scheduling.clock import MonotonicClock
 from services.common.membership import WorkerRecord
 from services.router.scheduling.scheduler import PoolScheduler, SchedulerObserver, WorkerSlots
 from services.router.scheduling.tiers import TierPolicy
+from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +121,5 @@ class PoolGates:
         self._task = asyncio.create_task(self._pump_on_changes(), name="pool-gates")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
+        self._task = None
