@@ -1,0 +1,270 @@
+"""Autoscaling under a load step: from a p99 breach to new capacity serving, cold vs warm.
+
+One run starts a local mesh whose router runs the autoscaler with the local executor (as
+`ballast up` does with `autoscaler.enabled`), then two phases with the same load step on a
+pool of one serving worker (one sequence at a time, so requests queue):
+  cold  no standby: the leader cold-starts a worker process (the baseline);
+  warm  one warm standby kept: the leader promotes it.
+For each phase: the clients' own TTFT p99 unloaded, the breach (the clients' rolling p99
+reaching 90 % of the target), the scale-out decision (read from etcd), the moment the new
+worker is routable (membership watch), and the p99 before and after. Prints a table and
+writes bench/results/scale.json (cold_s, warm_s: breach to serving; p99_before_ms,
+p99_after_ms: the cold phase, around the new capacity).
+
+    python -m bench.scale [--clients 6] [--target-ms 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
+from ballast.v1 import inference_pb2_grpc
+from services.cli.client import chat_request, open_channel
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.common.config import load_config
+from services.common.membership import MembershipWatcher, make_client
+from services.common.telemetry import DependencyStatus
+from services.router.autoscale.controller import decision_key
+
+PROMPT = "Customer asks where order 7041 is and when it ships, and whether it can be gift wrapped."
+MAX_TOKENS = 24
+METADATA = (("x-api-key", LOCAL_API_KEY),)
+WINDOW_S = 8.0
+MIN_SAMPLES = 10
+# Bringing the pool up to min_replicas counts as a scale-out: the load step waits this out.
+COOLDOWN_S = 10.0
+SETTLE_S = 3.0
+AFTER_S = 12.0
+
+
+def policy(target_ms: float, standby: int) -> dict:
+    return {
+        "min_replicas": 1, "max_replicas": 2, "standby_replicas": standby,
+        "target_p99_ttft_ms": target_ms, "calm_p99_ttft_ms": target_ms / 2,
+        "latency_window_s": WINDOW_S, "min_samples": MIN_SAMPLES,
+        "scale_out_cooldown_s": COOLDOWN_S, "calm_for_s": 600,
+    }
+
+
+@dataclass
+class Samples:
+    """Clients' TTFTs as (finished at, ms), plus degraded and failed counts."""
+
+    ttft: list[tuple[float, float]] = field(default_factory=list)
+    degraded: int = 0
+    errors: int = 0
+
+    def p99(self, start: float, end: float) -> float:
+        return percentile([ms for at, ms in self.ttft if start <= at < end], 99)
+
+    def rolling_p99(self, now: float, since: float) -> float | None:
+        recent = [ms for at, ms in self.ttft if at > max(now - WINDOW_S, since)]
+        return percentile(recent, 99) if len(recent) >= MIN_SAMPLES else None
+
+
+async def _client(stub, stop: asyncio.Event, samples: Samples) -> None:
+    while not stop.is_set():
+        started, first = time.perf_counter(), None
+        degraded = False
+        try:
+            async for event in stub.Generate(chat_request(PROMPT, max_tokens=MAX_TOKENS, raw_prompt=True),
+                                             metadata=METADATA, timeout=30):
+                if first is None and event.HasField("tokens"):
+                    first = time.perf_counter()
+                if event.HasField("finished") and event.finished.degradation:
+                    degraded = True
+        except grpc.aio.AioRpcError:
+            samples.errors += 1
+            await asyncio.sleep(0.1)
+            continue
+        if degraded:
+            samples.degraded += 1  # a rule-engine answer says nothing about the pool's latency
+        elif first is not None:
+            samples.ttft.append((time.time(), (first - started) * 1000))
+
+
+class Load:
+    """`clients` closed-loop clients until stopped."""
+
+    def __init__(self, stub, clients: int, samples: Samples) -> None:
+        self.stop = asyncio.Event()
+        self.tasks = [asyncio.create_task(_client(stub, self.stop, samples)) for _ in range(clients)]
+
+    async def finish(self) -> None:
+        self.stop.set()
+        await asyncio.wait(self.tasks, timeout=40)
+        for task in self.tasks:
+            task.cancel()
+
+
+async def _until(predicate, timeout: float, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await predicate() if asyncio.iscoroutinefunction(predicate) else predicate()
+        if value:
+            return value
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"gave up after {timeout:.0f}s waiting for {getattr(predicate, '__name__', 'a condition')}")
+
+
+async def _max_in_flight(membership: MembershipWatcher, worker_id: str, seconds: float) -> int:
+    """The most requests the worker's heartbeats showed in flight over `seconds`: it serves."""
+    most, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        record = membership.get(worker_id)
+        most = max(most, record.in_flight if record is not None else 0)
+        await asyncio.sleep(0.2)
+    return most
+
+
+def _routable(membership: MembershipWatcher) -> set[str]:
+    return {w.id for w in membership.workers().values() if w.routable}
+
+
+def _standby(membership: MembershipWatcher) -> set[str]:
+    return {w.id for w in membership.workers().values() if w.standby}
+
+
+async def _phase(mesh: Mesh, name: str, standby: int, clients: int, target_ms: float) -> dict:
+    config = load_config(mesh.config_path, environ={})
+    membership = MembershipWatcher(config.etcd, DependencyStatus())
+    await membership.start()
+    etcd = make_client(config.etcd)
+    await etcd.connect()
+    phase_start = time.time()
+    try:
+        print(f"[{name}] waiting for 1 serving + {standby} warm worker(s) ...", flush=True)
+        await _until(lambda: len(_routable(membership)) == 1 and len(_standby(membership)) == standby, 180, 0.2)
+        initial = _routable(membership)
+        warm = _standby(membership)
+
+        async def scale_out() -> dict | None:
+            got = await etcd.get(decision_key(config.etcd.prefix, "primary").encode())
+            decision = None if got is None else json.loads(got.value)
+            if decision and decision["at"] > phase_start and decision["action"] == "scale_out" \
+                    and decision["serving"] >= 2:
+                return decision
+            return None
+
+        samples = Samples()
+        async with open_channel(mesh.router_address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            # One client: the workers warm up, the bring-up cooldown passes, the unloaded p99.
+            quiet = Load(stub, 1, samples)
+            await asyncio.sleep(COOLDOWN_S + 2)
+            await quiet.finish()
+            unloaded_p99 = samples.p99(time.time() - WINDOW_S, time.time())
+
+            print(f"[{name}] load step: {clients} clients", flush=True)
+            load_at = time.time()
+            load = Load(stub, clients, samples)
+            try:
+                breach_at = await _until(
+                    lambda: (p := samples.rolling_p99(time.time(), load_at)) is not None and p >= 0.9 * target_ms
+                    and time.time(), 60)
+                decision = await _until(scale_out, 60, 0.05)
+                new = await _until(lambda: _routable(membership) - initial, 180)
+                serving_at = time.time()
+                (new_id,) = new
+                busy = await _max_in_flight(membership, new_id, SETTLE_S + AFTER_S)
+            finally:
+                await load.finish()
+        return {
+            "phase": name,
+            "promoted": new_id in warm,
+            "new_worker": new_id,
+            "breach_to_serving_s": serving_at - breach_at,
+            "breach_to_decision_s": decision["at"] - breach_at,
+            "decision_to_serving_s": serving_at - decision["at"],
+            "load_to_breach_s": breach_at - load_at,
+            "p99_unloaded_ms": unloaded_p99,
+            "p99_before_ms": samples.p99(load_at, serving_at),
+            "p99_after_ms": samples.p99(serving_at + SETTLE_S, serving_at + SETTLE_S + AFTER_S),
+            "decision_reason": decision["reason"],
+            "degraded": samples.degraded,
+            "errors": samples.errors,
+            "requests": len(samples.ttft),
+            "new_worker_max_in_flight": busy,
+        }
+    finally:
+        await etcd.close()
+        await membership.stop()
+
+
+def _overrides(target_ms: float, standby: int) -> dict:
+    return {
+        "autoscaler": {
+            "enabled": True, "executor": "local", "tick_s": 0.5, "report_interval_s": 0.5,
+            "pools": {"primary": policy(target_ms, standby)}, "local": {"stop_grace_s": 5},
+        },
+        "worker": {"drain_grace_s": 2},
+    }
+
+
+def _restart_router(mesh: Mesh) -> None:
+    router = next(s for s in mesh.services if s.name == "router")
+    router.process.stop(timeout=40)  # its executor stops the workers it started
+    mesh.restart_service(router)
+
+
+def run_benchmark(clients: int, target_ms: float, out: Path) -> int:
+    model_dir = model_dir_for("tiny")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="ballast-scale-") as state:
+        # The router's own executor starts every worker: the mesh starts none.
+        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=0, worker_capacity=1, lease_ttl_s=3,
+                        overrides=_overrides(target_ms, standby=0))
+        mesh = Mesh(spec)
+        try:
+            mesh.start()
+            for name, standby in (("cold", 0), ("warm", 1)):
+                if name != "cold":
+                    # The same mesh, a router restarted with a warm standby in its policy.
+                    mesh.spec.overrides = _overrides(target_ms, standby)
+                    mesh.write_config()
+                    _restart_router(mesh)
+                results[name] = asyncio.run(_phase(mesh, name, standby, clients, target_ms))
+        finally:
+            mesh.stop()
+    rows = [[r["phase"], "promotion" if r["promoted"] else "cold start", r["breach_to_serving_s"],
+             r["breach_to_decision_s"], r["decision_to_serving_s"], r["p99_unloaded_ms"], r["p99_before_ms"],
+             r["p99_after_ms"], r["requests"], r["degraded"], r["errors"]] for r in results.values()]
+    print(f"\nnew capacity under a load step ({clients} clients, target p99 TTFT {target_ms:.0f} ms)")
+    print_table(["phase", "how", "breach->serving s", "breach->decision s", "decision->serving s",
+                 "p99 unloaded ms", "p99 before ms", "p99 after ms", "requests", "degraded", "errors"], rows)
+    cold, warm = results["cold"], results["warm"]
+    result = {
+        "cold_s": cold["breach_to_serving_s"],
+        "warm_s": warm["breach_to_serving_s"],
+        "p99_before_ms": cold["p99_before_ms"],
+        "p99_after_ms": cold["p99_after_ms"],
+        "phases": results,
+        "clients": clients, "target_p99_ttft_ms": target_ms,
+        "goal": {"cold_s": 5.0, "warm_s": 1.0},
+    }
+    print(f"wrote {write_result(out, result)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--target-ms", type=float, default=300.0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
+    args = parser.parse_args(argv)
+    stop_on_sigterm()
+    return run_benchmark(args.clients, args.target_ms, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
