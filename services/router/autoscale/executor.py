@@ -55,10 +55,6 @@ class RolePlan:
     stop_serving: int = 0
     stop_standby: int = 0
 
-    @property
-    def empty(self) -> bool:
-        return self == RolePlan()
-
 
 def plan_roles(decision: ScaleDecision, members: PoolMembers) -> RolePlan:
     """Promotions first (a standby serves in well under a second; a new replica takes a cold
