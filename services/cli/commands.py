@@ -114,7 +114,8 @@ def cmd_status(args) -> int:
     print(header)
     print("-" * len(header))
     for record, ttl in rows:
-        health = "draining" if record.draining else ("serving" if record.healthy else "down")
+        health = ("draining" if record.draining else "standby" if record.standby
+                  else "serving" if record.healthy else "down")
         temp = "-" if record.temperature_c is None else f"{record.temperature_c:.0f}C"
         load = f"{record.in_flight}/{record.capacity}"
         breaker = "-" if breakers is None else breakers.get(record.id, "closed")
