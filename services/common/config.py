@@ -120,6 +120,11 @@ class RouterConfig(Section):
     default_deadline_s: float = Field(
         120.0, gt=0, description="Deadline applied when the client sets none."
     )
+    unreachable_hold_s: float = Field(
+        10.0, gt=0,
+        description="After the router cannot reach a worker (refused or reset connection), how long it "
+                    "sends that incarnation no new work, unless etcd replaces or drops it sooner.",
+    )
     shutdown_grace_s: float = Field(10.0, ge=0, description="Time streams get to finish on stop.")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="Per-worker circuit breaker.")
     retry: RetryBudgetConfig = Field(default_factory=RetryBudgetConfig, description="Retry and resume budget.")

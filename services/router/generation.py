@@ -40,7 +40,7 @@ from services.router.structured.repair import Status, repair
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
-from services.router.resilience.breaker import Outcome, classify_exception
+from services.router.resilience.breaker import Outcome, classify_exception, is_connection_lost
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import Refusal, RetryBudget, RetryBudgetExhausted
@@ -287,6 +287,10 @@ class GenerationRunner:
                 except (grpc.aio.AioRpcError, Unavailable) as error:
                     outcome = classify_exception(error)
                     permit.record(outcome)
+                    if is_connection_lost(error) or isinstance(error, WorkerLeaseLost):
+                        # Gone (or unreachable) for every request, not just this one: no new
+                        # work for it until etcd replaces or drops it.
+                        self.health.mark_unreachable(worker)
                     if outcome is Outcome.FAULT:
                         self.rollouts.observe(request.model, worker.model_version, False)
                     self._check_retriable(error, worker, deadline, attempts)

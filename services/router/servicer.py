@@ -72,6 +72,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.health = WorkerHealthView(
             BreakerBoard(config.router.breaker, on_transition=self._breaker_changed),
             TemperatureGate(config.router.temperature),
+            unreachable_hold_s=config.router.unreachable_hold_s,
         )
         self.retry_budget = RetryBudget(config.router.retry)
         self.pools = PoolGates(

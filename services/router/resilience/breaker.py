@@ -398,3 +398,20 @@ class BreakerBoard:
 
     def __len__(self) -> int:
         return len(self._breakers)
+
+
+# What gRPC says when the connection itself failed, not the worker's own answer: refused
+# connects, resets, a socket closed under a stream (a killed process), a peer going away.
+_CONNECTION_LOST_MARKERS = (
+    "failed to connect", "connection refused", "connection reset", "socket closed", "stream removed",
+    "broken pipe", "goaway", "connections to all backends failing", "endpoint closing",
+)
+
+
+def is_connection_lost(error: BaseException) -> bool:
+    """True when a call to a worker failed because the router could not reach it (as opposed
+    to the worker answering with an error, such as "draining" or "full")."""
+    if not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    details = (error.details() or "").lower()
+    return any(marker in details for marker in _CONNECTION_LOST_MARKERS)

@@ -1,16 +1,24 @@
 """Which workers may take a new request now: membership, temperature and breaker in one place.
 
-A worker is routable when its record says healthy and not draining, its GPU is not hot
-(with hysteresis), and its breaker lets a call through (closed, or half-open with a probe
-slot free). The balancer filters its candidates through `routable` before scoring them;
+A worker is routable when its record says healthy and not draining, the router could reach
+it at its last try, its GPU is not hot (with hysteresis), and its breaker lets a call through
+(closed, or half-open with a probe slot free).
+
+"Could reach it": a worker that dies keeps its etcd record until its lease expires (seconds).
+A router that just failed to connect to it (or lost a stream to a reset) stops sending it
+new work at once instead of letting every request in those seconds find out on its own. The
+mark is per incarnation (id + lease): the same worker restarted, with a new lease, is
+routable at once; and it lapses after `hold_s`, so a worker behind a passing network fault is
+tried again. The balancer filters its candidates through `routable` before scoring them;
 the caller then takes a breaker permit for the worker it picked.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from services.common.membership import WorkerRecord
 from services.router.resilience.breaker import BreakerBoard, BreakerSnapshot, BreakerState, Permit
@@ -22,6 +30,7 @@ class Unroutable(str, enum.Enum):
 
     UNHEALTHY = "unhealthy"
     DRAINING = "draining"
+    UNREACHABLE = "unreachable"
     HOT = "hot"
     BREAKER_OPEN = "breaker_open"
     PROBES_BUSY = "probes_busy"
@@ -52,9 +61,32 @@ class WorkerHealth:
 class WorkerHealthView:
     """Routability of workers, from their records plus the router's own breakers and gate."""
 
-    def __init__(self, breakers: BreakerBoard, temperature: TemperatureGate) -> None:
+    def __init__(self, breakers: BreakerBoard, temperature: TemperatureGate, unreachable_hold_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.breakers = breakers
         self.temperature = temperature
+        self.unreachable_hold_s = unreachable_hold_s
+        self._clock = clock
+        # worker id -> (lease of the incarnation that could not be reached, until when)
+        self._unreachable: dict[str, tuple[int, float]] = {}
+
+    def mark_unreachable(self, worker: WorkerRecord) -> None:
+        """The router lost its connection to this incarnation of `worker`: no new work for it
+        until it is replaced (a new lease), leaves membership, or `unreachable_hold_s` passes."""
+        self._unreachable[worker.id] = (worker.lease_id, self._clock() + self.unreachable_hold_s)
+
+    def mark_reachable(self, worker: WorkerRecord) -> None:
+        self._unreachable.pop(worker.id, None)
+
+    def _is_unreachable(self, worker: WorkerRecord) -> bool:
+        mark = self._unreachable.get(worker.id)
+        if mark is None:
+            return False
+        lease_id, until = mark
+        if lease_id != worker.lease_id or self._clock() >= until:
+            del self._unreachable[worker.id]
+            return False
+        return True
 
     def update(self, workers: Mapping[str, WorkerRecord]) -> None:
         """Feeds the current membership: new temperatures in, departed workers out."""
@@ -63,6 +95,8 @@ class WorkerHealthView:
         ids = [record.id for record in workers.values()]
         self.temperature.retain(ids)
         self.breakers.retain(ids)
+        for worker_id in set(self._unreachable) - set(ids):
+            del self._unreachable[worker_id]
 
     def reason(self, worker: WorkerRecord) -> Unroutable | None:
         """Why `worker` may not take a new request now, or None when it may."""
@@ -70,6 +104,8 @@ class WorkerHealthView:
             return Unroutable.UNHEALTHY
         if worker.draining:
             return Unroutable.DRAINING
+        if self._is_unreachable(worker):
+            return Unroutable.UNREACHABLE
         if self.temperature.is_hot(worker.id):
             return Unroutable.HOT
         if not self.breakers.available(worker.id):

@@ -1,0 +1,87 @@
+"""A worker the router could not reach gets no new work until etcd replaces or drops it, or the
+hold lapses; only connection failures count, not the worker's own error answers."""
+
+import grpc
+import pytest
+
+from services.common.membership import WorkerRecord
+from services.router.resilience.breaker import BreakerBoard, BreakerConfig, is_connection_lost
+from services.router.resilience.health_view import Unroutable, WorkerHealthView
+from services.router.resilience.temperature import TemperatureConfig, TemperatureGate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(worker_id: str, lease_id: int) -> WorkerRecord:
+    worker = WorkerRecord(id=worker_id, address=f"{worker_id}:1", model="tiny", model_version="v1")
+    worker.lease_id = lease_id
+    return worker
+
+
+def view(clock: Clock) -> WorkerHealthView:
+    return WorkerHealthView(BreakerBoard(BreakerConfig(), clock), TemperatureGate(TemperatureConfig()),
+                            unreachable_hold_s=10.0, clock=clock)
+
+
+def test_marked_incarnation_is_out_until_the_hold_lapses():
+    clock = Clock()
+    health = view(clock)
+    dead, other = record("w1", 7), record("w2", 9)
+    health.mark_unreachable(dead)
+    assert health.reason(dead) is Unroutable.UNREACHABLE
+    assert health.routable([dead, other]) == [other]
+    clock.now += 9.9
+    assert not health.is_routable(dead)
+    clock.now += 0.2
+    assert health.is_routable(dead)  # tried again: a passing network fault must not last
+
+
+def test_the_same_worker_restarted_with_a_new_lease_is_routable_at_once():
+    clock = Clock()
+    health = view(clock)
+    health.mark_unreachable(record("w1", 7))
+    assert health.is_routable(record("w1", 8))
+    # The mark belonged to the old incarnation and is gone for good.
+    assert health.is_routable(record("w1", 7))
+
+
+def test_leaving_membership_forgets_the_mark_and_success_clears_it():
+    clock = Clock()
+    health = view(clock)
+    dead = record("w1", 7)
+    health.mark_unreachable(dead)
+    health.update({})
+    assert health.is_routable(dead)
+    health.mark_unreachable(dead)
+    health.mark_reachable(dead)
+    assert health.is_routable(dead)
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+@pytest.mark.parametrize("details", [
+    "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:5: Connection refused",
+    "Stream removed (Socket closed)",
+    "Stream removed (recvmsg:Connection reset by peer (104))",
+    "Socket closed",
+])
+def test_connection_failures_count(details):
+    assert is_connection_lost(rpc_error(grpc.StatusCode.UNAVAILABLE, details))
+
+
+@pytest.mark.parametrize("code, details", [
+    (grpc.StatusCode.UNAVAILABLE, "worker is draining"),
+    (grpc.StatusCode.UNAVAILABLE, "torch engine is stopping"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "worker full: 4 in flight, capacity 4"),
+    (grpc.StatusCode.INTERNAL, "Socket closed"),
+])
+def test_answers_from_the_worker_do_not(code, details):
+    assert not is_connection_lost(rpc_error(code, details))
