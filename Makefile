@@ -41,15 +41,16 @@ status:
 test: install
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m pytest -q tests/unit
-	$(PY) -m pytest -q tests/component
-	$(PY) -m pytest -q -rs tests/integration tests/gpu
+	$(PY) -m pytest -q --durations=10 tests/component
+	$(PY) -m pytest -q -rs --durations=15 tests/integration tests/gpu
 
 protos: install
 	$(PY) scripts/gen_protos.py
 
 bench-overhead: install
 	$(BALLAST) bench overhead
-bench-backfill: install ; $(PY) -m bench.backfill
+bench-backfill: install
+	$(PY) -m bench.backfill
 
 clean: down
 	rm -rf .ballast
