@@ -29,6 +29,10 @@ def make_config(etcd_server, model_dir, prefix: str, **overrides):
         "BALLAST__ETCD__HOST": etcd_server.host,
         "BALLAST__ETCD__PORT": str(etcd_server.port),
         "BALLAST__ETCD__PREFIX": prefix,
+        # Router and worker share one event loop (and the GIL with the engine thread) here; on a
+        # loaded 2-core CI host a 3 s lease can lapse between heartbeats, and a re-granted lease
+        # looks like a new worker incarnation with free slots. No test here times lease expiry.
+        "BALLAST__ETCD__LEASE_TTL_S": "10",
         "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}"}}',
         "BALLAST__ROUTER__PORT": "0",
         "BALLAST__ROUTER__MODELS": '["tiny", "tiny-unserved"]',
