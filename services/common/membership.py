@@ -110,6 +110,8 @@ class WorkerRegistration:
         self._dependencies = dependencies
         self._client: aetcd.Client | None = None
         self._lease: aetcd.leases.Lease | None = None
+        # The lease held before the client was reset, tried again before granting a new one.
+        self._kept_lease_id: int | None = None
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self.registered = asyncio.Event()
@@ -125,6 +127,12 @@ class WorkerRegistration:
         if self._client is None:
             self._client = make_client(self.config)
             await self._client.connect()
+        if self._lease is None and self._kept_lease_id is not None:
+            # A failed call reset the client, not necessarily the lease: keep it if etcd still
+            # holds it. A new lease would make routers see a new incarnation of this worker
+            # (and fail over its streams) after a mere hiccup.
+            self._lease = aetcd.leases.Lease(self._kept_lease_id, self.config.lease_ttl_s, self._client)
+            self._kept_lease_id = None
         if self._lease is None:
             self._lease = await self._client.lease(self.config.lease_ttl_s)
             return self._lease
@@ -141,6 +149,8 @@ class WorkerRegistration:
         await self._client.put(worker_key(self.config, record.id).encode(), record.to_json(), lease=lease)
 
     async def _reset_client(self) -> None:
+        if self._lease is not None:
+            self._kept_lease_id = self._lease.id
         client, self._client, self._lease = self._client, None, None
         if client is not None:
             try:
