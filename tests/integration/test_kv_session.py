@@ -117,8 +117,15 @@ async def test_five_turns_with_a_kill_between_each_restore_and_match_an_uninterr
         answer = await collect(router, chat_request(text, max_tokens=16, raw_prompt=True, session_id="kv-five",
                                                     allow_degraded=False), LOCAL_API_KEY)
         assert answer.finished is not None and answer.finished.degradation == common_pb2.DEGRADATION_NONE
-        after = await worker_counters(mesh)
-        served = [name for name in after if after[name][0] > before[name][0]]
+        # A worker counts a request once its stream has ended, which may be just after the
+        # client saw the last event: wait for the count rather than race it.
+        deadline = time.monotonic() + 15
+        while True:
+            after = await worker_counters(mesh)
+            served = [name for name in after if after[name][0] > before[name][0]]
+            if served or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
         assert len(served) == 1, f"turn {turn}: served by {served}"
         server = next(w for w in mesh.workers() if w.name == served[0])
         reference = await recompute(server.address, text, 16)
