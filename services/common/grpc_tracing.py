@@ -127,8 +127,14 @@ def _stream_response(behavior, method: str):
         with _server_span(method, context):
             result: Any = behavior(request_or_iterator, context)
             if inspect.isasyncgen(result):
-                async for item in result:
-                    yield item
+                try:
+                    async for item in result:
+                        yield item
+                finally:
+                    # Closed now, not whenever it is garbage collected: when the call is
+                    # cancelled, the handler's own cleanup (its slot, its engine sequence) must
+                    # run at once.
+                    await result.aclose()
             else:  # a handler that writes with context.write() and returns nothing
                 await result
 
