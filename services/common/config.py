@@ -173,6 +173,10 @@ class WorkerConfig(Section):
     model_name: str = Field("tiny", description="Logical model name clients ask for.")
     pool: str = Field("primary", description="Pool of the model: primary or light.")
     device: str = Field("auto", description="torch device: auto, cpu or cuda.")
+    torch_runtime: Literal["auto", "native", "transformers"] = Field(
+        "auto", description="torch engine: native batched Llama-family decoder, transformers for "
+                            "any model, or auto (native where it computes the model exactly).")
+    max_batch: int = Field(64, ge=1, description="torch engine: decode steps in one forward pass.")
     max_concurrency: int = Field(8, ge=1, description="Sequences generated at once (capacity).")
     max_queue: int = Field(16, ge=0, description="Requests allowed to wait for a slot.")
     temperature_file: str = Field(

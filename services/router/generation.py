@@ -392,6 +392,7 @@ class GenerationRunner:
             generated_ids=plan.generated_ids,
             sampling=sampling_to_pb(plan.sampling),
             response_format=request.response_format,
+            tier=TIER_TO_PB[tier],
         )
         relayed = 0
         if control.reason == "preempted":

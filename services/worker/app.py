@@ -43,6 +43,8 @@ def make_engine(config: BallastConfig) -> Engine:
             max_concurrency=worker.max_concurrency,
             device=worker.device,
             memory_sessions=worker.kv_memory_sessions,
+            runtime=worker.torch_runtime,
+            max_batch=worker.max_batch,
         )
     if worker.engine == "vllm":
         # vLLM itself is imported at start(), so a missing `gpu` extra fails there, named.

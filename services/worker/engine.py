@@ -33,6 +33,8 @@ class EngineRequest:
     session_id: str = ""
     # A JSON Schema (as JSON text) the output must conform to; "" for free text.
     response_format: str = ""
+    # Scheduling priority, lower first: tier S 0, A 1, B 2 (services.worker.servicer).
+    priority: int = 1
 
 
 @dataclass

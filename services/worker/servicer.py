@@ -27,6 +27,8 @@ TRACER = tracing.tracer("worker")
 
 # A worker trusts the router for policy but still refuses nonsense sizes.
 MAX_TOKENS_HARD_LIMIT = 1 << 20
+# Engine scheduling priority of each tier, lower first (unset and unknown tiers run as A).
+TIER_PRIORITY = {common_pb2.TIER_S: 0, common_pb2.TIER_A: 1, common_pb2.TIER_B: 2}
 
 
 def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta | None:
@@ -95,6 +97,7 @@ def engine_request_from_pb(request: worker_pb2.WorkerGenerateRequest) -> EngineR
         tenant=request.tenant,
         session_id=request.session_id,
         response_format=request.response_format,
+        priority=TIER_PRIORITY.get(request.tier, TIER_PRIORITY[common_pb2.TIER_A]),
     )
 
 

@@ -1,9 +1,13 @@
-"""The torch engine: a Hugging Face causal LM run with transformers, on CPU (or CUDA).
+"""The torch engine: a Hugging Face causal LM folder run with torch, on CPU (or CUDA).
 
-For development, CI and demos, with a real tokenizer and a real KV cache per sequence. All
-model compute runs in one dedicated thread, off the event loop. Each request submits its
-prefill (in chunks) and then one decode step per token to that thread, so concurrent
-sequences interleave step by step and a long prompt does not stall the others. Admission is
+For development, CI and demos, with a real tokenizer and a real KV cache per sequence. The
+model runs through `services.worker.model_runner`: a plain-torch Llama-family decoder that
+batches decode steps, or transformers for any other model. All model compute runs in one
+dedicated thread, off the event loop, ordered by `services.worker.step_scheduler`: each
+request submits its prefill (in chunks) and then one decode step per token; the decode steps
+of all running sequences go through the model together, and the most urgent tier's work goes
+first, so a long prompt does not stall the others and an S-tier prompt does not wait behind
+B-tier decoding. Admission is
 bounded: at most `max_concurrency` sequences run, at most `max_waiting` wait for a slot, and
 beyond that a request is refused with ResourceExhausted. Closing or cancelling a stream frees
 its slot and KV cache at once.
@@ -23,7 +27,6 @@ import asyncio
 import os
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
@@ -41,12 +44,18 @@ from services.worker.engine import (
     TokenDelta,
 )
 from services.worker.model_files import describe_model
+from services.worker.model_runner import load_runner
 from services.worker.sampling import fresh_seed, position_generator, select_token
+from services.worker.step_scheduler import DecodeStep, StepScheduler
+from services.worker.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 
 
 log = logging.getLogger(__name__)
+
+# Scheduling priority of each tier (services.worker.engine.EngineRequest.priority): lower first.
+DEFAULT_PRIORITY = 1
 
 class _Sequence:
     """One running request: its KV cache, the tokens the cache holds, and the compute time
@@ -104,11 +113,15 @@ class TorchEngine:
         eos_token_ids: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         memory_sessions: int = 0,
+        runtime: str = "auto",
+        max_batch: int = 64,
     ) -> None:
         """`max_waiting` bounds the requests queued for a slot (default 4 x concurrency).
         `eos_token_ids` overrides the model's (an empty tuple disables EOS, for benchmarks
         that need fixed-length outputs). `torch_threads` is process-wide in torch.
-        `memory_sessions` is how many recent sessions' KV caches stay in memory for reuse."""
+        `memory_sessions` is how many recent sessions' KV caches stay in memory for reuse.
+        `runtime` picks the model runner (services.worker.model_runner); `max_batch` bounds
+        the decode steps of one forward pass."""
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         self._dir = Path(model_dir)
@@ -131,23 +144,22 @@ class TorchEngine:
         self._kv_metrics: Any = None
         self._kv_layout: Any = None
 
-        from transformers import AutoTokenizer
-
-        self._tokenizer = AutoTokenizer.from_pretrained(self._dir, local_files_only=True)
+        self._runtime = runtime
+        self._tokenizer = load_tokenizer(self._dir)
         self._vocab_size = _config_vocab_size(self._dir) or len(self._tokenizer)
         # Guided decoding (JSON Schema). The model's own EOS ids, even when EOS is switched
         # off for benchmarks, or a guided answer could never end.
         model_eos = describe_model(self._dir, model_name).eos_token_ids
         self._guides = GuideCompiler(description.tokenizer_json, self._vocab_size, model_eos)
-        self._model: Any = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._runner: Any = None
+        self._steps = StepScheduler(self._decode_batch, max_batch=max_batch)
         self._slots: asyncio.Semaphore | None = None
         self._running = 0
         self._waiting = 0
         self._kv_tokens = 0
         self._generated_total = 0
         self._step_seconds = 0.0
-        self._steps = 0
+        self._forwards = 0
 
     # --- lifecycle ------------------------------------------------------------------
     @property
@@ -155,22 +167,17 @@ class TorchEngine:
         return self._description
 
     async def start(self) -> None:
-        if self._executor is not None:
+        if self._steps.running:
             return
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
+        self._steps.start()
         self._slots = asyncio.Semaphore(self._max_concurrency)
         await self._run(self._load)
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
         if self._device.type == "cpu":
             torch.set_num_threads(self._threads)
-        hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(
-            self._dir, dtype=self._dtype, local_files_only=True)
-        self._model = model.to(self._device).eval()
+        self._runner = load_runner(self._dir, self._dtype, self._device, self._runtime)
+        log.info("%s: %s runtime on %s", self._description.name, self._runner.name, self._device)
 
     @property
     def prefill_chunk(self) -> int:
@@ -185,7 +192,7 @@ class TorchEngine:
             return True
         from services.worker.kv.tensors import model_layout
 
-        layout = model_layout(self._model.config, self._dtype, session_kv.settings.block_tokens)
+        layout = model_layout(self._runner.config, self._dtype, session_kv.settings.block_tokens)
         if layout is None:
             return False
         session_kv.bind(self._description.version, layout)
@@ -194,10 +201,8 @@ class TorchEngine:
 
     async def stop(self) -> None:
         """Stop taking requests; the step in progress finishes, later steps fail Unavailable."""
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
-        self._model = None
+        await self._steps.stop()
+        self._runner = None
 
     # --- requests -------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -243,6 +248,9 @@ class TorchEngine:
             yield TokenDelta([], text.finish(), FinishReason.LENGTH, prefill_tokens=0)
             return
         seed = fresh_seed() if s.seed is None else s.seed
+        # A resumed stream (it carries tokens generated elsewhere) broke mid-answer: its user
+        # is already waiting on a pause, so its work goes one tier ahead of its own.
+        priority = request.priority - 1 if request.generated_ids else request.priority
         start_pos = len(request.generated_ids)
         context = [*request.prompt_ids, *request.generated_ids]
         guide = None
@@ -250,7 +258,8 @@ class TorchEngine:
             try:
                 # Compiled on the engine thread (it is CPU work); a resumed stream continues
                 # the grammar from the tokens already generated.
-                guide = await self._run(self._guides.guide, request.response_format, request.generated_ids)
+                guide = await self._run(self._guides.guide, request.response_format,
+                                        request.generated_ids, priority=priority)
             except GuideMismatch as exc:
                 log.warning("request %s: generated ids leave the grammar (%s); continuing unguided",
                             request.request_id, exc)
@@ -259,14 +268,15 @@ class TorchEngine:
             seq = _Sequence()
             finished = False
             try:
-                reused = await self._reuse_prefix(request, context, seq)
+                reused = await self._reuse_prefix(request, context, seq, priority)
                 computed = len(context) - reused
                 # Prefill in chunks, each its own job, so other sequences step in between.
                 for i in range(reused, len(context), self._prefill_chunk):
                     chunk = context[i : i + self._prefill_chunk]
                     last = i + self._prefill_chunk >= len(context)
-                    token = await self._run(self._forward, seq, chunk,
-                                            (s, seed, start_pos, guide) if last else None)
+                    token = await self._run(self._prefill, seq, chunk,
+                                            (s, seed, start_pos, guide) if last else None,
+                                            priority=priority)
                     self._grow(seq, len(chunk))
                     if self._kv is not None:
                         self._kv.cost.observe_prefill(i, len(chunk), seq.last_ms)
@@ -275,7 +285,7 @@ class TorchEngine:
                 first = True
                 for k in range(s.max_tokens):
                     if k:
-                        token = await self._run(self._forward, seq, [token], (s, seed, start_pos + k, guide))
+                        token = await self._steps.decode(seq, token, (s, seed, start_pos + k, guide), priority)
                         self._grow(seq, 1)
                     self._generated_total += 1
                     # The first delta says how much of the context was actually computed.
@@ -316,7 +326,8 @@ class TorchEngine:
         self._kv_tokens += n
 
     # --- session KV reuse -------------------------------------------------------------
-    async def _reuse_prefix(self, request: EngineRequest, context: list[int], seq: _Sequence) -> int:
+    async def _reuse_prefix(self, request: EngineRequest, context: list[int], seq: _Sequence,
+                            priority: int) -> int:
         """Loads the longest known KV prefix of `context` into `seq`; returns its length."""
         if not request.session_id:
             return 0
@@ -329,7 +340,7 @@ class TorchEngine:
             usable = min(common_prefix(ids, context), len(context) - 1)
             if usable > 0:
                 if usable < len(ids):
-                    cache = await self._run(self._truncated, cache, usable)
+                    cache = await self._run(self._runner.truncated, cache, usable, priority=priority)
                 seq.cache, seq.ids = cache, list(context[:usable])
                 self._grow(seq, usable)
                 if self._kv_metrics is not None:
@@ -340,7 +351,7 @@ class TorchEngine:
         fetch = await self._kv.fetch(request.tenant, context)
         if fetch is None:
             return 0
-        good, cache = await self._run(self._load_restored, fetch.blocks)
+        good, cache = await self._run(self._load_restored, fetch.blocks, priority=priority)
         tokens = self._kv.restored(fetch, good)
         if not tokens:
             return 0
@@ -349,26 +360,14 @@ class TorchEngine:
         self._kv_metrics.prefix_tokens.add(tokens, {"source": "cache"})
         return tokens
 
-    def _truncated(self, cache: Any, tokens: int) -> Any:
-        """A new cache of the first `tokens` of `cache` (engine thread). Rebuilt rather than
-        cropped in place: `crop` changed meaning across transformers 5 releases."""
-        from transformers import DynamicCache
-
-        from services.worker.kv.tensors import cache_pairs
-
-        pairs = [(k[..., :tokens, :], v[..., :tokens, :]) for k, v in cache_pairs(cache)]
-        return DynamicCache(pairs, config=self._model.config)
-
     def _load_restored(self, fetched: Any) -> tuple[int, Any]:
-        """Verifies fetched blocks and builds a DynamicCache of the good ones (engine thread)."""
-        from transformers import DynamicCache
-
+        """Verifies fetched blocks and builds a cache of the good ones (engine thread)."""
         from services.worker.kv.tensors import verify_and_decode
 
         good, pairs = verify_and_decode(fetched, self._device)
         if not good:
             return 0, None
-        return good, DynamicCache(pairs, config=self._model.config)
+        return good, self._runner.from_pairs(pairs)
 
     def _keep_session(self, request: EngineRequest, seq: _Sequence) -> None:
         """Hands a finished sequence's KV to the session memory and the save queue."""
@@ -390,39 +389,53 @@ class TorchEngine:
         self._kv.save(request.tenant, request.session_id, ids, encode)
 
     # --- model compute (engine thread only) ----------------------------------------
-    def _forward(self, seq: _Sequence, ids: list[int],
+    def _prefill(self, seq: _Sequence, ids: list[int],
                  sample: tuple[Any, int, int, Any] | None) -> int:
         """Run `ids` through the model on top of the sequence's cache; sample the next token
         at generated position `sample[2]` when `sample` is given (else return -1)."""
         started = time.perf_counter()
-        with torch.inference_mode():
-            x = torch.tensor([ids], dtype=torch.long, device=self._device)
-            out = self._model(input_ids=x, past_key_values=seq.cache, use_cache=True,
-                              logits_to_keep=1)
-            seq.cache = out.past_key_values
-            seq.ids.extend(ids)
-            token = -1
-            if sample is not None:
-                sampling, seed, position, guide = sample
-                generator = None if sampling.temperature == 0 else position_generator(seed, position)
-                logits = out.logits[0, -1]
-                if guide is not None:
-                    logits = guide.apply(logits)
-                token = select_token(logits, sampling.temperature, sampling.top_p, generator)
-                if guide is not None:
-                    guide.advance(token)
+        logits, seq.cache = self._runner.prefill(seq.cache, ids)
+        seq.ids.extend(ids)
+        token = -1 if sample is None else self._sample(logits, sample)
         elapsed = time.perf_counter() - started
         seq.last_ms = elapsed * 1000
-        self._step_seconds += elapsed
-        self._steps += 1
+        self._count_forward(elapsed)
         return token
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        executor = self._executor
-        if executor is None:
-            raise Unavailable("torch engine is not running")
+    def _decode_batch(self, steps: Sequence[DecodeStep]) -> list[int | BaseException]:
+        """One token for each step's sequence, in one forward pass where the runner batches."""
+        started = time.perf_counter()
+        logits, caches = self._runner.decode([step.seq.cache for step in steps],
+                                             [step.token for step in steps])
+        results: list[int | BaseException] = []
+        for row, (step, cache) in enumerate(zip(steps, caches)):
+            step.seq.cache = cache
+            step.seq.ids.append(step.token)
+            try:
+                results.append(self._sample(logits[row], step.sample))
+            except Exception as exc:  # e.g. a grammar error: that stream fails, not its batch
+                results.append(exc)
+        self._count_forward(time.perf_counter() - started)
+        return results
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sample: tuple[Any, int, int, Any]) -> int:
+        sampling, seed, position, guide = sample
+        generator = None if sampling.temperature == 0 else position_generator(seed, position)
+        if guide is not None:
+            logits = guide.apply(logits)
+        token = select_token(logits, sampling.temperature, sampling.top_p, generator)
+        if guide is not None:
+            guide.advance(token)
+        return token
+
+    def _count_forward(self, seconds: float) -> None:
+        self._step_seconds += seconds
+        self._forwards += 1
+
+    async def _run(self, fn: Callable[..., T], *args: Any, priority: int = DEFAULT_PRIORITY) -> T:
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+            return await self._steps.call(fn, *args, priority=priority)
         except RuntimeError as exc:
             if "shutdown" in str(exc):
                 raise Unavailable("torch engine is stopping") from exc
@@ -457,7 +470,8 @@ class TorchEngine:
             extra={
                 "max_concurrency": float(self._max_concurrency),
                 "generated_tokens_total": float(self._generated_total),
-                "forward_ms_avg": 1000 * self._step_seconds / max(1, self._steps),
+                "forward_ms_avg": 1000 * self._step_seconds / max(1, self._forwards),
+                "decode_batch_avg": self._steps.batched_steps / max(1, self._steps.batches),
                 "session_memory_tokens": float(self._sessions.tokens),
             },
         )

@@ -18,7 +18,7 @@ from typing import Callable
 
 import grpc
 
-from ballast.v1 import worker_pb2
+from ballast.v1 import common_pb2, worker_pb2
 from services.common.errors import BallastError
 from services.common.membership import WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
@@ -167,6 +167,8 @@ class MirrorRunner:
                 prompt_ids=list(fit.prompt_ids),
                 sampling=sampling_to_pb(request.sampling),
                 response_format=request.response_format,
+                # Shadow traffic: the candidate's live requests go first.
+                tier=common_pb2.TIER_B,
             )
             with self._clients.in_use(worker.address) as stub:
                 call = stub.Generate(call_request, timeout=max(0.001, deadline - time.monotonic()))

@@ -1,0 +1,258 @@
+"""A Llama-family decoder in plain torch, for the torch engine: batched decode, no transformers.
+
+Why not transformers' model classes: a decode step there runs one sequence at a time (its
+caches of different lengths do not batch without padding), and importing transformers costs
+a cold worker seconds. This module reads the same Hugging Face folder (config.json and
+safetensors weights) and computes the same function: RMSNorm, rotary position embeddings
+(default rope only), grouped-query attention with optional q/k/v bias, a SwiGLU MLP. Its
+logits match transformers' to float rounding (checked by tests/component/test_llama_native).
+
+`supports(config)` says whether a folder's model is one this module computes exactly; the
+engine falls back to transformers for any other.
+
+Each sequence keeps its KV in `SequenceKV`: per-layer buffers with spare room, so a decode
+step writes one position in place instead of copying the whole cache. `decode` runs one new
+token for each of B sequences: the projections and MLP as [B, hidden] matrix products (where
+batching pays), attention per sequence over its own cache length.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+_GROW_MIN = 64  # tokens of spare room a buffer gains when it grows
+
+
+def supports(config: dict[str, Any]) -> bool:
+    """Whether this module computes `config`'s model exactly as transformers would."""
+    archs = config.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        return False
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        return False
+    if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias"):
+        return False
+    # Mistral applies its sliding window whenever one is set; Qwen2 only when asked to.
+    if config.get("sliding_window") and config.get("use_sliding_window", archs[0] == "MistralForCausalLM"):
+        return False
+    layer_types = config.get("layer_types")
+    return not layer_types or all(t == "full_attention" for t in layer_types)
+
+
+class _Layer:
+    """A view of one layer's KV buffers as transformers' cache layers show it:
+    keys and values of [1, kv_heads, tokens, head_dim]."""
+
+    __slots__ = ("keys", "values")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
+
+
+class SequenceKV:
+    """One sequence's KV cache: per layer, key and value buffers of
+    [kv_heads, capacity, head_dim], of which the first `length` positions are filled."""
+
+    __slots__ = ("keys", "values", "length")
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        self.keys, self.values, self.length = keys, values, length
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "SequenceKV":
+        """From per-layer (keys, values) of [1, kv_heads, tokens, head_dim] (copied)."""
+        keys = [k[0].contiguous().clone() for k, _v in pairs]
+        values = [v[0].contiguous().clone() for _k, v in pairs]
+        return cls(keys, values, keys[0].shape[1] if keys else 0)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    @property
+    def layers(self) -> list[_Layer]:
+        """Views of the filled part, as in transformers' DynamicCache (for the KV store)."""
+        n = self.length
+        return [_Layer(k[None, :, :n], v[None, :, :n]) for k, v in zip(self.keys, self.values)]
+
+    def truncated(self, tokens: int) -> "SequenceKV":
+        """A copy holding the first `tokens` positions. A copy, not a cut in place: a
+        pending save may still read this cache's filled positions."""
+        if not 0 <= tokens <= self.length:
+            raise ValueError(f"cannot keep {tokens} of {self.length} cached tokens")
+        return SequenceKV([k[:, :tokens].clone() for k in self.keys],
+                          [v[:, :tokens].clone() for v in self.values], tokens)
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` more positions. Growing allocates new buffers and leaves the old
+        ones to whoever still views them."""
+        need = self.length + tokens
+        if not self.keys or need <= self.keys[0].shape[1]:
+            return
+        capacity = max(need + _GROW_MIN, 2 * self.keys[0].shape[1])
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = old.new_empty((old.shape[0], capacity, old.shape[2]))
+                new[:, : self.length] = old[:, : self.length]
+                store[i] = new
+
+
+class LlamaModel:
+    """The weights of a Llama-family model and its forward passes (no autograd)."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        from safetensors.torch import load_file
+
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        config = config.get("text_config") or config
+        if not supports(config):
+            raise ValueError(f"{model_dir}: not a model this module computes exactly")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.layers_count = int(config["num_hidden_layers"])
+        self.heads = int(config["num_attention_heads"])
+        self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
+        self.head_dim = int(config.get("head_dim") or config["hidden_size"] // self.heads)
+        self.eps = float(config["rms_norm_eps"])
+        rope = config.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        self._inv_freq = (1.0 / theta ** exponents).to(self.device)
+
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+        prefix = "model." if "model.embed_tokens.weight" in weights else ""
+
+        def take(name: str, optional: bool = False) -> torch.Tensor | None:
+            tensor = weights.get(prefix + name)
+            if tensor is None:
+                if optional:
+                    return None
+                raise ValueError(f"{model_dir}: weight {prefix + name} is missing")
+            return tensor.to(device=self.device, dtype=dtype)
+
+        self.embed = take("embed_tokens.weight")
+        self.norm = take("norm.weight")
+        head = weights.get("lm_head.weight")
+        self.lm_head = self.embed if head is None or config.get("tie_word_embeddings") \
+            else head.to(device=self.device, dtype=dtype)
+        self.layers = []
+        for i in range(self.layers_count):
+            p = f"layers.{i}."
+            self.layers.append({
+                "input_norm": take(p + "input_layernorm.weight"),
+                "post_norm": take(p + "post_attention_layernorm.weight"),
+                "q": take(p + "self_attn.q_proj.weight"), "q_bias": take(p + "self_attn.q_proj.bias", True),
+                "k": take(p + "self_attn.k_proj.weight"), "k_bias": take(p + "self_attn.k_proj.bias", True),
+                "v": take(p + "self_attn.v_proj.weight"), "v_bias": take(p + "self_attn.v_proj.bias", True),
+                "o": take(p + "self_attn.o_proj.weight"), "o_bias": take(p + "self_attn.o_proj.bias", True),
+                "gate": take(p + "mlp.gate_proj.weight"),
+                "up": take(p + "mlp.up_proj.weight"),
+                "down": take(p + "mlp.down_proj.weight"),
+            })
+        self.vocab_size = int(self.lm_head.shape[0])
+
+    def new_cache(self, capacity: int = _GROW_MIN) -> SequenceKV:
+        shape = (self.kv_heads, capacity, self.head_dim)
+        keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers_count)]
+        values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers_count)]
+        return SequenceKV(keys, values, 0)
+
+    # --- pieces -------------------------------------------------------------------------
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As transformers' LlamaRMSNorm: the statistics in float32, the scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self._inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def _qkv(self, layer: dict, h: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+        q = F.linear(h, layer["q"], layer["q_bias"]).view(rows, self.heads, self.head_dim)
+        k = F.linear(h, layer["k"], layer["k_bias"]).view(rows, self.kv_heads, self.head_dim)
+        v = F.linear(h, layer["v"], layer["v_bias"]).view(rows, self.kv_heads, self.head_dim)
+        return q, k, v
+
+    def _mlp_block(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+        h = self._rms_norm(x, layer["post_norm"])
+        return x + F.linear(F.silu(F.linear(h, layer["gate"])) * F.linear(h, layer["up"]), layer["down"])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms_norm(x, self.norm), self.lm_head)
+
+    # --- forward passes -------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, cache: SequenceKV, ids: Sequence[int]) -> torch.Tensor:
+        """Runs `ids` on top of `cache` (extending it); the logits after the last one."""
+        t, past = len(ids), cache.length
+        if not t:
+            raise ValueError("prefill needs at least one token")
+        cache.reserve(t)
+        x = self.embed[torch.tensor(list(ids), dtype=torch.long, device=self.device)]
+        cos, sin = self._rotary(torch.arange(past, past + t, device=self.device))
+        mask = None
+        if past:
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(past)[None]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["input_norm"])
+            q, k, v = self._qkv(layer, h, t)
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, t, dim]
+            q = q * cos + self._rotate_half(q) * sin
+            k = k * cos + self._rotate_half(k) * sin
+            cache.keys[i][:, past : past + t] = k
+            cache.values[i][:, past : past + t] = v
+            keys, values = cache.keys[i][:, : past + t], cache.values[i][:, : past + t]
+            attended = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask, is_causal=not past,
+                enable_gqa=self.kv_heads != self.heads)[0]
+            x = x + F.linear(attended.transpose(0, 1).reshape(t, -1), layer["o"], layer["o_bias"])
+            x = self._mlp_block(layer, x)
+        cache.length = past + t
+        return self._logits(x[-1:])[0]
+
+    @torch.inference_mode()
+    def decode(self, caches: Sequence[SequenceKV], tokens: Sequence[int]) -> torch.Tensor:
+        """One new token for each sequence (extending each cache); logits of [B, vocab]."""
+        b = len(tokens)
+        for cache in caches:
+            cache.reserve(1)
+        positions = [cache.length for cache in caches]
+        x = self.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
+        cos, sin = self._rotary(torch.tensor(positions, device=self.device))
+        cos, sin = cos[:, None], sin[:, None]  # [b, 1, dim], broadcast over heads
+        gqa = self.kv_heads != self.heads
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["input_norm"])
+            q, k, v = self._qkv(layer, h, b)
+            q = q * cos + self._rotate_half(q) * sin
+            k = k * cos + self._rotate_half(k) * sin
+            attended = []
+            for row, (cache, pos) in enumerate(zip(caches, positions)):
+                cache.keys[i][:, pos] = k[row]
+                cache.values[i][:, pos] = v[row]
+                keys, values = cache.keys[i][:, : pos + 1], cache.values[i][:, : pos + 1]
+                attended.append(F.scaled_dot_product_attention(
+                    q[row][None, :, None], keys[None], values[None], enable_gqa=gqa)[0, :, 0])
+            x = x + F.linear(torch.stack(attended).reshape(b, -1), layer["o"], layer["o_bias"])
+            x = self._mlp_block(layer, x)
+        for cache, pos in zip(caches, positions):
+            cache.length = pos + 1
+        return self._logits(x)

@@ -1,0 +1,195 @@
+"""Orders the torch engine's model work on its one compute thread: most urgent first, and
+every sequence's next decode step in one batched forward pass.
+
+Each request's coroutine asks for work and awaits the answer: `call` runs one function
+(a prefill chunk, a KV restore, a grammar compile), `decode` asks for one more token of a
+sequence. The dispatcher runs one job at a time on the compute thread. It picks the job with
+the best (priority, arrival); all decode steps waiting at that moment form one job, ranked by
+its most urgent step, and run as one batch (at most `max_batch`, most urgent first). So a new
+S-tier prompt waits for at most the forward pass in progress, not behind every running
+sequence's step, and N running sequences cost one forward pass per token instead of N.
+
+Priority is a small integer, lower first (the worker maps tiers S, A, B to 0, 1, 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeVar
+
+from services.common.errors import Unavailable
+from services.common.tasks import stop_task
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+@dataclass(order=True)
+class _Call:
+    priority: int
+    order: int
+    fn: Callable[..., Any] = field(compare=False)
+    args: tuple = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+
+
+@dataclass(order=True)
+class DecodeStep:
+    """One sequence's next token: run `token` on `seq`, then sample with `sample`."""
+
+    priority: int
+    order: int
+    seq: Any = field(compare=False)
+    token: int = field(compare=False)
+    sample: Any = field(compare=False)
+    future: asyncio.Future = field(compare=False, default=None)
+
+
+# Runs a batch of decode steps on the compute thread; per step, the next token or the
+# exception that step failed with (one bad step does not fail its batch-mates).
+BatchRunner = Callable[[Sequence[DecodeStep]], Sequence["int | BaseException"]]
+
+
+class StepScheduler:
+    def __init__(self, run_batch: BatchRunner, max_batch: int = 64,
+                 thread_name: str = "torch-engine") -> None:
+        self._run_batch = run_batch
+        self._max_batch = max(1, max_batch)
+        self._thread_name = thread_name
+        self._calls: list[_Call] = []
+        self._decodes: list[DecodeStep] = []
+        self._order = itertools.count()
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self.batches = 0
+        self.batched_steps = 0
+
+    @property
+    def running(self) -> bool:
+        return self._executor is not None
+
+    def start(self) -> None:
+        if self._executor is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="step-dispatch")
+
+    async def stop(self) -> None:
+        """Fails every job, waiting or in progress, with Unavailable; returns once the job on
+        the compute thread has finished."""
+        executor, self._executor = self._executor, None
+        task, self._task = self._task, None
+        if task is not None:
+            await stop_task(task)
+        _fail([*self._calls, *self._decodes], Unavailable("torch engine is stopping"))
+        self._calls.clear()
+        self._decodes.clear()
+        if executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+
+    async def call(self, fn: Callable[..., T], *args: Any, priority: int = 1) -> T:
+        """Runs `fn(*args)` on the compute thread, in priority order."""
+        future = self._enqueue()
+        heapq.heappush(self._calls, _Call(priority, next(self._order), fn, args, future))
+        return await future
+
+    async def decode(self, seq: Any, token: int, sample: Any, priority: int = 1) -> int:
+        """Runs `token` on `seq` in the next decode batch; the token sampled after it."""
+        future = self._enqueue()
+        self._decodes.append(DecodeStep(priority, next(self._order), seq, token, sample, future))
+        return await future
+
+    def _enqueue(self) -> asyncio.Future:
+        if self._executor is None or self._wake is None:
+            raise Unavailable("torch engine is not running")
+        self._wake.set()
+        return asyncio.get_running_loop().create_future()
+
+    # --- dispatcher ---------------------------------------------------------------------------
+    async def _dispatch(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                self._drop_abandoned()
+                if not self._calls and not self._decodes:
+                    break
+                best_decode = min(self._decodes) if self._decodes else None
+                if self._calls and (best_decode is None or
+                                    (self._calls[0].priority, self._calls[0].order) <
+                                    (best_decode.priority, best_decode.order)):
+                    await self._run_call(heapq.heappop(self._calls))
+                else:
+                    await self._run_decodes()
+
+    def _drop_abandoned(self) -> None:
+        """Forgets jobs whose requester stopped waiting (a cancelled stream)."""
+        if any(job.future.done() for job in self._calls):
+            self._calls = [job for job in self._calls if not job.future.done()]
+            heapq.heapify(self._calls)
+        self._decodes = [step for step in self._decodes if not step.future.done()]
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        executor = self._executor
+        if executor is None:
+            raise Unavailable("torch engine is stopping")
+        return await asyncio.get_running_loop().run_in_executor(executor, _no_stop_iteration, fn, args)
+
+    async def _run_call(self, job: _Call) -> None:
+        try:
+            result = await self._on_thread(job.fn, *job.args)
+        except asyncio.CancelledError:
+            _fail([job], Unavailable("torch engine is stopping"))
+            raise
+        except BaseException as exc:  # handed to the requester, who raises it
+            if not job.future.done():
+                job.future.set_exception(exc)
+            return
+        if not job.future.done():
+            job.future.set_result(result)
+
+    async def _run_decodes(self) -> None:
+        self._decodes.sort()
+        batch, self._decodes = self._decodes[: self._max_batch], self._decodes[self._max_batch:]
+        try:
+            results = await self._on_thread(self._run_batch, batch)
+        except asyncio.CancelledError:
+            _fail(batch, Unavailable("torch engine is stopping"))
+            raise
+        except BaseException as exc:
+            log.exception("decode batch of %d failed", len(batch))
+            results = [exc] * len(batch)
+        self.batches += 1
+        self.batched_steps += len(batch)
+        if len(results) != len(batch):  # a runner bug: never leave a stream waiting forever
+            results = [RuntimeError(f"decode batch of {len(batch)} gave {len(results)} results")] * len(batch)
+        for step, result in zip(batch, results):
+            if step.future.done():
+                continue
+            if isinstance(result, BaseException):
+                step.future.set_exception(result)
+            else:
+                step.future.set_result(result)
+
+
+def _no_stop_iteration(fn: Callable[..., T], args: tuple) -> T:
+    """Runs fn(*args). A StopIteration becomes a RuntimeError: asyncio cannot put the former
+    into a future, and the job's requester would wait forever."""
+    try:
+        return fn(*args)
+    except StopIteration as exc:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} raised StopIteration") from exc
+
+
+def _fail(jobs: Sequence[_Call | DecodeStep], error: BaseException) -> None:
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_exception(error)

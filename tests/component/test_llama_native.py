@@ -1,0 +1,260 @@
+"""The plain-torch Llama-family decoder (services.worker.llama) against transformers.
+
+On the tiny Llama: prefill logits and KV, chunked prefill, and batched greedy decoding of
+sequences of different lengths. On a random Qwen2 (q/k/v bias, grouped-query attention,
+tied embeddings, a non-default rope theta): prefill and decode logits. Then `supports()`
+and the SequenceKV buffers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from services.worker.llama import LlamaModel, SequenceKV, supports
+from services.worker.tiny_model import render_chat
+from tests.model_fixtures import tiny_model_dir  # noqa: F401
+
+ATOL = 1e-4
+PROMPTS = [
+    "The customer paid for the winter coat",
+    render_chat([{"role": "user", "content": "Where is my order 12345?"}], add_generation_prompt=True),
+    "我想退跑步鞋。",
+    render_chat([{"role": "system", "content": "You are a helpful shopping assistant."},
+                 {"role": "user", "content": "Can I pay with PayPal?"}], add_generation_prompt=True),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """(native model, transformers model, prompt ids) for the tiny Llama."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    assert len({len(i) for i in ids}) == len(ids), "prompts should differ in length"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                              local_files_only=True).eval()
+    return LlamaModel(tiny_model_dir), hf, ids
+
+
+def hf_forward(hf, ids: list[int]):
+    with torch.inference_mode():
+        return hf(input_ids=torch.tensor([ids]), use_cache=True)
+
+
+def greedy(model: LlamaModel, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens of every prompt, all decode steps run as one batch."""
+    caches = [model.new_cache() for _ in prompts]
+    tokens = [int(model.prefill(c, p).argmax()) for c, p in zip(caches, prompts)]
+    out = [[t] for t in tokens]
+    for _ in range(steps - 1):
+        tokens = model.decode(caches, tokens).argmax(-1).tolist()
+        for row, t in zip(out, tokens):
+            row.append(t)
+    for cache, prompt in zip(caches, prompts):
+        assert cache.length == len(prompt) + steps - 1
+    return out
+
+
+# --- the tiny Llama ---------------------------------------------------------------------------
+def test_prefill_logits_and_kv_match_transformers(tiny):
+    model, hf, prompts = tiny
+    for ids in prompts:
+        cache = model.new_cache(4)  # small on purpose: prefill must grow it
+        logits = model.prefill(cache, ids)
+        expected = hf_forward(hf, ids)
+        torch.testing.assert_close(logits, expected.logits[0, -1], atol=ATOL, rtol=0)
+        assert cache.length == len(ids)
+        # The cache holds what transformers' does (rotated keys), so the KV store can mix them.
+        for mine, theirs in zip(cache.layers, expected.past_key_values.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, atol=ATOL, rtol=0)
+            torch.testing.assert_close(mine.values, theirs.values, atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_equals_single_prefill(tiny):
+    model, _hf, prompts = tiny
+    ids = prompts[3]
+    whole = model.new_cache()
+    expected = model.prefill(whole, ids)
+    for split in (1, len(ids) // 2, len(ids) - 1):
+        chunked = model.new_cache(split)  # the second chunk also grows the buffers
+        model.prefill(chunked, ids[:split])
+        logits = model.prefill(chunked, ids[split:])
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+        assert chunked.length == whole.length == len(ids)
+        for mine, theirs in zip(chunked.layers, whole.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=0)
+
+
+def test_batched_greedy_decode_matches_transformers_generate(tiny):
+    model, hf, prompts = tiny
+    steps = 20
+    native = greedy(model, prompts, steps)
+    config = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=[], pad_token_id=1)
+    for ids, mine in zip(prompts, native):
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), generation_config=config)
+        theirs = out[0, len(ids):].tolist()
+        assert len(theirs) == steps
+        assert mine == theirs
+    # Batching is not cosmetic: alone, each sequence decodes the same tokens.
+    assert [greedy(model, [p], steps)[0] for p in prompts] == native
+
+
+def test_batched_decode_logits_match_transformers(tiny):
+    model, hf, prompts = tiny
+    caches = [model.new_cache() for _ in prompts]
+    for cache, ids in zip(caches, prompts):
+        model.prefill(cache, ids)
+    follow = [5, 17, 42, 99]
+    logits = model.decode(caches, follow)
+    assert logits.shape == (len(prompts), model.vocab_size)
+    for row, (ids, token) in enumerate(zip(prompts, follow)):
+        expected = hf_forward(hf, ids + [token]).logits[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
+
+
+# --- a random Qwen2: bias, GQA, tied embeddings ------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    torch.manual_seed(1234)
+    config = Qwen2Config(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=256, rms_norm_eps=1e-6,
+                         # Weights large enough that logits are O(1): a wrong bias or rope
+                         # theta then moves them by far more than ATOL.
+                         initializer_range=0.2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    hf = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial biases and norm scales (they initialise to 0 and 1)
+        for name, param in hf.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("qwen2")
+    hf.save_pretrained(path, safe_serialization=True)
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen2ForCausalLM"] and saved["tie_word_embeddings"]
+    return LlamaModel(path), hf
+
+
+def test_qwen2_weights_are_the_ones_this_test_means(qwen2):
+    model, _hf = qwen2
+    assert model.kv_heads == 2 and model.heads == 4
+    assert model.lm_head is model.embed  # no lm_head.weight in the file: tied
+    assert model.layers[0]["q_bias"] is not None and model.layers[0]["q_bias"].abs().sum() > 0
+
+
+def test_qwen2_prefill_and_decode_logits_match_transformers(qwen2):
+    model, hf = qwen2
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 101, (n,), generator=generator).tolist() for n in (9, 4)]
+    caches = [model.new_cache(8) for _ in prompts]
+    tokens = []
+    for cache, ids in zip(caches, prompts):
+        logits = model.prefill(cache, ids)
+        torch.testing.assert_close(logits, hf_forward(hf, ids).logits[0, -1], atol=ATOL, rtol=0)
+        tokens.append(int(logits.argmax()))
+    sequences = [ids + [t] for ids, t in zip(prompts, tokens)]
+    for _ in range(4):
+        logits = model.decode(caches, tokens)
+        tokens = []
+        for row, seq in enumerate(sequences):
+            expected = hf_forward(hf, seq).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
+            tokens.append(int(logits[row].argmax()))
+            seq.append(tokens[-1])
+
+
+# --- supports() ---------------------------------------------------------------------------------
+def test_supports_accepts_the_tiny_model(tiny_model_dir):
+    assert supports(json.loads((tiny_model_dir / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("change", [
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+    {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}},
+    {"architectures": ["GPT2LMHeadModel"]},
+    {"architectures": ["Qwen3ForCausalLM"]},
+    {"architectures": []},
+], ids=["linear-rope", "legacy-dynamic-rope", "llama3-rope", "gpt2", "qwen3", "no-architecture"])
+def test_supports_rejects_what_it_does_not_compute(tiny_model_dir, change):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.update(change)
+    assert not supports(config)
+
+
+def test_supports_rejects_mistral_with_a_sliding_window():
+    config = MistralConfig(sliding_window=4096).to_dict()
+    config["architectures"] = ["MistralForCausalLM"]
+    assert not supports(config)
+    config["sliding_window"] = None
+    assert supports(config)  # the window, not the architecture, is what is refused
+
+
+# --- SequenceKV -----------------------------------------------------------------------------------
+def filled_kv(layers: int = 2, heads: int = 2, tokens: int = 5, dim: int = 3, capacity: int = 6):
+    generator = torch.Generator().manual_seed(3)
+    keys = [torch.randn(heads, capacity, dim, generator=generator) for _ in range(layers)]
+    values = [torch.randn(heads, capacity, dim, generator=generator) for _ in range(layers)]
+    return SequenceKV(keys, values, tokens)
+
+
+def test_layers_are_views_of_the_filled_part():
+    kv = filled_kv()
+    layers = kv.layers
+    assert len(layers) == 2
+    for layer, keys, values in zip(layers, kv.keys, kv.values):
+        assert layer.keys.shape == layer.values.shape == (1, 2, 5, 3)
+        assert torch.equal(layer.keys[0], keys[:, :5]) and torch.equal(layer.values[0], values[:, :5])
+    assert kv.get_seq_length() == 5
+
+
+def test_truncated_is_a_copy():
+    kv = filled_kv()
+    cut = kv.truncated(3)
+    assert cut.length == 3 and cut.layers[0].keys.shape == (1, 2, 3, 3)
+    expected_keys = [k[:, :3].clone() for k in kv.keys]
+    expected_values = [v[:, :3].clone() for v in kv.values]
+    for store in (kv.keys, kv.values):
+        for buffer in store:
+            buffer.fill_(123.0)  # the original is written afterwards (a decode step, a restore)
+    for layer, keys, values in zip(cut.layers, expected_keys, expected_values):
+        assert torch.equal(layer.keys[0], keys) and torch.equal(layer.values[0], values)
+
+
+def test_reserve_grows_and_keeps_the_filled_positions():
+    kv = filled_kv(tokens=5, capacity=6)
+    before = [(k[:, :5].clone(), v[:, :5].clone()) for k, v in zip(kv.keys, kv.values)]
+    old_buffer = kv.keys[0]
+    kv.reserve(1)
+    assert kv.keys[0] is old_buffer  # room enough: nothing allocated
+    kv.reserve(10)
+    assert kv.keys[0].shape[1] >= 15 and kv.values[1].shape[1] >= 15
+    assert kv.length == 5
+    for layer, (keys, values) in zip(kv.layers, before):
+        assert torch.equal(layer.keys[0], keys) and torch.equal(layer.values[0], values)
+
+
+def test_from_pairs_copies_transformers_layout():
+    pairs = [(torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 3)) for _ in range(2)]
+    kv = SequenceKV.from_pairs(pairs)
+    assert kv.length == 4
+    for layer, (keys, values) in zip(kv.layers, pairs):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    pairs[0][0].zero_()
+    assert not torch.equal(kv.layers[0].keys, pairs[0][0])
