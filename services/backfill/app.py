@@ -24,6 +24,7 @@ from redis.retry import Retry
 from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.backfill.consumer import ConsumerLoop, consumer_config
 from services.backfill.metrics import BackfillMetrics
+from services.backfill.pool_watch import PrimaryPoolWatch
 from services.backfill.processor import Processor
 from services.backfill.replay import Replayer, RouterReplayer
 from services.backfill.servicer import BackfillServicer
@@ -31,6 +32,7 @@ from services.backfill.settings import BackfillSettings, ReplayTargetError, repl
 from services.backfill.store import AnswerStore, Notices
 from services.common.config import BallastConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.membership import MembershipWatcher
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
 from services.degrade.kafka import AsyncProducer, ensure_topics
@@ -58,6 +60,7 @@ class BackfillApp:
     processor: Processor | None = None
     consumer: ConsumerLoop | None = None
     replayer: Replayer | None = None
+    membership: MembershipWatcher | None = None
     _pubsub_redis: redis_asyncio.Redis | None = None
     _topics_task: asyncio.Task | None = field(default=None, repr=False)
 
@@ -75,6 +78,8 @@ class BackfillApp:
             await self.consumer.stop(grace)
         if self.replayer is not None:
             await self.replayer.close()
+        if self.membership is not None:
+            await self.membership.stop()
         await self.producer.stop()
         await self.notices.stop()
         for probe in self.probes:
@@ -136,7 +141,8 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         await client.ping()
 
     async def on_change(_up: bool) -> None:
-        serving = not telemetry.dependencies.missing()
+        # etcd only hastens replays after an outage (pool_watch): not a reason to stop serving.
+        serving = not set(telemetry.dependencies.missing()) - {"etcd"}
         await set_serving(health, [SERVICE_NAME], serving)
 
     kafka_was_down = False
@@ -176,7 +182,10 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
             log.error("backfill will not consume degraded requests: %s", exc)
     if replayer is not None:
         app.replayer = replayer
-        app.processor = Processor(settings, store, replayer, producer, metrics)
+        app.membership = MembershipWatcher(config.etcd, telemetry.dependencies)
+        await app.membership.start()
+        app.processor = Processor(settings, store, replayer, producer, metrics,
+                                  pool_watch=PrimaryPoolWatch(app.membership))
         metrics.observe_current_lag(app.processor.oldest_in_hand)
         app.consumer = ConsumerLoop(
             consumer_config(config.kafka.bootstrap, settings.group_id, settings.session_timeout_ms,

@@ -27,6 +27,7 @@ from ballast.v1 import backfill_pb2
 from services.backfill.consumer import Record
 from services.common import tracing
 from services.backfill.metrics import BackfillMetrics
+from services.backfill.pool_watch import PrimaryPoolWatch
 from services.backfill.replay import Replayer, ReplayError, ReplayErrorKind
 from services.backfill.settings import BackfillSettings
 from services.backfill.store import AnswerStore
@@ -49,8 +50,10 @@ INFRA_ERRORS = (RedisError, OSError, DeliveryFailed, asyncio.TimeoutError)
 
 class Processor:
     def __init__(self, settings: BackfillSettings, store: AnswerStore, replayer: Replayer,
-                 producer: AsyncProducer, metrics: BackfillMetrics | None = None) -> None:
+                 producer: AsyncProducer, metrics: BackfillMetrics | None = None,
+                 pool_watch: PrimaryPoolWatch | None = None) -> None:
         self.settings = settings
+        self.pool_watch = pool_watch
         self.store = store
         self.replayer = replayer
         self.producer = producer
@@ -135,8 +138,13 @@ class Processor:
                 if error.kind is ReplayErrorKind.CONFIG:
                     log.error("replays are refused by the router (%s): fix backfill.router_api_key", error)
                 # Busy or down: back off (honouring the router's hint), never count an attempt.
-                wait = max(busy_wait, error.retry_after_s or 0.0)
-                await asyncio.sleep(min(wait, s.busy_backoff_max_s))
+                wait = min(max(busy_wait, error.retry_after_s or 0.0), s.busy_backoff_max_s)
+                if error.kind is ReplayErrorKind.UNHEALTHY and self.pool_watch is not None:
+                    if await self.pool_watch.wait_ready(degraded.request.model, wait):
+                        busy_wait = s.busy_backoff_s  # the pool is back: try now, from the start
+                        continue
+                else:
+                    await asyncio.sleep(wait)
                 busy_wait = min(s.busy_backoff_max_s, busy_wait * 2)
                 continue
             self._count("replays", result="ok")

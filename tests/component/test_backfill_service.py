@@ -45,6 +45,9 @@ def names():
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def backfill_app(kafka_broker, redis_server, router_app, names):
     config = load_config(environ={
+        "BALLAST__ETCD__HOST": router_app.config.etcd.host,
+        "BALLAST__ETCD__PORT": str(router_app.config.etcd.port),
+        "BALLAST__ETCD__PREFIX": router_app.config.etcd.prefix,
         "BALLAST__KAFKA__BOOTSTRAP": kafka_broker.bootstrap,
         "BALLAST__REDIS__URL": redis_server.url,
         "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}", "{OTHER_KEY}": "globex"}}',
@@ -266,6 +269,44 @@ async def test_busy_or_down_pool_waits_without_spending_attempts(backfill_app):
     # Only the real failure counted: one of two attempts.
     assert await backfill_app.store.attempts(ticket) == 1
     assert (await backfill_app.store.get(ticket)).text == "better"
+
+
+async def test_replay_waiting_for_a_down_pool_wakes_when_etcd_shows_it_back(backfill_app):
+    """The pool's return, seen in etcd, ends the wait at once instead of after the backoff."""
+    from services.backfill.consumer import Record
+    from services.backfill.processor import Processor
+    from services.backfill.replay import ReplayError, ReplayErrorKind
+    from services.common.membership import WorkerRecord, make_client, workers_prefix
+
+    model = f"later-{uuid.uuid4().hex[:6]}"  # a model no worker serves yet
+    watch = backfill_app.processor.pool_watch
+    assert watch is not None and not watch.ready(model)
+    settings = backfill_app.settings.model_copy(update={"busy_backoff_s": 30.0, "busy_backoff_max_s": 30.0})
+    replayer = ScriptedReplayer([ReplayError(ReplayErrorKind.UNHEALTHY, "no live worker")])
+    processor = Processor(settings, backfill_app.store, replayer, backfill_app.producer, pool_watch=watch)
+    request = domain_request(PROMPT, f"s-{uuid.uuid4().hex[:6]}", model=model)
+    ticket = make_ticket(TENANT, request.request_id)
+    record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="no_worker",
+                                 degraded_text="x", degraded_by="rules", received_at=time.time())
+    handling = asyncio.create_task(processor.handle(Record("t", 0, 0, None, record.SerializeToString(), ())))
+    await asyncio.sleep(0.5)
+    assert not handling.done() and replayer.calls == 1  # waiting out the down pool
+
+    etcd_config = backfill_app.config.etcd
+    client = make_client(etcd_config)
+    await client.connect()
+    key = f"{workers_prefix(etcd_config)}{model}-worker".encode()
+    try:
+        lease = await client.lease(10)
+        worker = WorkerRecord(id=f"{model}-worker", address="127.0.0.1:1", model=model, model_version="v1")
+        started = time.monotonic()
+        await client.put(key, worker.to_json(), lease=lease)
+        outcome = await asyncio.wait_for(handling, 10)
+        assert outcome == "stored" and replayer.calls == 2
+        assert time.monotonic() - started < 10  # far less than the 30 s backoff
+    finally:
+        await client.delete(key)
+        await client.close()
 
 
 async def test_router_wired_with_the_degrader(router_app, router_stub, kafka_broker, tmp_path):
