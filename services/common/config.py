@@ -177,6 +177,9 @@ class WorkerConfig(Section):
         "auto", description="torch engine: native batched Llama-family decoder, transformers for "
                             "any model, or auto (native where it computes the model exactly).")
     max_batch: int = Field(64, ge=1, description="torch engine: decode steps in one forward pass.")
+    b_tier_flush_ms: float = Field(
+        50.0, ge=0, le=1000, description="B-tier streams: tokens leave in one message per this many ms "
+                                         "(0: every token as it comes).")
     max_concurrency: int = Field(8, ge=1, description="Sequences generated at once (capacity).")
     max_queue: int = Field(16, ge=0, description="Requests allowed to wait for a slot.")
     temperature_file: str = Field(

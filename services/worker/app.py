@@ -148,7 +148,8 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
     worker_id = config.worker.id or _default_worker_id(config.worker.host, port)
     metrics = WorkerMetrics(telemetry, engine.stats, lambda: state.in_flight)
     servicer = WorkerServicer(
-        engine, state, metrics, worker_id, config.worker.pool, FaultInjector(config.worker.fault_file)
+        engine, state, metrics, worker_id, config.worker.pool, FaultInjector(config.worker.fault_file),
+        b_tier_flush_s=config.worker.b_tier_flush_ms / 1000,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])

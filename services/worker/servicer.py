@@ -121,9 +121,13 @@ class FaultInjector:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self, engine: Engine, state: WorkerState, metrics: WorkerMetrics, worker_id: str, pool: str,
-        faults: FaultInjector | None = None,
+        faults: FaultInjector | None = None, b_tier_flush_s: float = 0.0,
     ) -> None:
+        """`b_tier_flush_s`: after each message of a B-tier stream, the worker waits this long
+        and sends what accumulated as one message. A B answer (an archive summary) needs no
+        per-token delivery; fewer messages leave the router's CPU to the tiers that do."""
         self.engine = engine
+        self.b_tier_flush_s = b_tier_flush_s
         self.state = state
         self.metrics = metrics
         self.worker_id = worker_id
@@ -155,6 +159,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         outcome = "error"
         first_token_at: float | None = None
         index = len(engine_request.generated_ids)
+        flush_s = self.b_tier_flush_s if request.tier == common_pb2.TIER_B else 0.0
         stream = Coalescer(self.engine.generate(engine_request), merge_deltas)
         self.state.streams.add(stream)
         # Counted as the engine reports it (restored KV is not computed), else the whole context.
@@ -181,6 +186,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         tokens=common_pb2.Tokens(text=delta.text, token_ids=delta.token_ids, first_index=index)
                     )
                     index += len(delta.token_ids)
+                    if flush_s and delta.finish_reason is None:
+                        await asyncio.sleep(flush_s)  # the next deltas merge meanwhile
                 if delta.finish_reason is not None:
                     outcome = delta.finish_reason.value
                     yield worker_pb2.WorkerGenerateEvent(

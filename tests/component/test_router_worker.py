@@ -178,6 +178,31 @@ async def test_worker_continues_from_generated_ids(worker_stub, worker_app):
     assert first_indices[0] == 8
 
 
+async def test_b_tier_stream_leaves_the_worker_in_chunks(worker_stub, worker_app):
+    """B-tier tokens are sent a few per message (worker.b_tier_flush_ms); the same tokens, in
+    order, with continuous indices, and the first one alone and at once."""
+    from ballast.v1 import worker_pb2
+
+    assert worker_app.config.worker.b_tier_flush_ms > 0
+    prompt = worker_app.engine.tokenize(PROMPT)
+    full, _ = await engine_greedy(worker_app.engine, prompt, 24)
+
+    async def stream(tier):
+        request = worker_pb2.WorkerGenerateRequest(
+            prompt_ids=prompt, tier=tier, sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0.0))
+        messages = []
+        async for event in worker_stub.Generate(request, timeout=20):
+            if event.HasField("tokens"):
+                messages.append((event.tokens.first_index, list(event.tokens.token_ids)))
+        return messages
+
+    chunked = await stream(common_pb2.TIER_B)
+    assert [t for _, chunk in chunked for t in chunk] == full
+    assert [first for first, _ in chunked] == [sum(len(c) for _, c in chunked[:i]) for i in range(len(chunked))]
+    assert len(chunked[0][1]) == 1  # time to first token is not traded away
+    assert len(chunked) < len(full) // 2
+
+
 async def test_health_and_reflection(router_app, worker_app):
     for address, service in [(router_app.address, "ballast.v1.Inference"), (worker_app.address, "ballast.v1.Worker")]:
         async with grpc.aio.insecure_channel(address) as channel:
