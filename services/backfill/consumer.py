@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -78,8 +79,13 @@ class _Partition:
 
 class ConsumerLoop:
     def __init__(self, config: dict, topic: str, handler: Handler, max_in_flight: int = 1,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None, commit_interval_s: float = 0.5) -> None:
+        """Offsets of handled records are committed at most every `commit_interval_s` (and on
+        stop and revoke): a synchronous commit per record would cap intake at the broker's
+        round trip. A crash re-delivers at most that much, which handling by ticket absorbs."""
         self._config = config
+        self.commit_interval_s = commit_interval_s
+        self._last_commit = 0.0
         self.topic = topic
         self._handler = handler
         self.max_in_flight = max_in_flight
@@ -171,27 +177,40 @@ class ConsumerLoop:
         while not self._stopping:
             try:
                 await self._pause_or_resume(consumer)
-                message = await self._call(consumer.poll, 0.2)
-                await self._commit_ready()
-                if message is None or self._stopping:
+                # As many records as there is room for, in one call to the consumer thread.
+                room = max(1, self.max_in_flight - len(self._tasks))
+                messages = await self._call(consumer.consume, room, 0.2)
+                if time.monotonic() - self._last_commit >= self.commit_interval_s:
+                    await self._commit_ready()
+                if self._stopping:
                     continue
-                error = message.error()
-                if error is not None:
-                    if error.code() != KafkaError._PARTITION_EOF:
-                        log.debug("consumer: %s", error)
-                        if self._on_error is not None:
-                            self._on_error(error.name())
-                    continue
-                if len(self._tasks) >= self.max_in_flight:
-                    # Fetched before the pause took hold: put it back, it comes again after resume.
-                    await self._call(consumer.seek, TopicPartition(message.topic(), message.partition(), message.offset()))
-                    continue
-                self._take(message)
+                rewound: set[int] = set()
+                for message in messages:
+                    if message.error() is None and message.partition() in rewound:
+                        continue  # comes again: its partition was rewound to an earlier record
+                    if not await self._accept(consumer, message):
+                        rewound.add(message.partition())
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop must outlive one bad poll
                 log.exception("consumer loop error; continuing")
                 await asyncio.sleep(1.0)
+
+    async def _accept(self, consumer: Consumer, message) -> bool:
+        """Takes one fetched record in hand; False when it was put back (the window is full)."""
+        error = message.error()
+        if error is not None:
+            if error.code() != KafkaError._PARTITION_EOF:
+                log.debug("consumer: %s", error)
+                if self._on_error is not None:
+                    self._on_error(error.name())
+            return True
+        if len(self._tasks) >= self.max_in_flight:
+            # Fetched before the pause took hold: put it back, it comes again after resume.
+            await self._call(consumer.seek, TopicPartition(message.topic(), message.partition(), message.offset()))
+            return False
+        self._take(message)
+        return True
 
     async def _pause_or_resume(self, consumer: Consumer) -> None:
         full = len(self._tasks) >= self.max_in_flight
@@ -255,6 +274,7 @@ class ConsumerLoop:
                 task.cancel()
 
     async def _commit_ready(self) -> None:
+        self._last_commit = time.monotonic()
         offsets = []
         with self._lock:
             for partition, state in self._partitions.items():
