@@ -3,9 +3,12 @@
 confluent-kafka's consumer blocks, so every call to it runs on one dedicated thread (calls stay
 ordered and the loop stays free). At most `max_in_flight` records are handled at once; records
 of one key (session) are handled one after another, in order. An offset is committed only once
-every record before it on its partition is handled, so a crash re-delivers, never skips. While
-the window is full the partitions are paused and polling goes on, so the group does not drop
-a consumer that waits a long time for a busy pool. Rebalances (eager assignor) commit what is
+every record before it on its partition is handled, so a crash re-delivers, never skips.
+Records fetched while the window is full wait in memory (at most another window's worth) and
+start the moment a slot frees: a full window is the normal state under load, and putting
+records back to fetch them again would pace intake at the broker's fetch cycle. While that
+backlog is full too, the partitions are paused and polling goes on, so the group does not
+drop a consumer that waits a long time for a busy pool. Rebalances (eager assignor) commit what is
 done and cancel work on partitions taken away; their new owner re-handles them, which the
 handler's idempotence makes harmless.
 """
@@ -13,6 +16,7 @@ handler's idempotence makes harmless.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -95,6 +99,8 @@ class ConsumerLoop:
         self._lock = threading.Lock()
         self._partitions: dict[int, _Partition] = {}
         self._tasks: dict[tuple[int, int], asyncio.Task] = {}
+        # Fetched records waiting for a slot, in fetch order (at most max_in_flight of them).
+        self._backlog: collections.deque[Record] = collections.deque()
         self._key_tails: dict[bytes, asyncio.Task] = {}
         self._paused = False
         self._stopping = False
@@ -178,7 +184,7 @@ class ConsumerLoop:
             try:
                 await self._pause_or_resume(consumer)
                 # As many records as there is room for, in one call to the consumer thread.
-                room = max(1, self.max_in_flight - len(self._tasks))
+                room = max(1, self.max_in_flight - len(self._backlog))
                 messages = await self._call(consumer.consume, room, 0.2)
                 if time.monotonic() - self._last_commit >= self.commit_interval_s:
                     await self._commit_ready()
@@ -197,7 +203,7 @@ class ConsumerLoop:
                 await asyncio.sleep(1.0)
 
     async def _accept(self, consumer: Consumer, message) -> bool:
-        """Takes one fetched record in hand; False when it was put back (the window is full)."""
+        """Takes one fetched record in hand; False when it was put back (the backlog is full)."""
         error = message.error()
         if error is not None:
             if error.code() != KafkaError._PARTITION_EOF:
@@ -205,7 +211,7 @@ class ConsumerLoop:
                 if self._on_error is not None:
                     self._on_error(error.name())
             return True
-        if len(self._tasks) >= self.max_in_flight:
+        if len(self._backlog) >= self.max_in_flight:
             # Fetched before the pause took hold: put it back, it comes again after resume.
             await self._call(consumer.seek, TopicPartition(message.topic(), message.partition(), message.offset()))
             return False
@@ -213,7 +219,7 @@ class ConsumerLoop:
         return True
 
     async def _pause_or_resume(self, consumer: Consumer) -> None:
-        full = len(self._tasks) >= self.max_in_flight
+        full = len(self._backlog) >= self.max_in_flight
         if full == self._paused:
             return
         assignment = await self._call(consumer.assignment)
@@ -233,6 +239,16 @@ class ConsumerLoop:
             state.next_offset = max(state.next_offset or 0, offset + 1)
         record = Record(message.topic(), partition, offset, message.key(), message.value(),
                         tuple((k, v or b"") for k, v in (message.headers() or ())))
+        self._backlog.append(record)
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """Starts backlog records, oldest first, while the window has room."""
+        while self._backlog and len(self._tasks) < self.max_in_flight and not self._stopping:
+            self._start(self._backlog.popleft())
+
+    def _start(self, record: Record) -> None:
+        partition, offset = record.partition, record.offset
         key = record.key or f"{partition}:{offset}".encode()
         previous = self._key_tails.get(key)
         task = asyncio.create_task(self._handle(record, previous), name=f"backfill-{partition}-{offset}")
@@ -267,8 +283,10 @@ class ConsumerLoop:
             if state is not None:
                 state.outstanding.discard(offset)
         self.handled += 1
+        self._start_waiting()
 
     def _cancel_partitions(self, partitions: set[int]) -> None:
+        self._backlog = collections.deque(r for r in self._backlog if r.partition not in partitions)
         for (partition, _offset), task in list(self._tasks.items()):
             if partition in partitions:
                 task.cancel()
