@@ -13,7 +13,9 @@ One run starts a local mesh (two tiny-model workers) and measures, in order:
 Prints a table and writes bench/results/backfill.json. Goal: 100 % replayed exactly once,
 push lag p99 <= 10 s for K = 1000.
 
-    python -m bench.backfill [--requests 1000] [--sessions 100] [--replay-concurrency 16]
+Two workers of 16 slots each (the torch engine batches their decode steps), replays 32 at once.
+
+    python -m bench.backfill [--requests 1000] [--sessions 100] [--replay-concurrency 32]
 """
 
 from __future__ import annotations
@@ -242,11 +244,11 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
     }
 
 
-def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency: int = 16, concurrency: int = 8,
+def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency: int = 32, concurrency: int = 8,
                   timeout_s: float = 600.0, out: str = "bench/results/backfill.json") -> int:
     model_dir = model_dir_for("tiny")
     with tempfile.TemporaryDirectory(prefix="bench-backfill-") as state:
-        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=2, lease_ttl_s=3, worker_capacity=8,
+        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=2, lease_ttl_s=3, worker_capacity=16,
                         overrides={"backfill": {"replay_concurrency": replay_concurrency}})
         mesh = Mesh(spec).start()
         try:
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000, help="requests degraded during the outage (K)")
     parser.add_argument("--sessions", type=int, default=100, help="sessions they belong to (one subscription each)")
-    parser.add_argument("--replay-concurrency", type=int, default=16, help="backfill.replay_concurrency")
+    parser.add_argument("--replay-concurrency", type=int, default=32, help="backfill.replay_concurrency")
     parser.add_argument("--concurrency", type=int, default=8, help="clients sending requests at once")
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for every answer (s)")
     parser.add_argument("--out", default="bench/results/backfill.json")

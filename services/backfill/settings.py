@@ -37,7 +37,9 @@ class BackfillSettings(BaseModel):
         "", description="API key of the replays; empty: the auth.api_keys entry whose tenant is replay_tenant."
     )
     replay_tenant: str = Field("ballast-backfill", min_length=1, description="Tenant whose key replays use by default.")
-    replay_concurrency: int = Field(1, ge=1, le=16, description="Replays at once: low, so live traffic comes first.")
+    replay_concurrency: int = Field(
+        1, ge=1, le=64, description="Replays at once. They run at tier B through the router, which "
+                                   "serves live traffic first; this bounds what they queue there.")
     replay_timeout_s: float = Field(120.0, gt=0, description="Deadline of one replay.")
     max_attempts: int = Field(5, ge=1, le=100, description="Failed replays of one request before it is dead-lettered.")
     retry_backoff_s: float = Field(2.0, gt=0, description="Wait after a failed replay; doubles per attempt.")

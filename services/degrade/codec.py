@@ -143,6 +143,9 @@ def replay_request(record: backfill_pb2.DegradedRequest) -> inference_pb2.Genera
     replay.request_id = REPLAY_ID_PREFIX + record.ticket
     replay.tier = common_pb2.TIER_B
     replay.allow_degraded = False
+    # No session: the replay runs under the backfill's own tenant, so KV saved for the session
+    # would be filed where the session's tenant never looks, at the cost of a save per replay.
+    replay.session_id = ""
     return replay
 
 
