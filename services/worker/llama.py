@@ -199,34 +199,55 @@ class LlamaModel:
         return F.linear(self._rms_norm(x, self.norm), self.lm_head)
 
     # --- forward passes -------------------------------------------------------------------
-    @torch.inference_mode()
     def prefill(self, cache: SequenceKV, ids: Sequence[int]) -> torch.Tensor:
         """Runs `ids` on top of `cache` (extending it); the logits after the last one."""
-        t, past = len(ids), cache.length
-        if not t:
-            raise ValueError("prefill needs at least one token")
-        cache.reserve(t)
-        x = self.embed[torch.tensor(list(ids), dtype=torch.long, device=self.device)]
-        cos, sin = self._rotary(torch.arange(past, past + t, device=self.device))
-        mask = None
-        if past:
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(past)[None]
+        return self.prefill_many([cache], [ids])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, caches: Sequence[SequenceKV], id_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Runs each id list on top of its cache (extending it), all in one forward pass: the
+        sequences' tokens are stacked for the projections and MLP, attention runs per
+        sequence. Logits after each sequence's last token: [B, vocab]."""
+        lengths = [len(ids) for ids in id_lists]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("prefill needs at least one token per sequence")
+        pasts = [cache.length for cache in caches]
+        for cache, t in zip(caches, lengths):
+            cache.reserve(t)
+        rows = sum(lengths)
+        flat = [token for ids in id_lists for token in ids]
+        x = self.embed[torch.tensor(flat, dtype=torch.long, device=self.device)]
+        positions = torch.cat([torch.arange(p, p + t, device=self.device) for p, t in zip(pasts, lengths)])
+        cos, sin = self._rotary(positions)
+        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, dim], broadcast over heads
+        spans, start = [], 0
+        for cache, past, t in zip(caches, pasts, lengths):
+            mask = None
+            if past:  # query i sees the past and the new tokens up to itself
+                mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device).tril(past)[None]
+            spans.append((cache, past, t, start, mask))
+            start += t
+        gqa = self.kv_heads != self.heads
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["input_norm"])
-            q, k, v = self._qkv(layer, h, t)
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, t, dim]
+            q, k, v = self._qkv(layer, h, rows)  # [rows, heads, dim]
             q = q * cos + self._rotate_half(q) * sin
             k = k * cos + self._rotate_half(k) * sin
-            cache.keys[i][:, past : past + t] = k
-            cache.values[i][:, past : past + t] = v
-            keys, values = cache.keys[i][:, : past + t], cache.values[i][:, : past + t]
-            attended = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask, is_causal=not past,
-                enable_gqa=self.kv_heads != self.heads)[0]
-            x = x + F.linear(attended.transpose(0, 1).reshape(t, -1), layer["o"], layer["o_bias"])
+            attended = []
+            for cache, past, t, first, mask in spans:
+                cache.keys[i][:, past : past + t] = k[first : first + t].transpose(0, 1)
+                cache.values[i][:, past : past + t] = v[first : first + t].transpose(0, 1)
+                keys, values = cache.keys[i][:, : past + t], cache.values[i][:, : past + t]
+                out = F.scaled_dot_product_attention(
+                    q[first : first + t].transpose(0, 1)[None], keys[None], values[None],
+                    attn_mask=mask, is_causal=not past, enable_gqa=gqa)[0]
+                attended.append(out.transpose(0, 1).reshape(t, -1))
+            x = x + F.linear(torch.cat(attended), layer["o"], layer["o_bias"])
             x = self._mlp_block(layer, x)
-        cache.length = past + t
-        return self._logits(x[-1:])[0]
+        last = [first + t - 1 for _cache, _past, t, first, _mask in spans]
+        for cache, past, t in zip(caches, pasts, lengths):
+            cache.length = past + t
+        return self._logits(x[last])
 
     @torch.inference_mode()
     def decode(self, caches: Sequence[SequenceKV], tokens: Sequence[int]) -> torch.Tensor:

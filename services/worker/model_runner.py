@@ -38,6 +38,11 @@ class NativeRunner:
             cache = self._model.new_cache(len(ids) + 64)
         return self._model.prefill(cache, ids), cache
 
+    def prefill_many(self, caches: Sequence[Any], id_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[Any]]:
+        caches = [self._model.new_cache(len(ids) + 64) if cache is None else cache
+                  for cache, ids in zip(caches, id_lists)]
+        return self._model.prefill_many(caches, id_lists), caches
+
     def decode(self, caches: Sequence[Any], tokens: Sequence[int]) -> tuple[torch.Tensor, list[Any]]:
         return self._model.decode(caches, tokens), list(caches)
 
@@ -70,13 +75,16 @@ class TransformersRunner:
         out = self._model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1], out.past_key_values
 
-    def decode(self, caches: Sequence[Any], tokens: Sequence[int]) -> tuple[torch.Tensor, list[Any]]:
+    def prefill_many(self, caches: Sequence[Any], id_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[Any]]:
         rows, new = [], []
-        for cache, token in zip(caches, tokens):
-            logits, cache = self.prefill(cache, [token])
+        for cache, ids in zip(caches, id_lists):
+            logits, cache = self.prefill(cache, ids)
             rows.append(logits)
             new.append(cache)
         return torch.stack(rows), new
+
+    def decode(self, caches: Sequence[Any], tokens: Sequence[int]) -> tuple[torch.Tensor, list[Any]]:
+        return self.prefill_many(caches, [[token] for token in tokens])
 
     def from_pairs(self, pairs: KVPairs) -> Any:
         from transformers import DynamicCache

@@ -2,12 +2,14 @@
 every sequence's next decode step in one batched forward pass.
 
 Each request's coroutine asks for work and awaits the answer: `call` runs one function
-(a prefill chunk, a KV restore, a grammar compile), `decode` asks for one more token of a
-sequence. The dispatcher runs one job at a time on the compute thread. It picks the job with
-the best (priority, arrival); all decode steps waiting at that moment form one job, ranked by
-its most urgent step, and run as one batch (at most `max_batch`, most urgent first). So a new
-S-tier prompt waits for at most the forward pass in progress, not behind every running
-sequence's step, and N running sequences cost one forward pass per token instead of N.
+(a KV restore, a grammar compile), `prefill` runs a chunk of a sequence's context, `decode`
+asks for one more token of a sequence. The dispatcher runs one job at a time on the compute
+thread. It picks the job with the best (priority, arrival); all decode steps waiting at that
+moment form one job, ranked by its most urgent step, and run as one batch (at most
+`max_batch`, most urgent first); waiting prefills likewise (up to `max_prefill_tokens`). So a
+new S-tier prompt waits for at most the forward pass in progress, not behind every running
+sequence's step; N running sequences cost one forward pass per token instead of N; and the
+streams of a dead worker, resumed here all at once, re-read their contexts together.
 
 Priority is a small integer, lower first (the worker maps tiers S, A, B to 0, 1, 2).
 """
@@ -50,16 +52,34 @@ class DecodeStep:
     future: asyncio.Future = field(compare=False, default=None)
 
 
-# Runs a batch of decode steps on the compute thread; per step, the next token or the
+@dataclass(order=True)
+class PrefillStep:
+    """A chunk of one sequence's context: run `ids` on `seq`; sample after it when `sample`."""
+
+    priority: int
+    order: int
+    seq: Any = field(compare=False)
+    ids: Sequence[int] = field(compare=False)
+    sample: Any = field(compare=False)
+    future: asyncio.Future = field(compare=False, default=None)
+
+
+# Runs a batch of steps on the compute thread; per step, its result (the next token) or the
 # exception that step failed with (one bad step does not fail its batch-mates).
-BatchRunner = Callable[[Sequence[DecodeStep]], Sequence["int | BaseException"]]
+BatchRunner = Callable[[Sequence[Any]], Sequence[Any]]
 
 
 class StepScheduler:
     def __init__(self, run_batch: BatchRunner, max_batch: int = 64,
-                 thread_name: str = "torch-engine") -> None:
+                 thread_name: str = "torch-engine", run_prefills: BatchRunner | None = None,
+                 max_prefill_tokens: int = 2048) -> None:
+        """`run_batch` runs decode steps, `run_prefills` prefill steps (without it, `prefill`
+        is not available)."""
         self._run_batch = run_batch
+        self._run_prefills = run_prefills
         self._max_batch = max(1, max_batch)
+        self._max_prefill_tokens = max(1, max_prefill_tokens)
+        self._prefills: list[PrefillStep] = []
         self._thread_name = thread_name
         self._calls: list[_Call] = []
         self._decodes: list[DecodeStep] = []
@@ -88,9 +108,10 @@ class StepScheduler:
         task, self._task = self._task, None
         if task is not None:
             await stop_task(task)
-        _fail([*self._calls, *self._decodes], Unavailable("torch engine is stopping"))
+        _fail([*self._calls, *self._decodes, *self._prefills], Unavailable("torch engine is stopping"))
         self._calls.clear()
         self._decodes.clear()
+        self._prefills.clear()
         if executor is not None:
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
 
@@ -104,6 +125,14 @@ class StepScheduler:
         """Runs `token` on `seq` in the next decode batch; the token sampled after it."""
         future = self._enqueue()
         self._decodes.append(DecodeStep(priority, next(self._order), seq, token, sample, future))
+        return await future
+
+    async def prefill(self, seq: Any, ids: Sequence[int], sample: Any, priority: int = 1) -> Any:
+        """Runs `ids` on `seq` with other waiting prefills; what the prefill runner gives."""
+        if self._run_prefills is None:
+            raise RuntimeError("this scheduler has no prefill runner")
+        future = self._enqueue()
+        self._prefills.append(PrefillStep(priority, next(self._order), seq, ids, sample, future))
         return await future
 
     def _enqueue(self) -> asyncio.Future:
@@ -120,15 +149,19 @@ class StepScheduler:
             self._wake.clear()
             while True:
                 self._drop_abandoned()
-                if not self._calls and not self._decodes:
+                heads = [(job.priority, job.order, kind) for kind, job in (
+                    ("call", self._calls[0] if self._calls else None),
+                    ("decode", min(self._decodes) if self._decodes else None),
+                    ("prefill", min(self._prefills) if self._prefills else None)) if job is not None]
+                if not heads:
                     break
-                best_decode = min(self._decodes) if self._decodes else None
-                if self._calls and (best_decode is None or
-                                    (self._calls[0].priority, self._calls[0].order) <
-                                    (best_decode.priority, best_decode.order)):
+                kind = min(heads)[2]
+                if kind == "call":
                     await self._run_call(heapq.heappop(self._calls))
-                else:
+                elif kind == "decode":
                     await self._run_decodes()
+                else:
+                    await self._run_prefill_batch()
 
     def _drop_abandoned(self) -> None:
         """Forgets jobs whose requester stopped waiting (a cancelled stream)."""
@@ -136,6 +169,7 @@ class StepScheduler:
             self._calls = [job for job in self._calls if not job.future.done()]
             heapq.heapify(self._calls)
         self._decodes = [step for step in self._decodes if not step.future.done()]
+        self._prefills = [step for step in self._prefills if not step.future.done()]
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         executor = self._executor
@@ -159,18 +193,33 @@ class StepScheduler:
     async def _run_decodes(self) -> None:
         self._decodes.sort()
         batch, self._decodes = self._decodes[: self._max_batch], self._decodes[self._max_batch:]
+        self.batches += 1
+        self.batched_steps += len(batch)
+        await self._run_steps(batch, self._run_batch)
+
+    async def _run_prefill_batch(self) -> None:
+        """The most urgent waiting prefills, as many as fit `max_prefill_tokens` (at least one)."""
+        self._prefills.sort()
+        batch, tokens = [], 0
+        for step in self._prefills:
+            if batch and tokens + len(step.ids) > self._max_prefill_tokens:
+                break
+            batch.append(step)
+            tokens += len(step.ids)
+        self._prefills = self._prefills[len(batch):]
+        await self._run_steps(batch, self._run_prefills)
+
+    async def _run_steps(self, batch: list, runner: BatchRunner) -> None:
         try:
-            results = await self._on_thread(self._run_batch, batch)
+            results = await self._on_thread(runner, batch)
         except asyncio.CancelledError:
             _fail(batch, Unavailable("torch engine is stopping"))
             raise
         except BaseException as exc:
-            log.exception("decode batch of %d failed", len(batch))
+            log.exception("a batch of %d steps failed", len(batch))
             results = [exc] * len(batch)
-        self.batches += 1
-        self.batched_steps += len(batch)
         if len(results) != len(batch):  # a runner bug: never leave a stream waiting forever
-            results = [RuntimeError(f"decode batch of {len(batch)} gave {len(results)} results")] * len(batch)
+            results = [RuntimeError(f"a batch of {len(batch)} steps gave {len(results)} results")] * len(batch)
         for step, result in zip(batch, results):
             if step.future.done():
                 continue

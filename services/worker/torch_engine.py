@@ -46,7 +46,7 @@ from services.worker.engine import (
 from services.worker.model_files import describe_model
 from services.worker.model_runner import load_runner
 from services.worker.sampling import fresh_seed, position_generator, select_token
-from services.worker.step_scheduler import DecodeStep, StepScheduler
+from services.worker.step_scheduler import DecodeStep, PrefillStep, StepScheduler
 from services.worker.tokenizer import load_tokenizer
 
 T = TypeVar("T")
@@ -152,7 +152,8 @@ class TorchEngine:
         model_eos = describe_model(self._dir, model_name).eos_token_ids
         self._guides = GuideCompiler(description.tokenizer_json, self._vocab_size, model_eos)
         self._runner: Any = None
-        self._steps = StepScheduler(self._decode_batch, max_batch=max_batch)
+        self._steps = StepScheduler(self._decode_batch, max_batch=max_batch,
+                                    run_prefills=self._prefill_batch, max_prefill_tokens=self._prefill_chunk)
         self._slots: asyncio.Semaphore | None = None
         self._running = 0
         self._waiting = 0
@@ -274,9 +275,8 @@ class TorchEngine:
                 for i in range(reused, len(context), self._prefill_chunk):
                     chunk = context[i : i + self._prefill_chunk]
                     last = i + self._prefill_chunk >= len(context)
-                    token = await self._run(self._prefill, seq, chunk,
-                                            (s, seed, start_pos, guide) if last else None,
-                                            priority=priority)
+                    token = await self._steps.prefill(seq, chunk, (s, seed, start_pos, guide) if last else None,
+                                                      priority)
                     self._grow(seq, len(chunk))
                     if self._kv is not None:
                         self._kv.cost.observe_prefill(i, len(chunk), seq.last_ms)
@@ -389,18 +389,26 @@ class TorchEngine:
         self._kv.save(request.tenant, request.session_id, ids, encode)
 
     # --- model compute (engine thread only) ----------------------------------------
-    def _prefill(self, seq: _Sequence, ids: list[int],
-                 sample: tuple[Any, int, int, Any] | None) -> int:
-        """Run `ids` through the model on top of the sequence's cache; sample the next token
-        at generated position `sample[2]` when `sample` is given (else return -1)."""
+    def _prefill_batch(self, steps: Sequence[PrefillStep]) -> list[int | BaseException]:
+        """Each step's ids run on its sequence's cache, in one forward pass where the runner
+        batches; a step with `sample` gets the token sampled after its last id, else -1."""
         started = time.perf_counter()
-        logits, seq.cache = self._runner.prefill(seq.cache, ids)
-        seq.ids.extend(ids)
-        token = -1 if sample is None else self._sample(logits, sample)
+        logits, caches = self._runner.prefill_many([step.seq.cache for step in steps],
+                                                   [step.ids for step in steps])
         elapsed = time.perf_counter() - started
-        seq.last_ms = elapsed * 1000
+        tokens = sum(len(step.ids) for step in steps)
+        results: list[int | BaseException] = []
+        for row, (step, cache) in enumerate(zip(steps, caches)):
+            step.seq.cache = cache
+            step.seq.ids.extend(step.ids)
+            # The pass's time, shared by tokens: what the KV cost model learns from.
+            step.seq.last_ms = 1000 * elapsed * len(step.ids) / tokens
+            try:
+                results.append(-1 if step.sample is None else self._sample(logits[row], step.sample))
+            except Exception as exc:
+                results.append(exc)
         self._count_forward(elapsed)
-        return token
+        return results
 
     def _decode_batch(self, steps: Sequence[DecodeStep]) -> list[int | BaseException]:
         """One token for each step's sequence, in one forward pass where the runner batches."""

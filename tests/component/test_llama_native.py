@@ -96,6 +96,27 @@ def test_chunked_prefill_equals_single_prefill(tiny):
             torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=0)
 
 
+def test_prefills_run_together_equal_prefills_run_alone(tiny):
+    """Several sequences, some with a cached past, prefilled in one pass: each one's logits
+    and KV are those of its own prefill."""
+    model, _hf, prompts = tiny
+    alone, together = [], []
+    for ids in prompts:
+        cache = model.new_cache()
+        model.prefill(cache, ids[:2])  # a past for the second chunk to attend to
+        alone.append((cache, model.prefill(cache, ids[2:])))
+    caches = [model.new_cache() for _ in prompts]
+    model.prefill_many(caches, [ids[:2] for ids in prompts])
+    logits = model.prefill_many(caches, [ids[2:] for ids in prompts])
+    assert logits.shape[0] == len(prompts)
+    for (cache, expected), mine, row in zip(alone, caches, logits):
+        torch.testing.assert_close(row, expected, atol=1e-5, rtol=0)
+        assert mine.length == cache.length
+        for a, b in zip(mine.layers, cache.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
+
+
 def test_batched_greedy_decode_matches_transformers_generate(tiny):
     model, hf, prompts = tiny
     steps = 20

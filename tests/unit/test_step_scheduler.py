@@ -273,3 +273,30 @@ async def test_runner_giving_too_few_results_fails_the_batch_instead_of_hanging(
         await held
     finally:
         await scheduler.stop()
+
+
+async def test_waiting_prefills_run_together_within_the_token_budget():
+    prefills: list[list[tuple]] = []
+
+    def run_prefills(steps):
+        prefills.append([(s.seq, len(s.ids)) for s in steps])
+        return [len(s.ids) for s in steps]
+
+    runner = FakeRunner()
+    scheduler = StepScheduler(runner, run_prefills=run_prefills, max_prefill_tokens=10)
+    scheduler.start()
+    try:
+        gate, held = await hold(scheduler)
+        jobs = [asyncio.create_task(scheduler.prefill(name, [0] * n, None, priority))
+                for name, n, priority in (("a", 4, 1), ("b", 4, 1), ("c", 4, 1), ("s", 3, 0))]
+        decode = asyncio.create_task(scheduler.decode("d", 1, None, priority=1))
+        await settle([*jobs, decode])
+        gate.release.set()
+        assert await gather(*jobs) == [4, 4, 4, 3]
+        await gather(decode, held)
+        # Most urgent first, then by arrival, at most 10 tokens a pass; the overflow still
+        # goes before the decode step that arrived after it.
+        assert prefills == [[("s", 3), ("a", 4)], [("b", 4), ("c", 4)]]
+        assert runner.batches == [[("d", 1, 1)]]
+    finally:
+        await scheduler.stop()
