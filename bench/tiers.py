@@ -8,7 +8,7 @@ own, as a promotion's traffic comes from other clients than a payment's: the S c
 measured latency is then the mesh's, not the flood's client work on the same event loop.
 Prints a table and writes bench/results/tiers.json.
 
-    python -m bench.tiers [--seconds 30] [--preset bench]
+    python -m bench.tiers [--seconds 60] [--preset bench]
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def _run_mode(mode: str, model_dir: Path, seconds: float, with_unloaded: bool) -
             mesh.stop()
 
 
-def run_benchmark(seconds: float = 30.0, preset: str = "bench", out: Path = Path("bench/results/tiers.json")) -> int:
+def run_benchmark(seconds: float = 60.0, preset: str = "bench", out: Path = Path("bench/results/tiers.json")) -> int:
     model_dir = model_dir_for(preset)
     tiered = _run_mode("tiered", model_dir, seconds, with_unloaded=True)
     fifo = _run_mode("fifo", model_dir, seconds, with_unloaded=False)
@@ -185,7 +185,7 @@ def run_benchmark(seconds: float = 30.0, preset: str = "bench", out: Path = Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--preset", choices=["tiny", "bench"], default="bench")
     parser.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
     args = parser.parse_args(argv)
