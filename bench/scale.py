@@ -11,7 +11,7 @@ worker is routable (membership watch), and the p99 before and after. Prints a ta
 writes bench/results/scale.json (cold_s, warm_s: breach to serving; p99_before_ms,
 p99_after_ms: the cold phase, around the new capacity).
 
-    python -m bench.scale [--clients 6] [--target-ms 300]
+    python -m bench.scale [--clients 10] [--target-ms 300]
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def run_benchmark(clients: int, target_ms: float, out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--target-ms", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     args = parser.parse_args(argv)

@@ -198,11 +198,14 @@ class StepScheduler:
         await self._run_steps(batch, self._run_batch)
 
     async def _run_prefill_batch(self) -> None:
-        """The most urgent waiting prefills, as many as fit `max_prefill_tokens` (at least one)."""
+        """The most urgent waiting prefills, as many as fit `max_prefill_tokens` (at least one).
+        Only of the most urgent priority: a prefill's cost grows with every token batched with
+        it, and an S-tier prompt must not carry B-tier prompts through its forward pass."""
         self._prefills.sort()
         batch, tokens = [], 0
         for step in self._prefills:
-            if batch and tokens + len(step.ids) > self._max_prefill_tokens:
+            if batch and (tokens + len(step.ids) > self._max_prefill_tokens
+                          or step.priority != batch[0].priority):
                 break
             batch.append(step)
             tokens += len(step.ids)

@@ -294,9 +294,9 @@ async def test_waiting_prefills_run_together_within_the_token_budget():
         gate.release.set()
         assert await gather(*jobs) == [4, 4, 4, 3]
         await gather(decode, held)
-        # Most urgent first, then by arrival, at most 10 tokens a pass; the overflow still
-        # goes before the decode step that arrived after it.
-        assert prefills == [[("s", 3), ("a", 4)], [("b", 4), ("c", 4)]]
+        # The most urgent alone (no lower tier rides along), then by arrival, at most 10
+        # tokens a pass; the overflow still goes before the decode step that arrived after it.
+        assert prefills == [[("s", 3)], [("a", 4), ("b", 4)], [("c", 4)]]
         assert runner.batches == [[("d", 1, 1)]]
     finally:
         await scheduler.stop()
