@@ -6,7 +6,9 @@ Each request's coroutine asks for work and awaits the answer: `call` runs one fu
 asks for one more token of a sequence. The dispatcher runs one job at a time on the compute
 thread. It picks the job with the best (priority, arrival); all decode steps waiting at that
 moment form one job, ranked by its most urgent step, and run as one batch (at most
-`max_batch`, most urgent first); waiting prefills likewise (up to `max_prefill_tokens`). So a
+`max_batch`, most urgent first); waiting prefills of the most urgent priority likewise, up to
+`max_prefill_tokens` and to what the measured cost per token says fits in `prefill_budget_ms`
+(one forward pass is never cut short, so its length is what a new S-tier prompt may wait). So a
 new S-tier prompt waits for at most the forward pass in progress, not behind every running
 sequence's step; N running sequences cost one forward pass per token instead of N; and the
 streams of a dead worker, resumed here all at once, re-read their contexts together.
@@ -20,6 +22,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
@@ -72,13 +75,15 @@ BatchRunner = Callable[[Sequence[Any]], Sequence[Any]]
 class StepScheduler:
     def __init__(self, run_batch: BatchRunner, max_batch: int = 64,
                  thread_name: str = "torch-engine", run_prefills: BatchRunner | None = None,
-                 max_prefill_tokens: int = 2048) -> None:
+                 max_prefill_tokens: int = 2048, prefill_budget_ms: float = 20.0) -> None:
         """`run_batch` runs decode steps, `run_prefills` prefill steps (without it, `prefill`
         is not available)."""
         self._run_batch = run_batch
         self._run_prefills = run_prefills
         self._max_batch = max(1, max_batch)
         self._max_prefill_tokens = max(1, max_prefill_tokens)
+        self._prefill_budget_ms = prefill_budget_ms
+        self._ms_per_prefill_token: float | None = None  # moving average, from batches run
         self._prefills: list[PrefillStep] = []
         self._thread_name = thread_name
         self._calls: list[_Call] = []
@@ -202,15 +207,21 @@ class StepScheduler:
         Only of the most urgent priority: a prefill's cost grows with every token batched with
         it, and an S-tier prompt must not carry B-tier prompts through its forward pass."""
         self._prefills.sort()
+        limit = self._max_prefill_tokens
+        if self._ms_per_prefill_token:
+            limit = min(limit, int(self._prefill_budget_ms / self._ms_per_prefill_token))
         batch, tokens = [], 0
         for step in self._prefills:
-            if batch and (tokens + len(step.ids) > self._max_prefill_tokens
-                          or step.priority != batch[0].priority):
+            if batch and (tokens + len(step.ids) > limit or step.priority != batch[0].priority):
                 break
             batch.append(step)
             tokens += len(step.ids)
         self._prefills = self._prefills[len(batch):]
+        started = time.perf_counter()
         await self._run_steps(batch, self._run_prefills)
+        per_token = 1000 * (time.perf_counter() - started) / max(1, tokens)
+        previous = self._ms_per_prefill_token
+        self._ms_per_prefill_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
 
     async def _run_steps(self, batch: list, runner: BatchRunner) -> None:
         try:

@@ -300,3 +300,30 @@ async def test_waiting_prefills_run_together_within_the_token_budget():
         assert runner.batches == [[("d", 1, 1)]]
     finally:
         await scheduler.stop()
+
+
+async def test_prefill_batches_keep_to_the_time_budget_once_the_cost_is_measured():
+    import time
+
+    batches: list[int] = []
+
+    def run_prefills(steps):  # 1 ms per token
+        batches.append(len(steps))
+        time.sleep(0.001 * sum(len(s.ids) for s in steps))
+        return [0 for _ in steps]
+
+    scheduler = StepScheduler(FakeRunner(), run_prefills=run_prefills, max_prefill_tokens=512,
+                              prefill_budget_ms=20)
+    scheduler.start()
+    try:
+        for _round in range(2):
+            gate, held = await hold(scheduler)
+            jobs = [asyncio.create_task(scheduler.prefill(i, [0] * 8, None)) for i in range(5)]
+            await settle(jobs)
+            gate.release.set()
+            await gather(*jobs, held)
+        # Unmeasured, all five went at once; measured at >= 1 ms a token, 20 ms holds two.
+        assert batches[0] == 5
+        assert all(n <= 2 for n in batches[1:]) and sum(batches[1:]) == 5
+    finally:
+        await scheduler.stop()
