@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Sequence
 
 import torch
 
@@ -49,17 +49,12 @@ from services.worker.sampling import fresh_seed, position_generator, select_toke
 from services.worker.step_scheduler import DecodeStep, PrefillStep, StepScheduler
 from services.worker.tokenizer import load_tokenizer
 
-T = TypeVar("T")
-
-
 log = logging.getLogger(__name__)
-
-# Scheduling priority of each tier (services.worker.engine.EngineRequest.priority): lower first.
-DEFAULT_PRIORITY = 1
 
 class _Sequence:
     """One running request: its KV cache, the tokens the cache holds, and the compute time
-    of its last forward pass (read back on the loop to feed the cost estimates)."""
+    of its last prefill (its share of a batched pass; read back on the loop to feed the cost
+    estimates)."""
 
     __slots__ = ("cache", "length", "ids", "last_ms")
 
@@ -172,7 +167,7 @@ class TorchEngine:
             return
         self._steps.start()
         self._slots = asyncio.Semaphore(self._max_concurrency)
-        await self._run(self._load)
+        await self._steps.call(self._load)
 
     def _load(self) -> None:
         if self._device.type == "cpu":
@@ -259,8 +254,8 @@ class TorchEngine:
             try:
                 # Compiled on the engine thread (it is CPU work); a resumed stream continues
                 # the grammar from the tokens already generated.
-                guide = await self._run(self._guides.guide, request.response_format,
-                                        request.generated_ids, priority=priority)
+                guide = await self._steps.call(self._guides.guide, request.response_format,
+                                               request.generated_ids, priority=priority)
             except GuideMismatch as exc:
                 log.warning("request %s: generated ids leave the grammar (%s); continuing unguided",
                             request.request_id, exc)
@@ -340,7 +335,7 @@ class TorchEngine:
             usable = min(common_prefix(ids, context), len(context) - 1)
             if usable > 0:
                 if usable < len(ids):
-                    cache = await self._run(self._runner.truncated, cache, usable, priority=priority)
+                    cache = await self._steps.call(self._runner.truncated, cache, usable, priority=priority)
                 seq.cache, seq.ids = cache, list(context[:usable])
                 self._grow(seq, usable)
                 if self._kv_metrics is not None:
@@ -351,7 +346,7 @@ class TorchEngine:
         fetch = await self._kv.fetch(request.tenant, context)
         if fetch is None:
             return 0
-        good, cache = await self._run(self._load_restored, fetch.blocks, priority=priority)
+        good, cache = await self._steps.call(self._load_restored, fetch.blocks, priority=priority)
         tokens = self._kv.restored(fetch, good)
         if not tokens:
             return 0
@@ -397,33 +392,33 @@ class TorchEngine:
                                                    [step.ids for step in steps])
         elapsed = time.perf_counter() - started
         tokens = sum(len(step.ids) for step in steps)
-        results: list[int | BaseException] = []
-        for row, (step, cache) in enumerate(zip(steps, caches)):
-            step.seq.cache = cache
-            step.seq.ids.extend(step.ids)
+        for step in steps:
             # The pass's time, shared by tokens: what the KV cost model learns from.
             step.seq.last_ms = 1000 * elapsed * len(step.ids) / tokens
-            try:
-                results.append(-1 if step.sample is None else self._sample(logits[row], step.sample))
-            except Exception as exc:
-                results.append(exc)
         self._count_forward(elapsed)
-        return results
+        return self._after_pass(steps, logits, caches, [step.ids for step in steps])
 
     def _decode_batch(self, steps: Sequence[DecodeStep]) -> list[int | BaseException]:
         """One token for each step's sequence, in one forward pass where the runner batches."""
         started = time.perf_counter()
         logits, caches = self._runner.decode([step.seq.cache for step in steps],
                                              [step.token for step in steps])
-        results: list[int | BaseException] = []
-        for row, (step, cache) in enumerate(zip(steps, caches)):
-            step.seq.cache = cache
-            step.seq.ids.append(step.token)
-            try:
-                results.append(self._sample(logits[row], step.sample))
-            except Exception as exc:  # e.g. a grammar error: that stream fails, not its batch
-                results.append(exc)
         self._count_forward(time.perf_counter() - started)
+        return self._after_pass(steps, logits, caches, [[step.token] for step in steps])
+
+    def _after_pass(self, steps: Sequence[PrefillStep | DecodeStep], logits: torch.Tensor,
+                    caches: Sequence[Any], inputs: Sequence[Sequence[int]]) -> list[int | BaseException]:
+        """Each sequence takes its new cache and the ids it ran; per step, the token sampled
+        from its row of `logits` (-1 for a step that does not sample), or the exception that
+        step alone failed with (a grammar error fails its stream, not the batch)."""
+        results: list[int | BaseException] = []
+        for row, (step, cache, ids) in enumerate(zip(steps, caches, inputs)):
+            step.seq.cache = cache
+            step.seq.ids.extend(ids)
+            try:
+                results.append(-1 if step.sample is None else self._sample(logits[row], step.sample))
+            except Exception as exc:
+                results.append(exc)
         return results
 
     @staticmethod
@@ -440,14 +435,6 @@ class TorchEngine:
     def _count_forward(self, seconds: float) -> None:
         self._step_seconds += seconds
         self._forwards += 1
-
-    async def _run(self, fn: Callable[..., T], *args: Any, priority: int = DEFAULT_PRIORITY) -> T:
-        try:
-            return await self._steps.call(fn, *args, priority=priority)
-        except RuntimeError as exc:
-            if "shutdown" in str(exc):
-                raise Unavailable("torch engine is stopping") from exc
-            raise
 
     @asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
