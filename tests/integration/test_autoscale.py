@@ -98,7 +98,8 @@ async def test_a_load_step_breaches_the_p99_and_a_cold_started_worker_serves(etc
         async with load(router.address, clients=6):
             assert await poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
             decision = scale_out(router)
-            assert decision.signals.p99_ttft_ms >= 270
+            # The breach is the load's doing (its latency or its growing queue), not a floor or a surge.
+            assert "p99 TTFT" in decision.reason or "queue wait growing" in decision.reason, decision.reason
             assert await poll(lambda: len(serving_ids(router)) == 2, 60), "the new worker never became routable"
             serving_after = time.time() - decision.at
             (new,) = serving_ids(router) - first
