@@ -167,6 +167,11 @@ class StepScheduler:
                     await self._run_decodes()
                 else:
                     await self._run_prefill_batch()
+                # The streams just answered ask for their next step as soon as they run: let
+                # them, so they join the next batch. Picking at once would start a batch of the
+                # few steps already waiting, and the two groups would then alternate for good,
+                # each pass half as full as it could be.
+                await asyncio.sleep(0)
 
     def _drop_abandoned(self) -> None:
         """Forgets jobs whose requester stopped waiting (a cancelled stream)."""

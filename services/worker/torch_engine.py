@@ -412,11 +412,20 @@ class TorchEngine:
         from its row of `logits` (-1 for a step that does not sample), or the exception that
         step alone failed with (a grammar error fails its stream, not the batch)."""
         results: list[int | BaseException] = []
+        greedy: list[int] | None = None
         for row, (step, cache, ids) in enumerate(zip(steps, caches, inputs)):
             step.seq.cache = cache
             step.seq.ids.extend(ids)
             try:
-                results.append(-1 if step.sample is None else self._sample(logits[row], step.sample))
+                if step.sample is None:
+                    results.append(-1)
+                elif _plain_greedy(step.sample):
+                    if greedy is None:
+                        # One argmax (and one device sync) for the whole batch, not one per row.
+                        greedy = logits.argmax(dim=-1).tolist()
+                    results.append(greedy[row])
+                else:
+                    results.append(self._sample(logits[row], step.sample))
             except Exception as exc:
                 results.append(exc)
         return results
@@ -470,6 +479,12 @@ class TorchEngine:
                 "session_memory_tokens": float(self._sessions.tokens),
             },
         )
+
+
+def _plain_greedy(sample: tuple[Any, int, int, Any]) -> bool:
+    """Argmax with no grammar: the same token as select_token's greedy path (lowest id on ties)."""
+    sampling, _seed, _position, guide = sample
+    return sampling.temperature <= 0.0 and guide is None
 
 
 def _pick_device(device: str) -> torch.device:

@@ -124,6 +124,42 @@ async def test_waiting_decode_steps_run_as_one_batch(scheduler, runner):
     assert (scheduler.batches, scheduler.batched_steps) == (1, 5)
 
 
+async def test_a_stream_that_joins_mid_batch_merges_into_the_next_batch():
+    """Sequences answered by a batch ask for their next step before the next pick, so a
+    latecomer waiting alone rides with them instead of starting a batch of its own (which
+    would make the two groups alternate, each pass half full, for as long as they run)."""
+    in_first_batch, latecomer_queued = threading.Event(), threading.Event()
+
+    class FirstBatchWaits(FakeRunner):
+        def __call__(self, steps):
+            if not self.batches:
+                in_first_batch.set()
+                assert latecomer_queued.wait(WAIT_S), "the latecomer never queued"
+            return super().__call__(steps)
+
+    runner = FirstBatchWaits()
+    scheduler = StepScheduler(runner)
+    scheduler.start()
+
+    async def stream(seq: str, steps: int) -> int:
+        token = 0
+        for _ in range(steps):
+            token = await scheduler.decode(seq, token, None)
+        return token
+
+    try:
+        early = [asyncio.create_task(stream(f"a{i}", 5)) for i in range(4)]
+        ok = await asyncio.get_running_loop().run_in_executor(None, in_first_batch.wait, WAIT_S)
+        assert ok, "the first batch never started"
+        late = asyncio.create_task(stream("late", 5))
+        await settle([late])
+        latecomer_queued.set()
+        assert await gather(*early, late) == [5, 5, 5, 5, 5]
+    finally:
+        await scheduler.stop()
+    assert [len(batch) for batch in runner.batches] == [4, 5, 5, 5, 5, 1]
+
+
 async def test_max_batch_splits_most_urgent_first():
     runner = FakeRunner()
     scheduler = StepScheduler(runner, max_batch=2)
