@@ -13,7 +13,7 @@ from typing import Iterable
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
@@ -71,6 +71,9 @@ class Telemetry:
         self.provider = MeterProvider(
             metric_readers=[self._reader],
             resource=Resource.create({"service.name": f"ballast-{service}"}),
+            # The Prometheus endpoint does not carry exemplars: sampling them on every
+            # measurement (the SDK's default, trace-based) would be work on the hot path for nothing.
+            exemplar_filter=AlwaysOffExemplarFilter(),
         )
         self.meter = self.provider.get_meter(f"ballast.{service}")
         self.dependencies = DependencyStatus()
