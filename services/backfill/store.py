@@ -57,22 +57,27 @@ class AnswerStore:
 
     async def put_once(self, answer: backfill_pb2.BackfilledAnswer) -> bool:
         """Stores the answer unless one is stored already; indexes and announces it either way
-        (a retry after a crash must still reach subscribers). True when this call stored it."""
-        stored = await self.redis.set(self._answer(answer.ticket), answer.SerializeToString(), nx=True, ex=self.ttl_s)
-        await self.announce(answer)
+        (a retry after a crash must still reach subscribers). True when this call stored it.
+        One round trip: the commands run in order, so the notice follows the stored answer."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._answer(answer.ticket), answer.SerializeToString(), nx=True, ex=self.ttl_s)
+            self._announce_in(pipe, answer)
+            stored, *_ = await pipe.execute()
         return bool(stored)
 
     async def announce(self, answer: backfill_pb2.BackfilledAnswer) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self._announce_in(pipe, answer)
+            await pipe.execute()
+
+    def _announce_in(self, pipe, answer: backfill_pb2.BackfilledAnswer) -> None:
         if answer.session_id:
             key = self._session(answer.tenant, answer.session_id)
-            score = answer.received_at.ToMilliseconds()
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, {answer.ticket: score})
-                # Keep only the newest entries: a chatty session cannot grow the index forever.
-                pipe.zremrangebyrank(key, 0, -self.index_max - 1)
-                pipe.expire(key, self.ttl_s)
-                await pipe.execute()
-        await self.redis.publish(self.channel, f"{answer.tenant}\0{answer.session_id}\0{answer.ticket}")
+            pipe.zadd(key, {answer.ticket: answer.received_at.ToMilliseconds()})
+            # Keep only the newest entries: a chatty session cannot grow the index forever.
+            pipe.zremrangebyrank(key, 0, -self.index_max - 1)
+            pipe.expire(key, self.ttl_s)
+        pipe.publish(self.channel, f"{answer.tenant}\0{answer.session_id}\0{answer.ticket}")
 
     async def get(self, ticket: str) -> backfill_pb2.BackfilledAnswer | None:
         raw = await self.redis.get(self._answer(ticket))
