@@ -176,7 +176,8 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     if replayer is None:
         try:
             address, api_key = replay_target(config, settings)
-            replayer = RouterReplayer(address, api_key, settings.replay_timeout_s)
+            replayer = RouterReplayer(address, api_key, settings.replay_timeout_s,
+                                      flush_interval_ms=settings.replay_flush_ms)
             log.info("replaying through router %s", address)
         except ReplayTargetError as exc:
             log.error("backfill will not consume degraded requests: %s", exc)

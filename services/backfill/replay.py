@@ -65,9 +65,11 @@ def classify(error: grpc.aio.AioRpcError) -> ReplayError:
 class RouterReplayer:
     """Replays through ballast.v1.Inference/Generate with an internal API key."""
 
-    def __init__(self, address: str, api_key: str, timeout_s: float = 120.0, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, api_key: str, timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
+                 flush_interval_ms: int = 0) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.flush_interval_ms = flush_interval_ms
         self.connect_timeout_s = connect_timeout_s
         self._metadata = (("x-api-key", api_key),) if api_key else ()
         # Carries the trace of the degraded request, so its replay joins the original trace.
@@ -81,7 +83,7 @@ class RouterReplayer:
             await asyncio_wait_ready(self._channel, self.connect_timeout_s)
         except TimeoutError:
             raise ReplayError(ReplayErrorKind.UNHEALTHY, f"router {self.address} unreachable") from None
-        request = replay_request(record)
+        request = replay_request(record, self.flush_interval_ms)
         text: list[str] = []
         ids: list[int] = []
         model = model_version = ""

@@ -41,6 +41,9 @@ class BackfillSettings(BaseModel):
         1, ge=1, le=64, description="Replays at once. They run at tier B through the router, which "
                                    "serves live traffic first; this bounds what they queue there.")
     replay_timeout_s: float = Field(120.0, gt=0, description="Deadline of one replay.")
+    replay_flush_ms: int = Field(
+        1000, ge=0, le=10_000, description="GenerateRequest.flush_interval_ms of a replay: the backfill "
+                                           "stores whole answers, so their tokens come in a few messages, not one each.")
     max_attempts: int = Field(5, ge=1, le=100, description="Failed replays of one request before it is dead-lettered.")
     retry_backoff_s: float = Field(2.0, gt=0, description="Wait after a failed replay; doubles per attempt.")
     retry_backoff_max_s: float = Field(60.0, gt=0, description="Longest wait between failed replays.")

@@ -13,6 +13,9 @@ from typing import AsyncIterator, Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
+# The longest a stream may hold tokens back to send them together (GenerateRequest.flush_interval_ms).
+MAX_FLUSH_INTERVAL_MS = 10_000
+
 
 class _Done:
     pass
@@ -33,6 +36,7 @@ class Coalescer(Generic[T]):
         self._error: BaseException | None = None
         self._finished = False
         self._ready = asyncio.Event()
+        self._ended = asyncio.Event()  # the source is done (or failed, or was failed)
         self._task: asyncio.Task | None = None
 
     def _put(self, item: T) -> None:
@@ -55,6 +59,7 @@ class Coalescer(Generic[T]):
             self._error = exc
         finally:
             self._finished = True
+            self._ended.set()
             self._ready.set()
 
     def __aiter__(self) -> "Coalescer[T]":
@@ -81,7 +86,20 @@ class Coalescer(Generic[T]):
             self._task.cancel()
         self._error = error
         self._finished = True
+        self._ended.set()
         self._ready.set()
+
+    async def settle(self, seconds: float) -> None:
+        """Lets items accumulate for up to `seconds` (they merge), returning early once the
+        source has ended: holding tokens back to send fewer messages never delays the end."""
+        if self._finished or seconds <= 0:
+            return
+        try:
+            # Not asyncio.wait_for, which can swallow a cancellation as the event fires.
+            async with asyncio.timeout(seconds):
+                await self._ended.wait()
+        except TimeoutError:
+            pass
 
     async def aclose(self) -> None:
         """Stops the producer (closing its source, which aborts upstream work)."""

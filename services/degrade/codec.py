@@ -135,14 +135,16 @@ def decode_degraded(value: bytes | None) -> backfill_pb2.DegradedRequest:
     return record
 
 
-def replay_request(record: backfill_pb2.DegradedRequest) -> inference_pb2.GenerateRequest:
+def replay_request(record: backfill_pb2.DegradedRequest, flush_interval_ms: int = 0) -> inference_pb2.GenerateRequest:
     """The request the backfill sends to the router: same input, model and sampling; tier B so
-    live traffic goes first; never degraded again (that would only loop)."""
+    live traffic goes first; never degraded again (that would only loop); its tokens held
+    back `flush_interval_ms` at a time (the answer is stored whole, not streamed to anyone)."""
     replay = inference_pb2.GenerateRequest()
     replay.CopyFrom(record.request)
     replay.request_id = REPLAY_ID_PREFIX + record.ticket
     replay.tier = common_pb2.TIER_B
     replay.allow_degraded = False
+    replay.flush_interval_ms = flush_interval_ms
     # No session: the replay runs under the backfill's own tenant, so KV saved for the session
     # would be filed where the session's tenant never looks, at the cost of a save per replay.
     replay.session_id = ""

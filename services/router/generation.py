@@ -393,6 +393,8 @@ class GenerationRunner:
             sampling=sampling_to_pb(plan.sampling),
             response_format=request.response_format,
             tier=TIER_TO_PB[tier],
+            # Half the stall timeout at most: a worker holding tokens back must never look stalled.
+            flush_interval_ms=min(request.flush_interval_ms, int(stall_s * 500)),
         )
         relayed = 0
         if control.reason == "preempted":

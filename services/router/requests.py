@@ -11,6 +11,7 @@ from services.common.config import RouterConfig
 from services.common.errors import InvalidArgument
 from services.common.generation import Sampling
 from services.common.sampling_pb import sampling_from_pb
+from services.common.streams import MAX_FLUSH_INTERVAL_MS
 from services.router.context.window import ContextPolicy
 from services.router.structured.schema import Schema, check_schema
 
@@ -55,6 +56,8 @@ class InferenceRequest:
     schema: Schema | None = field(default=None, compare=False)
     context_policy: ContextPolicy = ContextPolicy.ENTITY_AWARE
     max_turns: int | None = None
+    # Longest the answer's tokens may be held back to go out together (0: the tier's default).
+    flush_interval_ms: int = 0
 
 
 def derived_seed(tenant: str, request_id: str) -> int:
@@ -109,6 +112,8 @@ def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config:
     max_turns = request.context.max_turns if request.context.HasField("max_turns") else None
     if max_turns is not None and max_turns < 1:
         raise InvalidArgument("context.max_turns must be >= 1")
+    if request.flush_interval_ms > MAX_FLUSH_INTERVAL_MS:
+        raise InvalidArgument(f"flush_interval_ms must be at most {MAX_FLUSH_INTERVAL_MS}")
     sampling = sampling_from_pb(request.sampling, config.default_max_tokens, config.max_tokens_limit)
     request_id = _check_id("request_id", request.request_id) or uuid.uuid4().hex
     if sampling.seed is None and sampling.temperature > 0:
@@ -128,4 +133,5 @@ def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config:
         schema=schema,
         context_policy=context_policy,
         max_turns=max_turns,
+        flush_interval_ms=request.flush_interval_ms,
     )

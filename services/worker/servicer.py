@@ -18,7 +18,7 @@ from ballast.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import tracing
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.common.sampling_pb import FINISH_TO_PB, sampling_from_pb
-from services.common.streams import Coalescer
+from services.common.streams import MAX_FLUSH_INTERVAL_MS, Coalescer
 from services.worker.engine import Engine, EngineRequest, TokenDelta
 from services.worker.metrics import WorkerMetrics
 
@@ -124,8 +124,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         faults: FaultInjector | None = None, b_tier_flush_s: float = 0.0,
     ) -> None:
         """`b_tier_flush_s`: after each message of a B-tier stream, the worker waits this long
-        and sends what accumulated as one message. A B answer (an archive summary) needs no
-        per-token delivery; fewer messages leave the router's CPU to the tiers that do."""
+        (or until the stream ends) and sends what accumulated as one message. A B answer (an
+        archive summary) needs no per-token delivery; fewer messages leave the router's CPU to
+        the tiers that do. A request's own flush_interval_ms, when longer, wins."""
         self.engine = engine
         self.b_tier_flush_s = b_tier_flush_s
         self.state = state
@@ -159,7 +160,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         outcome = "error"
         first_token_at: float | None = None
         index = len(engine_request.generated_ids)
-        flush_s = self.b_tier_flush_s if request.tier == common_pb2.TIER_B else 0.0
+        flush_s = max(self.b_tier_flush_s if request.tier == common_pb2.TIER_B else 0.0,
+                      min(request.flush_interval_ms, MAX_FLUSH_INTERVAL_MS) / 1000)
         stream = Coalescer(self.engine.generate(engine_request), merge_deltas)
         self.state.streams.add(stream)
         # Counted as the engine reports it (restored KV is not computed), else the whole context.
@@ -187,7 +189,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     )
                     index += len(delta.token_ids)
                     if flush_s and delta.finish_reason is None:
-                        await asyncio.sleep(flush_s)  # the next deltas merge meanwhile
+                        await stream.settle(flush_s)  # the next deltas merge meanwhile
                 if delta.finish_reason is not None:
                     outcome = delta.finish_reason.value
                     yield worker_pb2.WorkerGenerateEvent(

@@ -118,6 +118,7 @@ def _bad(**fields):
         (_bad(sampling=common_pb2.SamplingParams(max_tokens=-1)), grpc.StatusCode.INVALID_ARGUMENT),
         (_bad(sampling=common_pb2.SamplingParams(max_tokens=100000)), grpc.StatusCode.INVALID_ARGUMENT),
         (_bad(tier=9), grpc.StatusCode.INVALID_ARGUMENT),
+        (_bad(flush_interval_ms=10_001), grpc.StatusCode.INVALID_ARGUMENT),
         (_bad(prompt="x" * 300_000), grpc.StatusCode.INVALID_ARGUMENT),
         # Fits the character limit but not the model's context window.
         (_bad(prompt="word " * 20_000), grpc.StatusCode.INVALID_ARGUMENT),
@@ -125,6 +126,7 @@ def _bad(**fields):
         (_bad(model="tiny-unserved"), grpc.StatusCode.UNAVAILABLE),
     ],
     ids=["empty-messages", "max-tokens-0", "max-tokens-negative", "max-tokens-over-limit", "unknown-tier",
+         "flush-interval-over-limit",
          "oversized", "over-context", "unknown-model", "no-live-worker"],
 )
 async def test_bad_input_gets_its_status_code(router_stub, request_, code, worker_app):
@@ -201,6 +203,27 @@ async def test_b_tier_stream_leaves_the_worker_in_chunks(worker_stub, worker_app
     assert [first for first, _ in chunked] == [sum(len(c) for _, c in chunked[:i]) for i in range(len(chunked))]
     assert len(chunked[0][1]) == 1  # time to first token is not traded away
     assert len(chunked) < len(full) // 2
+
+
+async def test_a_held_back_answer_comes_in_few_messages_and_ends_on_time(router_stub, worker_app):
+    """flush_interval_ms (here at tier A, which has no flush of its own): the first token alone
+    and at once, the rest together, the same tokens as a live stream; and the stream ends when
+    the answer does, not when the interval runs out."""
+    prompt = worker_app.engine.tokenize(PROMPT)
+    full, _ = await engine_greedy(worker_app.engine, prompt, 24)
+    request = chat_request(PROMPT, max_tokens=24, raw_prompt=True, tier="A")
+    request.flush_interval_ms = 2000  # under half of tier A's stall timeout: kept as asked
+    messages = []
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async for event in router_stub.Generate(request, metadata=api_key_metadata(API_KEY), timeout=20):
+        if event.HasField("tokens"):
+            messages.append(list(event.tokens.token_ids))
+    elapsed = loop.time() - started
+    assert [t for chunk in messages for t in chunk] == full
+    assert len(messages[0]) == 1
+    assert len(messages) <= 3
+    assert elapsed < 1.9, f"the stream waited out its flush interval ({elapsed:.2f}s)"
 
 
 async def test_health_and_reflection(router_app, worker_app):

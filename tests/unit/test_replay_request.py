@@ -35,3 +35,8 @@ def test_the_degraded_record_is_left_as_it_was():
     record = degraded_record()
     replay_request(record)
     assert record.request.session_id == "s-9" and record.request.tier == common_pb2.TIER_S
+
+
+def test_replay_tokens_are_held_back_as_asked():
+    assert replay_request(degraded_record()).flush_interval_ms == 0
+    assert replay_request(degraded_record(), flush_interval_ms=1000).flush_interval_ms == 1000

@@ -59,3 +59,24 @@ async def test_aclose_stops_the_source():
         break
     await stream.aclose()
     await asyncio.wait_for(closed.wait(), 1)
+
+
+async def test_settle_merges_what_comes_meanwhile_and_returns_when_the_source_ends():
+    stream = Coalescer(numbers(6, delay=0.01), merge)
+    first = await stream.__aiter__().__anext__()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await stream.settle(30.0)  # the source ends after ~50 ms: no waiting out the 30 s
+    assert loop.time() - started < 10.0
+    rest = [batch async for batch in stream]
+    assert first == [0] and rest == [[1, 2, 3, 4, 5]]
+
+
+async def test_settle_waits_its_time_while_the_source_goes_on():
+    stream = Coalescer(numbers(1000, delay=0.01), merge)
+    iterator = stream.__aiter__()
+    assert await iterator.__anext__() == [0]
+    await stream.settle(0.1)
+    # Ten-odd items arrived meanwhile and come as one message; the source is still running.
+    assert len(await iterator.__anext__()) > 1
+    await stream.aclose()

@@ -26,7 +26,7 @@ from ballast.v1 import backfill_answers_pb2 as ballast_dot_v1_dot_backfill__answ
 from ballast.v1 import common_pb2 as ballast_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61llast/v1/inference.proto\x12\nballast.v1\x1a!ballast/v1/backfill_answers.proto\x1a\x17\x62\x61llast/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43onversation\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.ballast.v1.ChatMessage\"K\n\rClientSignals\x12\x10\n\x08platform\x18\x01 \x01(\t\x12\x12\n\nregenerate\x18\x02 \x01(\x08\x12\x14\n\x0c\x62usiness_tag\x18\x03 \x01(\t\"\x85\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x30\n\x0c\x63onversation\x18\x03 \x01(\x0b\x32\x18.ballast.v1.ConversationH\x00\x12\x10\n\x06prompt\x18\x04 \x01(\tH\x00\x12\r\n\x05model\x18\x05 \x01(\t\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.ballast.v1.SamplingParams\x12\x1e\n\x04tier\x18\x07 \x01(\x0e\x32\x10.ballast.v1.Tier\x12*\n\x07signals\x18\x08 \x01(\x0b\x32\x19.ballast.v1.ClientSignals\x12\x17\n\x0fresponse_format\x18\t \x01(\t\x12\x1b\n\x0e\x61llow_degraded\x18\n \x01(\x08H\x01\x88\x01\x01\x12+\n\x07\x63ontext\x18\x0b \x01(\x0b\x32\x1a.ballast.v1.ContextOptionsB\x07\n\x05inputB\x11\n\x0f_allow_degraded\"F\n\x0e\x43ontextOptions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x16\n\tmax_turns\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_max_turns\"x\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.ballast.v1.Tier\x12\x13\n\x0btier_reason\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\"\xd8\x02\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.ballast.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.ballast.v1.Usage\x12\x31\n\x0b\x64\x65gradation\x18\x03 \x01(\x0e\x32\x1c.ballast.v1.DegradationLevel\x12\x17\n\x0f\x62\x61\x63kfill_ticket\x18\x04 \x01(\t\x12\x37\n\x11structured_status\x18\x05 \x01(\x0e\x32\x1c.ballast.v1.StructuredStatus\x12\x1a\n\x12structured_repairs\x18\x06 \x03(\t\x12\x0f\n\x07resumes\x18\x07 \x01(\r\x12\x18\n\x10\x64ropped_messages\x18\x08 \x03(\r\x12\x19\n\x11structured_output\x18\t \x01(\t\x12\x19\n\x11structured_errors\x18\n \x03(\t\">\n\x07Resumed\x12\x12\n\nnext_index\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07resumes\x18\x03 \x01(\r\"\xb8\x01\n\rGenerateEvent\x12&\n\x07started\x18\x01 \x01(\x0b\x32\x13.ballast.v1.StartedH\x00\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x12.ballast.v1.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.ballast.v1.FinishedH\x00\x12&\n\x07resumed\x18\x04 \x01(\x0b\x32\x13.ballast.v1.ResumedH\x00\x42\x07\n\x05\x65vent2\xe7\x01\n\tInference\x12\x44\n\x08Generate\x12\x1b.ballast.v1.GenerateRequest\x1a\x19.ballast.v1.GenerateEvent0\x01\x12I\n\tSubscribe\x12\x1c.ballast.v1.SubscribeRequest\x1a\x1c.ballast.v1.BackfilledAnswer0\x01\x12I\n\x0bGetBackfill\x12\x1c.ballast.v1.GetAnswerRequest\x1a\x1c.ballast.v1.BackfilledAnswerb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61llast/v1/inference.proto\x12\nballast.v1\x1a!ballast/v1/backfill_answers.proto\x1a\x17\x62\x61llast/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43onversation\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.ballast.v1.ChatMessage\"K\n\rClientSignals\x12\x10\n\x08platform\x18\x01 \x01(\t\x12\x12\n\nregenerate\x18\x02 \x01(\x08\x12\x14\n\x0c\x62usiness_tag\x18\x03 \x01(\t\"\xa0\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x30\n\x0c\x63onversation\x18\x03 \x01(\x0b\x32\x18.ballast.v1.ConversationH\x00\x12\x10\n\x06prompt\x18\x04 \x01(\tH\x00\x12\r\n\x05model\x18\x05 \x01(\t\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.ballast.v1.SamplingParams\x12\x1e\n\x04tier\x18\x07 \x01(\x0e\x32\x10.ballast.v1.Tier\x12*\n\x07signals\x18\x08 \x01(\x0b\x32\x19.ballast.v1.ClientSignals\x12\x17\n\x0fresponse_format\x18\t \x01(\t\x12\x1b\n\x0e\x61llow_degraded\x18\n \x01(\x08H\x01\x88\x01\x01\x12+\n\x07\x63ontext\x18\x0b \x01(\x0b\x32\x1a.ballast.v1.ContextOptions\x12\x19\n\x11\x66lush_interval_ms\x18\x0c \x01(\rB\x07\n\x05inputB\x11\n\x0f_allow_degraded\"F\n\x0e\x43ontextOptions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x16\n\tmax_turns\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_max_turns\"x\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.ballast.v1.Tier\x12\x13\n\x0btier_reason\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\"\xd8\x02\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.ballast.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.ballast.v1.Usage\x12\x31\n\x0b\x64\x65gradation\x18\x03 \x01(\x0e\x32\x1c.ballast.v1.DegradationLevel\x12\x17\n\x0f\x62\x61\x63kfill_ticket\x18\x04 \x01(\t\x12\x37\n\x11structured_status\x18\x05 \x01(\x0e\x32\x1c.ballast.v1.StructuredStatus\x12\x1a\n\x12structured_repairs\x18\x06 \x03(\t\x12\x0f\n\x07resumes\x18\x07 \x01(\r\x12\x18\n\x10\x64ropped_messages\x18\x08 \x03(\r\x12\x19\n\x11structured_output\x18\t \x01(\t\x12\x19\n\x11structured_errors\x18\n \x03(\t\">\n\x07Resumed\x12\x12\n\nnext_index\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07resumes\x18\x03 \x01(\r\"\xb8\x01\n\rGenerateEvent\x12&\n\x07started\x18\x01 \x01(\x0b\x32\x13.ballast.v1.StartedH\x00\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x12.ballast.v1.TokensH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.ballast.v1.FinishedH\x00\x12&\n\x07resumed\x18\x04 \x01(\x0b\x32\x13.ballast.v1.ResumedH\x00\x42\x07\n\x05\x65vent2\xe7\x01\n\tInference\x12\x44\n\x08Generate\x12\x1b.ballast.v1.GenerateRequest\x1a\x19.ballast.v1.GenerateEvent0\x01\x12I\n\tSubscribe\x12\x1c.ballast.v1.SubscribeRequest\x1a\x1c.ballast.v1.BackfilledAnswer0\x01\x12I\n\x0bGetBackfill\x12\x1c.ballast.v1.GetAnswerRequest\x1a\x1c.ballast.v1.BackfilledAnswerb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLIENTSIGNALS']._serialized_start=207
   _globals['_CLIENTSIGNALS']._serialized_end=282
   _globals['_GENERATEREQUEST']._serialized_start=285
-  _globals['_GENERATEREQUEST']._serialized_end=674
-  _globals['_CONTEXTOPTIONS']._serialized_start=676
-  _globals['_CONTEXTOPTIONS']._serialized_end=746
-  _globals['_STARTED']._serialized_start=748
-  _globals['_STARTED']._serialized_end=868
-  _globals['_FINISHED']._serialized_start=871
-  _globals['_FINISHED']._serialized_end=1215
-  _globals['_RESUMED']._serialized_start=1217
-  _globals['_RESUMED']._serialized_end=1279
-  _globals['_GENERATEEVENT']._serialized_start=1282
-  _globals['_GENERATEEVENT']._serialized_end=1466
-  _globals['_INFERENCE']._serialized_start=1469
-  _globals['_INFERENCE']._serialized_end=1700
+  _globals['_GENERATEREQUEST']._serialized_end=701
+  _globals['_CONTEXTOPTIONS']._serialized_start=703
+  _globals['_CONTEXTOPTIONS']._serialized_end=773
+  _globals['_STARTED']._serialized_start=775
+  _globals['_STARTED']._serialized_end=895
+  _globals['_FINISHED']._serialized_start=898
+  _globals['_FINISHED']._serialized_end=1242
+  _globals['_RESUMED']._serialized_start=1244
+  _globals['_RESUMED']._serialized_end=1306
+  _globals['_GENERATEEVENT']._serialized_start=1309
+  _globals['_GENERATEEVENT']._serialized_end=1493
+  _globals['_INFERENCE']._serialized_start=1496
+  _globals['_INFERENCE']._serialized_end=1727
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,7 @@ class ClientSignals(_message.Message):
     def __init__(self, platform: _Optional[str] = ..., regenerate: _Optional[bool] = ..., business_tag: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "conversation", "prompt", "model", "sampling", "tier", "signals", "response_format", "allow_degraded", "context")
+    __slots__ = ("request_id", "session_id", "conversation", "prompt", "model", "sampling", "tier", "signals", "response_format", "allow_degraded", "context", "flush_interval_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_DEGRADED_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     conversation: Conversation
@@ -56,7 +57,8 @@ class GenerateRequest(_message.Message):
     response_format: str
     allow_degraded: bool
     context: ContextOptions
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., signals: _Optional[_Union[ClientSignals, _Mapping]] = ..., response_format: _Optional[str] = ..., allow_degraded: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ...) -> None: ...
+    flush_interval_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., signals: _Optional[_Union[ClientSignals, _Mapping]] = ..., response_format: _Optional[str] = ..., allow_degraded: _Optional[bool] = ..., context: _Optional[_Union[ContextOptions, _Mapping]] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ContextOptions(_message.Message):
     __slots__ = ("policy", "max_turns")

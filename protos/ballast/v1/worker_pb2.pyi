@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "session_id", "prompt_ids", "generated_ids", "sampling", "response_format", "tier")
+    __slots__ = ("request_id", "tenant", "session_id", "prompt_ids", "generated_ids", "sampling", "response_format", "tier", "flush_interval_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerGenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     session_id: str
@@ -25,7 +26,8 @@ class WorkerGenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     response_format: str
     tier: _common_pb2.Tier
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., generated_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., response_format: _Optional[str] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ...) -> None: ...
+    flush_interval_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., generated_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., response_format: _Optional[str] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerFinished(_message.Message):
     __slots__ = ("reason", "usage")
