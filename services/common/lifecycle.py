@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -32,9 +33,19 @@ async def wait_for_stop_signal() -> str:
             loop.remove_signal_handler(sig)
 
 
+def settle_startup_garbage() -> None:
+    """Moves everything the service loaded at start (modules, models, config) out of the
+    cyclic collector's sight. Those objects live as long as the process; left in view, every
+    full collection under load walks all of them, a pause of tens of milliseconds on every
+    stream of the process. Frozen, a full collection walks only what requests made."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_until_signal(create_server: Callable[[Any], Awaitable[Any]], name: str, config: Any) -> None:
     """Starts a service app, prints one READY line (launchers wait for it), stops on signal."""
     app = await create_server(config)
+    settle_startup_garbage()
     print(f"READY {name} {app.address} metrics={app.telemetry.port}", flush=True)
     signal_name = await wait_for_stop_signal()
     logging.getLogger(f"ballast.{name}").info("%s received, shutting down", signal_name)

@@ -173,7 +173,17 @@ class TorchEngine:
         if self._device.type == "cpu":
             torch.set_num_threads(self._threads)
         self._runner = load_runner(self._dir, self._dtype, self._device, self._runtime)
+        self._warm_up()
         log.info("%s: %s runtime on %s", self._description.name, self._runner.name, self._device)
+
+    def _warm_up(self) -> None:
+        """Runs a small batched prefill and a decode step before the worker takes requests.
+        torch's first passes pay one-time costs (allocator growth, kernel and thread-pool set-up:
+        a few milliseconds on CPU, far more on a GPU); without this they land on the first
+        requests, which after a crash elsewhere are resumed streams whose users already wait."""
+        ids = [i % self._vocab_size for i in range(1, 17)]
+        _logits, caches = self._runner.prefill_many([None, None], [ids, ids[:8]])
+        self._runner.decode(caches, [ids[0], ids[1]])
 
     @property
     def prefill_chunk(self) -> int:

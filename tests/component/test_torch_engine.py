@@ -150,6 +150,21 @@ async def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir, endless):
         await e.stop()
 
 
+async def test_the_transformers_runtime_gives_the_native_tokens(tiny_model_dir, endless):
+    """The fallback path (any model the plain-torch decoder does not cover) starts, warm-up
+    pass included, and decodes exactly what the native decoder does."""
+    reference = await run(endless, CHAT, max_tokens=16)
+    e = TorchEngine(tiny_model_dir, "tiny", eos_token_ids=(), runtime="transformers")
+    await e.start()
+    try:
+        got = await run(e, CHAT, max_tokens=16)
+        assert got.tokens == reference.tokens
+        resumed = await run(e, CHAT, generated=reference.tokens[:6], max_tokens=10)
+        assert resumed.tokens == reference.tokens[6:]
+    finally:
+        await e.stop()
+
+
 async def test_max_tokens_is_respected(endless):
     for n in (1, 5, 33):
         got = await run(endless, RAW, max_tokens=n)
