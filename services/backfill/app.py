@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 import redis.asyncio as redis_asyncio
@@ -97,18 +98,23 @@ def _redis_client(url: str, timeout_s: float | None) -> redis_asyncio.Redis:
     )
 
 
-async def _ensure_topics_until_done(bootstrap: str, settings: BackfillSettings, timeout_s: float) -> None:
+async def _ensure_topics_once(bootstrap: str, settings: BackfillSettings, timeout_s: float) -> bool:
+    """One attempt to create any missing topic; False while the broker is away."""
     names = [settings.topic, settings.backfilled_topic, settings.deadletter_topic]
+    try:
+        await asyncio.to_thread(ensure_topics, bootstrap, names, settings.topic_partitions,
+                                settings.topic_replication, timeout_s)
+        return True
+    except Exception as exc:  # noqa: BLE001 - broker away: the callers retry
+        log.debug("cannot create topics now: %r", exc)
+        return False
+
+
+async def _ensure_topics_until_done(bootstrap: str, settings: BackfillSettings, timeout_s: float) -> None:
     backoff = 1.0
-    while True:
-        try:
-            await asyncio.to_thread(ensure_topics, bootstrap, names, settings.topic_partitions,
-                                    settings.topic_replication, timeout_s)
-            return
-        except Exception as exc:  # noqa: BLE001 - broker away: the probe notices, we retry
-            log.debug("cannot create topics yet: %r", exc)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+    while not await _ensure_topics_once(bootstrap, settings, timeout_s):
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, 10.0)
 
 
 async def create_server(config: BallastConfig, settings: BackfillSettings | None = None,
@@ -186,7 +192,9 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         app.membership = MembershipWatcher(config.etcd, telemetry.dependencies)
         await app.membership.start()
         app.processor = Processor(settings, store, replayer, producer, metrics,
-                                  pool_watch=PrimaryPoolWatch(app.membership))
+                                  pool_watch=PrimaryPoolWatch(app.membership),
+                                  ensure_topics=partial(_ensure_topics_once, config.kafka.bootstrap, settings,
+                                                        config.kafka.timeout_s))
         metrics.observe_current_lag(app.processor.oldest_in_hand)
         app.consumer = ConsumerLoop(
             consumer_config(config.kafka.bootstrap, settings.group_id, settings.session_timeout_ms,

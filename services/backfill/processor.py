@@ -51,8 +51,13 @@ INFRA_ERRORS = (RedisError, OSError, DeliveryFailed, asyncio.TimeoutError)
 class Processor:
     def __init__(self, settings: BackfillSettings, store: AnswerStore, replayer: Replayer,
                  producer: AsyncProducer, metrics: BackfillMetrics | None = None,
-                 pool_watch: PrimaryPoolWatch | None = None) -> None:
+                 pool_watch: PrimaryPoolWatch | None = None,
+                 ensure_topics: Callable[[], Awaitable[object]] | None = None) -> None:
+        """`ensure_topics` creates the topics the processor writes to when they are missing; it
+        runs when a publish fails, since a broker replaced by a fresh one has lost them (the
+        publish would otherwise time out again and again while replays wait behind it)."""
         self.settings = settings
+        self._ensure_topics = ensure_topics
         self.pool_watch = pool_watch
         self.store = store
         self.replayer = replayer
@@ -192,6 +197,8 @@ class Processor:
                 # One reset per failure: a reset fails every record in flight, and if each of
                 # those reset again, concurrent publishes would keep failing one another.
                 if reset_producer and self.producer.resets == generation:
+                    if self._ensure_topics is not None:
+                        await self._ensure_topics()
                     await self.producer.reset()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
