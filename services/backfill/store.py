@@ -65,11 +65,6 @@ class AnswerStore:
             stored, *_ = await pipe.execute()
         return bool(stored)
 
-    async def announce(self, answer: backfill_pb2.BackfilledAnswer) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self._announce_in(pipe, answer)
-            await pipe.execute()
-
     def _announce_in(self, pipe, answer: backfill_pb2.BackfilledAnswer) -> None:
         if answer.session_id:
             key = self._session(answer.tenant, answer.session_id)

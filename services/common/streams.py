@@ -34,7 +34,6 @@ class Coalescer(Generic[T]):
         self._merge = merge
         self._pending: list[T] = []
         self._error: BaseException | None = None
-        self._finished = False
         self._ready = asyncio.Event()
         self._ended = asyncio.Event()  # the source is done (or failed, or was failed)
         self._task: asyncio.Task | None = None
@@ -58,7 +57,6 @@ class Coalescer(Generic[T]):
         except BaseException as exc:  # handed to the consumer, who decides
             self._error = exc
         finally:
-            self._finished = True
             self._ended.set()
             self._ready.set()
 
@@ -69,7 +67,7 @@ class Coalescer(Generic[T]):
 
     async def __anext__(self) -> T:
         while not self._pending:
-            if self._finished:
+            if self._ended.is_set():
                 if self._error is not None:
                     error, self._error = self._error, None
                     raise error
@@ -80,19 +78,18 @@ class Coalescer(Generic[T]):
 
     def fail(self, error: BaseException) -> None:
         """Ends the stream from outside: the consumer gets what is pending, then `error`."""
-        if self._finished:
+        if self._ended.is_set():
             return
         if self._task is not None:
             self._task.cancel()
         self._error = error
-        self._finished = True
         self._ended.set()
         self._ready.set()
 
     async def settle(self, seconds: float) -> None:
         """Lets items accumulate for up to `seconds` (they merge), returning early once the
         source has ended: holding tokens back to send fewer messages never delays the end."""
-        if self._finished or seconds <= 0:
+        if self._ended.is_set() or seconds <= 0:
             return
         try:
             # Not asyncio.wait_for, which can swallow a cancellation as the event fires.

@@ -18,44 +18,42 @@ class Producer:
         self.log.append("reset")
 
 
-async def test_a_failed_publish_ensures_the_topics_then_resets_and_retries():
-    log: list[str] = []
-
+def processor_logging_to(log: list[str]) -> Processor:
     async def ensure_topics() -> bool:
         log.append("ensure")
         return True
 
-    processor = Processor(BackfillSettings(), store=None, replayer=None, producer=Producer(log),
-                          ensure_topics=ensure_topics)
-    attempts = iter([DeliveryFailed("_MSG_TIMED_OUT"), "delivered"])
+    return Processor(BackfillSettings(), store=None, replayer=None, producer=Producer(log),
+                     ensure_topics=ensure_topics)
 
-    async def publish():
+
+def failing_once(error: Exception, result: str, log: list[str]):
+    """A call that raises `error` the first time and returns `result` the second."""
+    attempts = iter([error, result])
+
+    async def call():
         outcome = next(attempts)
-        log.append(f"publish:{outcome}" if isinstance(outcome, str) else "publish:failed")
+        log.append("call:failed" if isinstance(outcome, Exception) else f"call:{outcome}")
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
+    return call
+
+
+async def test_a_failed_publish_ensures_the_topics_then_resets_and_retries():
+    log: list[str] = []
+    processor = processor_logging_to(log)
+    publish = failing_once(DeliveryFailed("_MSG_TIMED_OUT"), "delivered", log)
+
     assert await processor._infra(publish, "publish the answer", reset_producer=True) == "delivered"
-    assert log == ["publish:failed", "ensure", "reset", "publish:delivered"]
+    assert log == ["call:failed", "ensure", "reset", "call:delivered"]
 
 
 async def test_store_failures_touch_neither_topics_nor_producer():
     log: list[str] = []
-
-    async def ensure_topics() -> bool:
-        log.append("ensure")
-        return True
-
-    processor = Processor(BackfillSettings(), store=None, replayer=None, producer=Producer(log),
-                          ensure_topics=ensure_topics)
-    attempts = iter([ConnectionError("redis away"), "stored"])
-
-    async def store():
-        outcome = next(attempts)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+    processor = processor_logging_to(log)
+    store = failing_once(ConnectionError("redis away"), "stored", log)
 
     assert await processor._infra(store, "store the answer") == "stored"
-    assert log == []
+    assert log == ["call:failed", "call:stored"]
