@@ -409,12 +409,20 @@ class TorchEngine:
         return self._after_pass(steps, logits, caches, [step.ids for step in steps])
 
     def _decode_batch(self, steps: Sequence[DecodeStep]) -> list[int | BaseException]:
-        """One token for each step's sequence, in one forward pass where the runner batches."""
-        started = time.perf_counter()
-        logits, caches = self._runner.decode([step.seq.cache for step in steps],
-                                             [step.token for step in steps])
-        self._count_forward(time.perf_counter() - started)
-        return self._after_pass(steps, logits, caches, [[step.token] for step in steps])
+        """One token for each step's sequence, in one forward pass where the runner batches.
+        A stream cancelled after its step was queued releases its cache (on the loop) while the
+        batch waits for this thread: its step is answered with an error, the others run."""
+        caches = [step.seq.cache for step in steps]  # read once: the loop may release one meanwhile
+        live = [i for i, cache in enumerate(caches) if cache is not None]
+        results: list[int | BaseException] = [Unavailable("the stream ended before its step ran")] * len(steps)
+        if live:
+            started = time.perf_counter()
+            logits, new = self._runner.decode([caches[i] for i in live], [steps[i].token for i in live])
+            self._count_forward(time.perf_counter() - started)
+            ran = self._after_pass([steps[i] for i in live], logits, new, [[steps[i].token] for i in live])
+            for i, result in zip(live, ran):
+                results[i] = result
+        return results
 
     def _after_pass(self, steps: Sequence[PrefillStep | DecodeStep], logits: torch.Tensor,
                     caches: Sequence[Any], inputs: Sequence[Sequence[int]]) -> list[int | BaseException]:

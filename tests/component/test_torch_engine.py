@@ -165,6 +165,25 @@ async def test_the_transformers_runtime_gives_the_native_tokens(tiny_model_dir, 
         await e.stop()
 
 
+async def test_a_step_whose_stream_was_released_fails_alone(endless):
+    """A stream cancelled while its decode step waits for the compute thread releases its cache;
+    that step is answered with an error and its batch-mates still get their tokens."""
+    from services.common.errors import Unavailable
+    from services.worker.step_scheduler import DecodeStep
+    from services.worker.torch_engine import _Sequence
+
+    reference = await run(endless, RAW, max_tokens=2)
+    live = _Sequence()
+    prompt = endless.tokenize(RAW)
+    _logits, (live.cache,) = endless._runner.prefill_many([None], [prompt])
+    released = _Sequence()  # cache None: what the stream's cleanup leaves
+    steps = [DecodeStep(2, 0, released, reference.tokens[0], None),
+             DecodeStep(2, 1, live, reference.tokens[0], (Sampling(max_tokens=2, temperature=0.0), 0, 1, None))]
+    results = await endless._steps.call(endless._decode_batch, steps)
+    assert isinstance(results[0], Unavailable)
+    assert results[1] == reference.tokens[1]
+
+
 async def test_max_tokens_is_respected(endless):
     for n in (1, 5, 33):
         got = await run(endless, RAW, max_tokens=n)
