@@ -3,19 +3,24 @@
 One run starts a local mesh (four tiny-model workers), computes each prompt's uninterrupted
 greedy answer, then runs two phases with the same load and kill schedule: clients through
 the router, and a baseline of clients calling workers directly (round robin, no failover).
-A killer SIGKILLs a random serving worker every interval and restarts it. Every stream is
-checked token by token against its reference: interrupted streams (client-visible errors),
-lost and duplicated tokens, and the resume gap (last token before a resume to the first
-after it). Prints a table and writes bench/results/failover.json.
+A killer SIGKILLs a random serving worker process every interval. By default the workers
+run under their keeper (worker.respawn), which starts a fresh worker process at once, as a
+production worker would be run; `--restart cold` instead starts a whole new process (every
+import again: about 3 s of CPU, which on a small machine the surviving workers pay for).
+Every stream is checked token by token against its reference: interrupted streams
+(client-visible errors), lost and duplicated tokens, and the resume gap (last token before a
+resume to the first after it). Prints a table and writes bench/results/failover.json.
 
-    python -m bench.failover [--kills 100] [--interval 2.5] [--clients 8]
+    python -m bench.failover [--kills 100] [--interval 2.5] [--clients 8] [--restart keeper|cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -30,6 +35,7 @@ from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_gr
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.router.tokenization import ModelTokenizer
+from services.worker.keeper import serving_pid
 
 PROMPTS = [f"Customer {i} asks where order {7000 + i} is and when it ships." for i in range(12)]
 MAX_TOKENS = 160
@@ -132,21 +138,38 @@ async def _direct_client(addresses, prompt_ids, stop: asyncio.Event, references,
 
 
 class Killer:
-    """SIGKILLs a random serving worker every interval; restarts it in a thread."""
+    """SIGKILLs a random serving worker process every interval and waits, in a thread, for
+    it to serve again: started by its keeper, or (cold) as a whole new process."""
 
-    def __init__(self, mesh: Mesh, kills: int, interval: float, min_serving: int, rng: random.Random) -> None:
+    def __init__(self, mesh: Mesh, kills: int, interval: float, min_serving: int, rng: random.Random,
+                 cold: bool) -> None:
         self.mesh, self.kills, self.interval, self.min_serving, self.rng = mesh, kills, interval, min_serving, rng
+        self.cold = cold
         self.done = 0
         self.restarting: set[str] = set()
+        self.restart_s: list[float] = []
 
     def serving(self):
         return [w for w in self.mesh.workers() if w.name not in self.restarting and w.process.alive()]
 
-    def _restart(self, worker) -> None:
+    def _restart(self, worker, killed_at: float, offset: int) -> None:
         try:
-            self.mesh.restart_service(worker)
+            if self.cold:
+                self.mesh.restart_service(worker)
+            else:
+                self.mesh.await_ready_after(worker, offset)
+            self.restart_s.append(time.monotonic() - killed_at)
         finally:
             self.restarting.discard(worker.name)
+
+    def _kill(self, worker) -> int:
+        """Kills the worker's serving process; returns the log offset its restart writes after."""
+        offset = worker.process.log_path.stat().st_size
+        if self.cold:
+            worker.process.kill()
+        else:
+            os.kill(serving_pid(worker.pid), signal.SIGKILL)
+        return offset
 
     async def run(self, stop: asyncio.Event) -> None:
         while self.done < self.kills:
@@ -155,12 +178,15 @@ class Killer:
             if len(serving) <= self.min_serving:
                 continue
             victim = self.rng.choice(serving)
+            if not self.cold and serving_pid(victim.pid) is None:
+                continue  # between two processes: not serving
             self.restarting.add(victim.name)
-            victim.process.kill()
+            offset = self._kill(victim)
+            killed_at = time.monotonic()
             self.done += 1
             if self.done % 10 == 0:
                 print(f"  {self.done}/{self.kills} kills", flush=True)
-            threading.Thread(target=self._restart, args=(victim,), daemon=True).start()
+            threading.Thread(target=self._restart, args=(victim, killed_at, offset), daemon=True).start()
         while self.restarting:
             await asyncio.sleep(0.2)
         stop.set()
@@ -186,11 +212,11 @@ async def _references(mesh: Mesh):
 
 
 async def _phase(mesh: Mesh, routed: bool, references, prompt_ids, clients: int, kills: int,
-                 interval: float, seed: int) -> tuple[Tally, int]:
+                 interval: float, seed: int, cold: bool) -> tuple[Tally, Killer]:
     rng = random.Random(seed)
     stop = asyncio.Event()
     tally = Tally()
-    killer = Killer(mesh, kills, interval, min_serving=1, rng=random.Random(seed + 1))
+    killer = Killer(mesh, kills, interval, min_serving=1, rng=random.Random(seed + 1), cold=cold)
     if routed:
         async with open_channel(mesh.router_address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
@@ -206,40 +232,48 @@ async def _phase(mesh: Mesh, routed: bool, references, prompt_ids, clients: int,
                  for _ in range(clients)]
         await killer.run(stop)
         await asyncio.gather(*tasks)
-    return tally, killer.done
+    return tally, killer
 
 
 def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, workers: int = 4,
-                  out: Path = Path("bench/results/failover.json")) -> int:
+                  out: Path = Path("bench/results/failover.json"), restart: str = "keeper") -> int:
     model_dir = model_dir_for("tiny")
+    cold = restart == "cold"
+    # A keeper may restart its worker every few seconds here: no crash-loop cut-off.
+    overrides = {} if cold else {"worker": {"respawn": True, "respawn_max": 10 * kills}}
     with tempfile.TemporaryDirectory(prefix="ballast-failover-") as state:
         spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=workers, lease_ttl_s=3,
-                        worker_capacity=8)
+                        worker_capacity=8, overrides=overrides)
         mesh = Mesh(spec).start()
         try:
             references, prompt_ids = asyncio.run(_references(mesh))
             started = time.monotonic()
-            routed, routed_kills = asyncio.run(_phase(mesh, True, references, prompt_ids, clients, kills, interval, 1))
+            routed, routed_killer = asyncio.run(_phase(mesh, True, references, prompt_ids, clients, kills, interval, 1, cold))
             routed_s = time.monotonic() - started
             started = time.monotonic()
-            direct, direct_kills = asyncio.run(_phase(mesh, False, references, prompt_ids, clients, kills, interval, 2))
+            direct, direct_killer = asyncio.run(_phase(mesh, False, references, prompt_ids, clients, kills, interval, 2, cold))
             direct_s = time.monotonic() - started
         finally:
             mesh.stop()
     rows = []
-    for name, t, k, secs in (("router", routed, routed_kills, routed_s), ("direct", direct, direct_kills, direct_s)):
-        rows.append([name, k, t.streams, t.interrupted, t.degraded, t.lost_tokens, t.duplicated_tokens, t.wrong_tokens,
-                     t.resumes, percentile(t.gaps_ms, 50), percentile(t.gaps_ms, 99), f"{secs:.0f}s"])
-    print(f"\nstreams under worker kills ({clients} clients, {workers} workers, a kill every {interval}s)")
+    for name, t, killer, secs in (("router", routed, routed_killer, routed_s), ("direct", direct, direct_killer, direct_s)):
+        rows.append([name, killer.done, t.streams, t.interrupted, t.degraded, t.lost_tokens, t.duplicated_tokens,
+                     t.wrong_tokens, t.resumes, percentile(t.gaps_ms, 50), percentile(t.gaps_ms, 99),
+                     percentile(killer.restart_s, 50), f"{secs:.0f}s"])
+    print(f"\nstreams under worker kills ({clients} clients, {workers} workers, a kill every {interval}s, "
+          f"{restart} restarts)")
     print_table(["path", "kills", "streams", "interrupted", "degraded", "lost", "duplicated", "wrong", "resumes",
-                 "gap p50 ms", "gap p99 ms", "time"], rows)
+                 "gap p50 ms", "gap p99 ms", "restart p50 s", "time"], rows)
     result = {
-        "kills": routed_kills, "streams": routed.streams, "interrupted": routed.interrupted,
+        "kills": routed_killer.done, "streams": routed.streams, "interrupted": routed.interrupted,
         "lost_tokens": routed.lost_tokens, "duplicated_tokens": routed.duplicated_tokens,
         "wrong_tokens": routed.wrong_tokens, "resumes": routed.resumes, "degraded": routed.degraded,
         "resume_gap_p50_ms": percentile(routed.gaps_ms, 50), "resume_gap_p99_ms": percentile(routed.gaps_ms, 99),
         "error_rate": routed.interrupted / max(1, routed.streams),
-        "baseline_kills": direct_kills, "baseline_streams": direct.streams,
+        "restart": restart,
+        "restart_p50_s": percentile(routed_killer.restart_s, 50),
+        "restart_p99_s": percentile(routed_killer.restart_s, 99),
+        "baseline_kills": direct_killer.done, "baseline_streams": direct.streams,
         "baseline_interrupted": direct.interrupted,
         "baseline_error_rate": direct.interrupted / max(1, direct.streams),
         "errors": routed.errors, "baseline_errors": direct.errors,
@@ -260,9 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench/results/failover.json"))
+    parser.add_argument("--restart", choices=("keeper", "cold"), default="keeper",
+                        help="who restarts a killed worker: its keeper (worker.respawn) or a new process")
     args = parser.parse_args(argv)
     stop_on_sigterm()
-    return run_benchmark(args.kills, args.interval, args.clients, args.workers, args.out)
+    return run_benchmark(args.kills, args.interval, args.clients, args.workers, args.out, args.restart)
 
 
 if __name__ == "__main__":

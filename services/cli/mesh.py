@@ -216,6 +216,14 @@ class Mesh:
         self.save_state()
         return fresh
 
+    def await_ready_after(self, service: ServiceProcess, offset: int, timeout: float = 120.0) -> ServiceProcess:
+        """Waits for a READY line written after log `offset`: a worker its keeper started
+        again (worker.respawn) under the same process. Updates the service's address."""
+        kind = service.name.split("-")[0]
+        self._await_ready(service, kind, offset, timeout)
+        self.save_state()
+        return service
+
     def start(self, timeout: float = 120.0) -> "Mesh":
         self.state_dir.mkdir(parents=True, exist_ok=True)
         try:

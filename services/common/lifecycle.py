@@ -44,18 +44,28 @@ def settle_startup_garbage() -> None:
     gc.freeze()
 
 
-async def serve_until_signal(create_server: Callable[[Any], Awaitable[Any]], name: str, config: Any) -> None:
-    """Starts a service app, prints one READY line (launchers wait for it), stops on signal."""
+async def serve_until_signal(
+    create_server: Callable[[Any], Awaitable[Any]], name: str, config: Any,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Starts a service app, prints one READY line (launchers wait for it), stops on signal.
+    `on_ready` runs right after the READY line (a keeper process waits for it)."""
     app = await create_server(config)
     settle_startup_garbage()
     print(f"READY {name} {app.address} metrics={app.telemetry.port}", flush=True)
+    if on_ready is not None:
+        on_ready()
     signal_name = await wait_for_stop_signal()
     logging.getLogger(f"ballast.{name}").info("%s received, shutting down", signal_name)
     await app.shutdown()
 
 
-def run_main(prog: str, description: str | None, serve: Callable[[Any], Awaitable[None]], argv: list[str] | None) -> int:
-    """The shared `main()`: parse args, load typed config (fail fast naming the field), serve."""
+def run_main(
+    prog: str, description: str | None, serve: Callable[[Any], Awaitable[None]], argv: list[str] | None,
+    launch: Callable[[Any], int] | None = None,
+) -> int:
+    """The shared `main()`: parse args, load typed config (fail fast naming the field), serve.
+    `launch(config)`, when given, runs the service instead of `serve` on a fresh event loop."""
     from services.common.config import ConfigError, load_config
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
@@ -67,5 +77,7 @@ def run_main(prog: str, description: str | None, serve: Callable[[Any], Awaitabl
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    if launch is not None:
+        return launch(config)
     asyncio.run(serve(config))
     return 0

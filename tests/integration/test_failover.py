@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,8 +16,10 @@ import pytest_asyncio
 
 from ballast.v1 import inference_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
+from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
-from tests.integration.test_mesh import metric_value, registered_ids, scrape
+from services.worker.keeper import serving_pid
+from tests.integration.test_mesh import etcd_config, metric_value, registered_ids, scrape
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
 
@@ -230,3 +233,36 @@ async def test_retry_budget_caps_attempts_when_every_worker_fails(mesh, router):
     assert retries <= requests * 3
     assert retries <= 0.5 * requests + 2.0 * 10 + 1
     assert elapsed < 10  # failing fast, not waiting out deadlines
+
+
+async def worker_lease(mesh, name: str) -> int | None:
+    records = await list_workers(etcd_config(mesh))
+    return next((record.lease_id for record, _ in records if record.id == name), None)
+
+
+async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_once(mesh, router, references):
+    kept = await asyncio.to_thread(mesh.start_worker, {"BALLAST__WORKER__RESPAWN": "true"})
+    first = serving_pid(kept.pid)
+    assert first not in (None, kept.pid)
+    lease_before = await worker_lease(mesh, kept.name)
+    streams = [
+        asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
+        for p in PROMPTS
+    ]
+    await asyncio.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(first, signal.SIGKILL)
+    results = await asyncio.gather(*streams)
+    assert_streams_match(results, references)
+    # The keeper started a fresh worker, registered under the same id with a new lease,
+    # without anyone restarting anything and well before the old lease could expire.
+    while (lease := await worker_lease(mesh, kept.name)) in (None, lease_before):
+        assert time.monotonic() - killed_at < 20, "the respawned worker did not register"
+        await asyncio.sleep(0.1)
+    second = serving_pid(kept.pid)
+    assert second not in (None, first) and kept.process.alive()
+    probe = chat_request("probe", max_tokens=4, raw_prompt=True)
+    assert len((await collect(router, probe, LOCAL_API_KEY)).token_ids) == 4
+    # SIGTERM reaches the worker through the keeper: it drains and both exit cleanly.
+    assert await asyncio.to_thread(kept.process.stop, 30) == 0
+    assert not Path(f"/proc/{second}").exists()

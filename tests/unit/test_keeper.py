@@ -1,0 +1,139 @@
+"""The worker keeper: respawns a worker that died after it was ready, gives up on a worker
+that dies before, on a crash loop and on a clean exit, and passes SIGTERM on. Each keeper
+runs in a subprocess of its own (it forks and installs signal handlers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from services.worker.keeper import CrashLoop, RespawnPolicy, exit_code
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Each child appends one line to the runs file, then acts out what the mode says for that run.
+SCRIPT = textwrap.dedent("""
+    import logging, os, signal, sys, time
+    logging.basicConfig(level=logging.INFO)
+    from services.worker.keeper import Keeper, RespawnPolicy
+    mode, runs, max_crashes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    def serve(ready):
+        with open(runs, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        n = len(open(runs).read().split())
+        if mode == "die-before-ready":
+            return 3
+        ready()
+        if mode == "killed-then-clean" and n < 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "crash-loop":
+            return 1
+        if mode == "wait-for-term":
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            print("serving", flush=True)
+            time.sleep(60)
+            return 5
+        return 0
+
+    sys.exit(Keeper(serve, RespawnPolicy(max_crashes, 60.0)).run())
+""")
+
+
+def run_keeper(tmp_path: Path, mode: str, max_crashes: int = 10, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'protos'}"}
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(tmp_path / "runs"), str(max_crashes)],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def runs(tmp_path: Path) -> list[str]:
+    return (tmp_path / "runs").read_text().split()
+
+
+def test_a_worker_killed_after_it_was_ready_is_started_again(tmp_path):
+    keeper = run_keeper(tmp_path, "killed-then-clean")
+    output, _ = keeper.communicate(timeout=60)
+    assert keeper.returncode == 0, output
+    assert len(runs(tmp_path)) == 3  # killed twice, the third exits cleanly
+    assert len(set(runs(tmp_path))) == 3
+    assert output.count("killed by SIGKILL; starting a fresh one") == 2
+
+
+def test_a_worker_that_dies_before_it_is_ready_ends_the_keeper_with_its_status(tmp_path):
+    keeper = run_keeper(tmp_path, "die-before-ready")
+    output, _ = keeper.communicate(timeout=60)
+    assert keeper.returncode == 3
+    assert len(runs(tmp_path)) == 1
+    assert "before it was ready" in output
+
+
+def test_a_crash_loop_ends_the_keeper(tmp_path):
+    keeper = run_keeper(tmp_path, "crash-loop", max_crashes=2)
+    output, _ = keeper.communicate(timeout=60)
+    assert keeper.returncode == 1
+    assert len(runs(tmp_path)) == 3  # two crashes allowed, the third gives up
+    assert "giving up" in output
+
+
+def test_sigterm_reaches_the_worker_and_the_keeper_exits_with_its_status(tmp_path):
+    keeper = run_keeper(tmp_path, "wait-for-term")
+    assert "serving" in keeper.stdout.readline()
+    keeper.send_signal(signal.SIGTERM)
+    output, _ = keeper.communicate(timeout=30)
+    assert keeper.returncode == 0, output  # the worker's own clean exit, not the keeper killed
+    assert len(runs(tmp_path)) == 1
+    assert "after the stop signal" in output
+
+
+def test_killing_the_keeper_takes_its_worker_with_it(tmp_path):
+    keeper = run_keeper(tmp_path, "wait-for-term")
+    assert "serving" in keeper.stdout.readline()
+    worker = int(runs(tmp_path)[0])
+    os.kill(keeper.pid, signal.SIGKILL)
+    keeper.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("crashes, window_ok", [(2, True), (3, False)])
+def test_crash_loop_counts_crashes_within_the_window(crashes, window_ok):
+    now = [0.0]
+    loop = CrashLoop(RespawnPolicy(max_crashes=2, window_s=10.0), clock=lambda: now[0])
+    results = []
+    for _ in range(crashes):
+        results.append(loop.crashed())
+        now[0] += 1.0
+    assert results[-1] is (not window_ok)
+
+
+def test_crashes_older_than_the_window_are_forgotten():
+    now = [0.0]
+    loop = CrashLoop(RespawnPolicy(max_crashes=1, window_s=10.0), clock=lambda: now[0])
+    assert not loop.crashed()
+    now[0] = 11.0
+    assert not loop.crashed()
+    now[0] = 12.0
+    assert loop.crashed()
+
+
+def test_exit_code_reads_like_a_shell():
+    assert exit_code(0) == 0
+    assert exit_code(3 << 8) == 3
+    assert exit_code(signal.SIGKILL) == 128 + signal.SIGKILL
