@@ -140,6 +140,34 @@ class TestCapacity:
         (_, second), = s.dispatch().started
         assert second != first
 
+    def test_a_worker_that_joins_ramps_up_instead_of_taking_every_new_stream(self):
+        s, clock = make(slow_start_s=5.0, workers={"w1": (8, 0), "w2": (8, 0)})
+        occupied = [occupy(s, {"w1": (8, 0), "w2": (8, 0)}, rid=f"busy{i}") for i in range(4)]
+        assert {t.worker_id for t in occupied} == {"w1", "w2"}  # 2 of 8 busy on each
+        clock.advance(10)
+        # w3 restarts with every slot free: at first it counts a tenth of them.
+        workers = {"w1": (8, 0), "w2": (8, 0), "w3": (8, 0)}
+        for i in range(4):
+            submit(s, f"new{i}")
+        placed = [w for _, w in s.dispatch(workers).started]
+        assert "w3" not in placed
+        # Half-way through its window it counts half: it wins once the others are over half full.
+        clock.advance(2.5)
+        for i in range(4):
+            submit(s, f"later{i}")
+        placed = [w for _, w in s.dispatch(workers).started]
+        assert placed.count("w3") >= 1
+        # After the window it is a worker like the others: the freest, it takes the next one.
+        clock.advance(2.5)
+        submit(s, "last")
+        assert [w for _, w in s.dispatch(workers).started] == ["w3"]
+
+    def test_workers_present_at_start_and_a_zero_window_get_their_full_share(self):
+        for window, first in ((5.0, {"w1": (8, 4), "w2": (8, 0)}), (0.0, {"w1": (8, 4)})):
+            s, _ = make(slow_start_s=window, workers=first)
+            submit(s, "r")
+            assert [w for _, w in s.dispatch({"w1": (8, 4), "w2": (8, 0)}).started] == ["w2"]
+
     def test_slots_from_records(self):
         class Record:
             def __init__(self, id, capacity, in_flight):

@@ -15,6 +15,10 @@ Admission refuses at once when the tier's queue is full or when the estimated wa
 the tier's budget. The estimate comes from measured service times (moving average of how long
 a request holds a slot, and of dispatch-to-first-token) and the work queued ahead of the
 request at its priority, never from constants.
+
+Among workers with free slots, the one with the largest free share wins; a worker that joined
+while the router ran (a restart, a scale-out) counts only part of its free slots for its first
+`slow_start_s`, so it is not handed every new and resumed stream at once.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from typing import Iterable, Iterator, Mapping, NamedTuple, Protocol
 
 from services.router.scheduling.clock import Clock, MonotonicClock
 from services.router.scheduling.tiers import TIERS, TierPolicy
+
+# Share of its free slots a worker that just joined gets at first (slow start).
+_SLOW_START_FLOOR = 0.1
 
 
 class TicketState(enum.Enum):
@@ -297,6 +304,8 @@ class PoolScheduler:
         # Where the next scan for a free worker starts (spreads ties).
         self._rotation = -1
         self._workers: dict[str, WorkerSlots] = {}
+        # When each worker incarnation first appeared (slow start); None: in the first snapshot.
+        self._joined_at: dict[str, float | None] = {}
         # Our count on each worker when its published in-flight last changed: the part of
         # the published number that is ours, so the rest belongs to other routers.
         self._local_at_publish: dict[str, int] = {}
@@ -347,6 +356,13 @@ class PoolScheduler:
     def observe_workers(self, workers: Mapping[str, WorkerSlots | tuple[int, int]]) -> None:
         """Replaces the capacity snapshot (eligible workers of this pool only)."""
         fresh = {wid: WorkerSlots(*slots) for wid, slots in workers.items()}
+        first_snapshot = not self._joined_at
+        now = self.clock.now()
+        for wid in fresh:
+            # Workers there when the router started are not new to the pool: full share.
+            self._joined_at.setdefault(wid, None if first_snapshot else now)
+        for wid in [w for w in self._joined_at if w not in fresh]:
+            del self._joined_at[wid]
         for wid, slots in fresh.items():
             previous = self._workers.get(wid)
             if previous is None or previous.in_flight != slots.in_flight:
@@ -587,10 +603,18 @@ class PoolScheduler:
         for wid, n in items:
             if wid in ticket.avoid:
                 continue
-            key = (n / max(1, self._workers[wid].capacity), -self._local.get(wid, 0))
+            key = (n / max(1, self._workers[wid].capacity) * self._ramp(wid), -self._local.get(wid, 0))
             if key > best_key:
                 best, best_key = wid, key
         return best
+
+    def _ramp(self, wid: str) -> float:
+        """Share of a worker's free slots that counts while it is new to the pool (slow start)."""
+        joined = self._joined_at.get(wid)
+        window = self.policy.slow_start_s
+        if joined is None or window <= 0:
+            return 1.0
+        return min(1.0, max(_SLOW_START_FLOOR, (self.clock.now() - joined) / window))
 
     def _start(self, ticket: Ticket, worker: str, now: float) -> None:
         ticket.state = TicketState.RUNNING

@@ -116,6 +116,11 @@ class TierPolicy:
     # Bounds of the retry hint sent with a refusal.
     min_retry_after_s: float = 0.1
     max_retry_after_s: float = 30.0
+    # Slow start: a worker that joined (or restarted) while the router ran gets a share of
+    # new work that ramps from a tenth to all of its free slots over this many seconds, so
+    # a fresh process is not handed every new and resumed stream at once for being the
+    # least loaded. 0 turns it off.
+    slow_start_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("tiered", "fifo"):
@@ -136,6 +141,8 @@ class TierPolicy:
         _fraction("ewma_alpha", self.ewma_alpha)
         _positive("min_retry_after_s", self.min_retry_after_s)
         _positive("max_retry_after_s", self.max_retry_after_s)
+        if self.slow_start_s < 0:
+            raise ValueError(f"slow_start_s must be >= 0 (got {self.slow_start_s})")
         if self.max_retry_after_s < self.min_retry_after_s:
             raise ValueError("max_retry_after_s must be >= min_retry_after_s")
 
