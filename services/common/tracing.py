@@ -3,8 +3,12 @@
 Spans are always created and their context always propagates (router -> worker -> cache over
 gRPC metadata, see grpc_tracing.py; router -> backfill through Kafka record headers), so one
 trace id ties a request together even where nothing is exported. An OTLP/gRPC exporter is
-added only when `telemetry.tracing.endpoint` is set. The provider is the OpenTelemetry global:
-one per process, set up by the first service configured in it; later ones reuse it.
+added only when `telemetry.tracing.endpoint` is set. Spans record (attributes, events, timing)
+only while the provider has a span processor to read them: without one, every span is a
+non-recording one that still carries and passes on its trace id. A recorded span costs tens
+of microseconds, and a request makes several in each process it crosses. The provider is the
+OpenTelemetry global: one per process, set up by the first service configured in it; later
+ones reuse it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, SamplingResult, TraceIdRatioBased
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -49,10 +53,39 @@ def install(service: str, config: TracingConfig) -> TracerProvider:
         return provider
 
 
+class _RecordWhenRead(Sampler):
+    """Drops every span until a span processor is added; then samples as `inner` says."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner = inner
+        self.read = False
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None) -> SamplingResult:
+        sampler = self.inner if self.read else ALWAYS_OFF
+        return sampler.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"RecordWhenRead{{{self.inner.get_description()}}}"
+
+
+class _Provider(TracerProvider):
+    """A TracerProvider whose spans record only once something reads them."""
+
+    def __init__(self, sampler: _RecordWhenRead, resource: Resource) -> None:
+        super().__init__(sampler=sampler, resource=resource)
+        self._gate = sampler
+
+    def add_span_processor(self, span_processor) -> None:
+        super().add_span_processor(span_processor)
+        self._gate.read = True
+
+
 def build_provider(service: str, config: TracingConfig) -> TracerProvider:
-    """A TracerProvider as `config` says: sampled at the root by ratio, then by the caller's choice."""
-    provider = TracerProvider(
-        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+    """A TracerProvider as `config` says: sampled at the root by ratio, then by the caller's
+    choice; nothing records until a span processor (the exporter, when configured) is added."""
+    provider = _Provider(
+        _RecordWhenRead(ParentBased(TraceIdRatioBased(config.sample_ratio))),
         resource=Resource.create({"service.name": f"ballast-{service}"}),
     )
     if config.endpoint:

@@ -99,6 +99,12 @@ def _pool_words(model: str, version: str | None) -> str:
     return f"model {model!r}" + (f" version {version}" if version else "")
 
 
+def worker_gone(error: BaseException) -> bool:
+    """The call failed because its worker is gone (process dead, connection lost, lease
+    expired), not because a live worker answered with an error."""
+    return is_connection_lost(error) or isinstance(error, WorkerLeaseLost)
+
+
 def _resume_reason(error: BaseException) -> str:
     if isinstance(error, Preempted):
         return "preempted"
@@ -286,8 +292,13 @@ class GenerationRunner:
                         yield self._resumed(state, "preempted")
                 except (grpc.aio.AioRpcError, Unavailable) as error:
                     outcome = classify_exception(error)
-                    permit.record(outcome)
-                    if is_connection_lost(error) or isinstance(error, WorkerLeaseLost):
+                    lost = worker_gone(error)
+                    # A worker that is gone is not judged by its breaker: the breaker is per
+                    # worker id and would keep the restarted process (a new lease, back in
+                    # half a second under its keeper) out for a whole cool-down. The dead
+                    # incarnation itself is marked unreachable below.
+                    permit.record(Outcome.IGNORE if lost else outcome)
+                    if lost:
                         # Gone (or unreachable) for every request, not just this one: no new
                         # work for it until etcd replaces or drops it.
                         self.health.mark_unreachable(worker)

@@ -24,6 +24,7 @@ from tests.integration.test_mesh import etcd_config, metric_value, registered_id
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
 
 STREAM_TOKENS = 300
+SLOW_START_S = 1.0
 PROMPTS = [f"Customer {i} asks about order {1000 + i} and the delivery date." for i in range(20)]
 
 
@@ -42,6 +43,7 @@ def mesh(tmp_path_factory, tiny_model_dir):
                 "stall": {"s_timeout_s": 1.5, "a_timeout_s": 1.5, "b_timeout_s": 1.5},
                 "breaker": {"min_requests": 10, "cooldown_s": 1.0, "window_s": 10.0},
                 "retry": {"ratio": 0.5, "min_retries_per_s": 2.0, "max_attempts": 4},
+                "scheduling": {"slow_start_s": SLOW_START_S},
             },
         },
     )
@@ -245,6 +247,11 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
     first = serving_pid(kept.pid)
     assert first not in (None, kept.pid)
     lease_before = await worker_lease(mesh, kept.name)
+    await asyncio.sleep(SLOW_START_S)  # a full share of the streams, not a newcomer's
+    # Enough calls for its breaker to judge it (the mesh's breaker.min_requests is 10).
+    await asyncio.gather(*[
+        collect(router, chat_request(f"warm {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY) for i in range(48)
+    ])
     streams = [
         asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
         for p in PROMPTS
@@ -254,6 +261,7 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
     os.kill(first, signal.SIGKILL)
     results = await asyncio.gather(*streams)
     assert_streams_match(results, references)
+    assert sum(r.finished.resumes for r in results) >= 1  # the kill broke streams
     # The keeper started a fresh worker, registered under the same id with a new lease,
     # without anyone restarting anything and well before the old lease could expire.
     while (lease := await worker_lease(mesh, kept.name)) in (None, lease_before):
@@ -261,6 +269,9 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
         await asyncio.sleep(0.1)
     second = serving_pid(kept.pid)
     assert second not in (None, first) and kept.process.alive()
+    # Its streams broke because it died, not because it answered with errors: its breaker
+    # stays closed and the fresh process is routable at once.
+    assert await breaker_state(mesh, kept.name) == 0
     probe = chat_request("probe", max_tokens=4, raw_prompt=True)
     assert len((await collect(router, probe, LOCAL_API_KEY)).token_ids) == 4
     # SIGTERM reaches the worker through the keeper: it drains and both exit cleanly.

@@ -58,6 +58,7 @@ def test_grpc_metadata_carries_the_same_context(recorded):
 
 def test_sampling_ratio_zero_records_nothing_new_but_ids_still_propagate():
     provider = tracing.build_provider("tests", TracingConfig(sample_ratio=0.0))
+    provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
     tracer = provider.get_tracer("tests")
     with tracer.start_as_current_span("root") as root:
         assert not root.is_recording()
@@ -137,3 +138,19 @@ def test_tracing_config_from_the_environment():
     with pytest.raises(ConfigError, match="sample_ratio"):
         load_config(environ={"BALLAST__TELEMETRY__TRACING__SAMPLE_RATIO": "1.5"})
     assert load_config(environ={}).telemetry.tracing.endpoint == ""  # off by default
+
+
+def test_spans_record_only_once_something_reads_them():
+    provider = tracing.build_provider("tests", TracingConfig())
+    tracer = provider.get_tracer("tests")
+    sampled = TracerProvider().get_tracer("caller").start_span("caller")
+    with tracer.start_as_current_span("unread", context=trace.set_span_in_context(sampled)) as unread:
+        assert not unread.is_recording()  # not even for a caller that sampled its trace
+        headers = tracing.context_headers()
+    assert unread.get_span_context().trace_id == sampled.get_span_context().trace_id and headers
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with tracer.start_as_current_span("read") as read:
+        assert read.is_recording()
+    assert [span.name for span in exporter.get_finished_spans()] == ["read"]
+    provider.shutdown()

@@ -1,10 +1,13 @@
 """A worker the router could not reach gets no new work until etcd replaces or drops it, or the
-hold lapses; only connection failures count, not the worker's own error answers."""
+hold lapses; only connection failures and lost leases count (they also spare the worker's
+breaker), not the worker's own error answers."""
 
 import grpc
 import pytest
 
+from services.common.errors import Unavailable
 from services.common.membership import WorkerRecord
+from services.router.generation import WorkerLeaseLost, worker_gone
 from services.router.resilience.breaker import BreakerBoard, BreakerConfig, is_connection_lost
 from services.router.resilience.health_view import Unroutable, WorkerHealthView
 from services.router.resilience.temperature import TemperatureConfig, TemperatureGate
@@ -75,6 +78,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 ])
 def test_connection_failures_count(details):
     assert is_connection_lost(rpc_error(grpc.StatusCode.UNAVAILABLE, details))
+    assert worker_gone(rpc_error(grpc.StatusCode.UNAVAILABLE, details))
 
 
 @pytest.mark.parametrize("code, details", [
@@ -85,3 +89,9 @@ def test_connection_failures_count(details):
 ])
 def test_answers_from_the_worker_do_not(code, details):
     assert not is_connection_lost(rpc_error(code, details))
+    assert not worker_gone(rpc_error(code, details))
+
+
+def test_a_lost_lease_means_the_worker_is_gone():
+    assert worker_gone(WorkerLeaseLost("worker w1 left membership"))
+    assert not worker_gone(Unavailable("stream ended without finishing"))
