@@ -177,6 +177,9 @@ class WorkerConfig(Section):
         "auto", description="torch engine: native batched Llama-family decoder, transformers for "
                             "any model, or auto (native where it computes the model exactly).")
     max_batch: int = Field(64, ge=1, description="torch engine: decode steps in one forward pass.")
+    gil_switch_ms: float = Field(
+        1.0, gt=0, le=100, description="Python's thread switch interval in the worker process: how long "
+                                       "the event loop may wait for the compute thread to yield the GIL.")
     b_tier_flush_ms: float = Field(
         50.0, ge=0, le=1000, description="B-tier streams: tokens leave in one message per this many ms "
                                          "(0: every token as it comes).")

@@ -14,7 +14,17 @@ from services.common.lifecycle import run_main, serve_until_signal
 from services.worker.app import create_server
 
 
+def tune_process(config: BallastConfig) -> None:
+    """Process-wide settings of a worker process (not of a worker built inside another one)."""
+    # Two threads share the GIL here: the compute thread, busy for as long as streams run, and
+    # the event loop that takes requests and sends tokens. The loop waits for the GIL up to
+    # the switch interval each time it wakes (5 ms by default: a token just computed waited
+    # that long to leave while the next step ran).
+    sys.setswitchinterval(config.worker.gil_switch_ms / 1000)
+
+
 async def serve(config: BallastConfig, on_ready: Callable[[], None] | None = None) -> None:
+    tune_process(config)
     await serve_until_signal(create_server, "worker", config, on_ready)
 
 

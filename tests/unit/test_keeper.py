@@ -137,3 +137,4 @@ def test_exit_code_reads_like_a_shell():
     assert exit_code(0) == 0
     assert exit_code(3 << 8) == 3
     assert exit_code(signal.SIGKILL) == 128 + signal.SIGKILL
+
