@@ -58,13 +58,17 @@ async def router(mesh):
         yield inference_pb2_grpc.InferenceStub(channel)
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def references(mesh, router):
-    """Uninterrupted greedy outputs, one per prompt."""
-    results = await asyncio.gather(*[
-        collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY)
-        for p in PROMPTS
-    ])
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def references(mesh):
+    """Uninterrupted greedy outputs, one per prompt: computed once, while every worker is
+    healthy (a later test leaves breakers open), and never a degraded answer."""
+    async with open_channel(mesh.router_address) as channel:
+        router = inference_pb2_grpc.InferenceStub(channel)
+        results = await asyncio.gather(*[
+            collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True, allow_degraded=False),
+                    LOCAL_API_KEY)
+            for p in PROMPTS
+        ])
     return [r.token_ids for r in results]
 
 
@@ -177,11 +181,55 @@ async def test_rolling_sigterm_restart_breaks_no_stream(mesh, router, references
     await wait_registered(mesh, [w.name for w in mesh.workers()])
 
 
+async def worker_lease(mesh, name: str) -> int | None:
+    records = await list_workers(etcd_config(mesh))
+    return next((record.lease_id for record, _ in records if record.id == name), None)
+
+
+async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_once(mesh, router, references):
+    kept = await asyncio.to_thread(mesh.start_worker, {"BALLAST__WORKER__RESPAWN": "true"})
+    first = serving_pid(kept.pid)
+    assert first not in (None, kept.pid)
+    lease_before = await worker_lease(mesh, kept.name)
+    await asyncio.sleep(SLOW_START_S)  # a full share of the streams, not a newcomer's
+    # Enough calls for its breaker to judge it (the mesh's breaker.min_requests is 10).
+    await asyncio.gather(*[
+        collect(router, chat_request(f"warm {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY) for i in range(48)
+    ])
+    streams = [
+        asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
+        for p in PROMPTS
+    ]
+    await asyncio.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(first, signal.SIGKILL)
+    results = await asyncio.gather(*streams)
+    assert_streams_match(results, references)
+    assert sum(r.finished.resumes for r in results) >= 1  # the kill broke streams
+    # The keeper started a fresh worker, registered under the same id with a new lease,
+    # without anyone restarting anything and well before the old lease could expire.
+    while (lease := await worker_lease(mesh, kept.name)) in (None, lease_before):
+        assert time.monotonic() - killed_at < 20, "the respawned worker did not register"
+        await asyncio.sleep(0.1)
+    second = serving_pid(kept.pid)
+    assert second not in (None, first) and kept.process.alive()
+    # Its streams broke because it died, not because it answered with errors: its breaker
+    # stays closed and the fresh process is routable at once.
+    assert await breaker_state(mesh, kept.name) == 0
+    probe = chat_request("probe", max_tokens=4, raw_prompt=True)
+    assert len((await collect(router, probe, LOCAL_API_KEY)).token_ids) == 4
+    # SIGTERM reaches the worker through the keeper: it drains and both exit cleanly.
+    assert await asyncio.to_thread(kept.process.stop, 30) == 0
+    assert not Path(f"/proc/{second}").exists()
+
+
 async def breaker_state(mesh, worker_name: str) -> float:
     return metric_value(await scrape(router_metrics_port(mesh)), "ballast_breaker_state", worker=worker_name)
 
 
 async def test_breaker_opens_on_worker_errors_not_on_client_errors(mesh, router):
+    # Workers restarted by the tests before get their full share of requests first (slow start).
+    await asyncio.sleep(SLOW_START_S)
     # A flood of bad requests: client errors never count against workers.
     for _ in range(30):
         with pytest.raises(grpc.aio.AioRpcError):
@@ -236,44 +284,3 @@ async def test_retry_budget_caps_attempts_when_every_worker_fails(mesh, router):
     assert retries <= 0.5 * requests + 2.0 * 10 + 1
     assert elapsed < 10  # failing fast, not waiting out deadlines
 
-
-async def worker_lease(mesh, name: str) -> int | None:
-    records = await list_workers(etcd_config(mesh))
-    return next((record.lease_id for record, _ in records if record.id == name), None)
-
-
-async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_once(mesh, router, references):
-    kept = await asyncio.to_thread(mesh.start_worker, {"BALLAST__WORKER__RESPAWN": "true"})
-    first = serving_pid(kept.pid)
-    assert first not in (None, kept.pid)
-    lease_before = await worker_lease(mesh, kept.name)
-    await asyncio.sleep(SLOW_START_S)  # a full share of the streams, not a newcomer's
-    # Enough calls for its breaker to judge it (the mesh's breaker.min_requests is 10).
-    await asyncio.gather(*[
-        collect(router, chat_request(f"warm {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY) for i in range(48)
-    ])
-    streams = [
-        asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
-        for p in PROMPTS
-    ]
-    await asyncio.sleep(0.5)
-    killed_at = time.monotonic()
-    os.kill(first, signal.SIGKILL)
-    results = await asyncio.gather(*streams)
-    assert_streams_match(results, references)
-    assert sum(r.finished.resumes for r in results) >= 1  # the kill broke streams
-    # The keeper started a fresh worker, registered under the same id with a new lease,
-    # without anyone restarting anything and well before the old lease could expire.
-    while (lease := await worker_lease(mesh, kept.name)) in (None, lease_before):
-        assert time.monotonic() - killed_at < 20, "the respawned worker did not register"
-        await asyncio.sleep(0.1)
-    second = serving_pid(kept.pid)
-    assert second not in (None, first) and kept.process.alive()
-    # Its streams broke because it died, not because it answered with errors: its breaker
-    # stays closed and the fresh process is routable at once.
-    assert await breaker_state(mesh, kept.name) == 0
-    probe = chat_request("probe", max_tokens=4, raw_prompt=True)
-    assert len((await collect(router, probe, LOCAL_API_KEY)).token_ids) == 4
-    # SIGTERM reaches the worker through the keeper: it drains and both exit cleanly.
-    assert await asyncio.to_thread(kept.process.stop, 30) == 0
-    assert not Path(f"/proc/{second}").exists()
