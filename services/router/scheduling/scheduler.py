@@ -17,8 +17,9 @@ a request holds a slot, and of dispatch-to-first-token) and the work queued ahea
 request at its priority, never from constants.
 
 Among workers with free slots, the one with the largest free share wins; a worker that joined
-while the router ran (a restart, a scale-out) counts only part of its free slots for its first
-`slow_start_s`, so it is not handed every new and resumed stream at once.
+while the router ran (a restart, a scale-out, or back from being unroutable) counts only part
+of its free slots for its first `slow_start_s`, so it is not handed every new and resumed
+stream at once.
 """
 
 from __future__ import annotations
@@ -304,7 +305,9 @@ class PoolScheduler:
         # Where the next scan for a free worker starts (spreads ties).
         self._rotation = -1
         self._workers: dict[str, WorkerSlots] = {}
-        # When each worker incarnation first appeared (slow start); None: in the first snapshot.
+        # When each worker incarnation entered the eligible snapshot (slow start); None: it was
+        # in the first one. A worker that left it (hot, breaker open, unreachable) and comes
+        # back ramps up again, like a new one.
         self._joined_at: dict[str, float | None] = {}
         # Our count on each worker when its published in-flight last changed: the part of
         # the published number that is ours, so the rest belongs to other routers.
