@@ -151,20 +151,9 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         serving = not set(telemetry.dependencies.missing()) - {"etcd"}
         await set_serving(health, [SERVICE_NAME], serving)
 
-    kafka_was_down = False
-
-    async def on_kafka_change(up: bool) -> None:
-        nonlocal kafka_was_down
-        if up and kafka_was_down:
-            # A broker that came back may be a new one that forgot our producer id, and would
-            # hand the same id to another producer: start afresh rather than share it.
-            await producer.reset()
-        kafka_was_down = not up
-        await on_change(up)
-
     probes = [
         DependencyProbe("kafka", check_kafka, telemetry.dependencies, interval_s=2.0,
-                        timeout_s=config.kafka.timeout_s + 1, on_change=on_kafka_change),
+                        timeout_s=config.kafka.timeout_s + 1, on_change=on_change),
         DependencyProbe("redis", check_redis, telemetry.dependencies, interval_s=2.0,
                         timeout_s=config.redis.timeout_s + 1, on_change=on_change),
     ]

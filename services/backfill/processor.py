@@ -157,8 +157,15 @@ class Processor:
                 self.metrics.replay_latency.record((time.perf_counter() - started) * 1000)
             return result
 
+    async def _renew_producer(self) -> None:
+        """A producer that lost every broker is replaced before it sends (the broker may be a
+        fresh one that forgot its id, and the topics with it)."""
+        if await self.producer.renew_if_stale() and self._ensure_topics is not None:
+            await self._ensure_topics()
+
     async def _publish(self, answer: backfill_pb2.BackfilledAnswer) -> None:
         """Publishes to the backfilled topic (at least once per ticket; consumers key by ticket)."""
+        await self._renew_producer()
         key = (answer.session_id or answer.ticket).encode()
         headers = [(CONTENT_TYPE_HEADER, BACKFILLED_CONTENT_TYPE)]
         await self._infra(
@@ -173,6 +180,7 @@ class Processor:
             (DLQ_ATTEMPTS_HEADER, str(attempts).encode()),
             (DLQ_SOURCE_HEADER, f"{record.topic}/{record.partition}/{record.offset}".encode()),
         ]
+        await self._renew_producer()
         await self._infra(
             lambda: self.producer.send(self.settings.deadletter_topic, record.value or b"", record.key, headers),
             "dead-letter the record", reset_producer=True,

@@ -227,6 +227,8 @@ class HandOff:
             items = await loop.run_in_executor(self._executor, self._outbox.peek, s.drain_batch)
             if not items:
                 return True
+            if await self._producer.renew_if_stale():
+                self._topic_ready = False  # the broker that answers now may be a fresh one
             if not self._topic_ready:
                 # Auto-created topics get the broker's default partitioning; make it ours first.
                 try:
