@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import grpc
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
 from services.common.tracing import PROPAGATOR, context_from_metadata, tracer
 
@@ -85,38 +86,54 @@ def _status_code(context: grpc.aio.ServicerContext, error: BaseException | None)
         return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
     if error is None:
         return grpc.StatusCode.OK
-    if isinstance(error, asyncio.CancelledError):
+    # GeneratorExit: a stream closed while it waited to send, because its caller went away.
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
 
 
 @contextmanager
-def _server_span(method: str, context: grpc.aio.ServicerContext) -> Iterator[None]:
+def _server_span(method: str, context: grpc.aio.ServicerContext) -> Iterator[otel_context.Context]:
+    """The call's server span, ended (with the call's status) on exit; yields the context that
+    makes it current. Callers attach that context only around steps that never suspend across
+    another task's turn (see `_attached`)."""
     service, _, name = method.lstrip("/").rpartition("/")
     parent = context_from_metadata(context.invocation_metadata())
-    with _TRACER.start_as_current_span(
+    span = _TRACER.start_span(
         method.lstrip("/"), context=parent, kind=SpanKind.SERVER,
         attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
-        record_exception=False, set_status_on_exception=False,
-    ) as span:
-        error: BaseException | None = None
-        try:
-            yield
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            code = _status_code(context, error)
-            span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code in SERVER_ERROR_CODES:
-                if error is not None and not isinstance(error, (grpc.aio.AbortError, asyncio.CancelledError)):
-                    span.record_exception(error)
-                span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}".rstrip(": ")))
+    )
+    error: BaseException | None = None
+    try:
+        yield set_span_in_context(span, parent)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        code = _status_code(context, error)
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code in SERVER_ERROR_CODES:
+            if error is not None and not isinstance(error, (grpc.aio.AbortError, asyncio.CancelledError)):
+                span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}".rstrip(": ")))
+        span.end()
+
+
+@contextmanager
+def _attached(span_context: otel_context.Context) -> Iterator[None]:
+    """Makes the span current for one step. A streaming handler's steps may run in different
+    asyncio contexts (gRPC closes a cancelled stream from another task), and a context token
+    can only be detached in the context that attached it: one token per step never crosses."""
+    token = otel_context.attach(span_context)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def _unary_response(behavior, method: str):
     async def traced(request_or_iterator, context):
-        with _server_span(method, context):
+        with _server_span(method, context) as span_context, _attached(span_context):
             return await behavior(request_or_iterator, context)
 
     return traced
@@ -124,19 +141,27 @@ def _unary_response(behavior, method: str):
 
 def _stream_response(behavior, method: str):
     async def traced(request_or_iterator, context):
-        with _server_span(method, context):
-            result: Any = behavior(request_or_iterator, context)
+        with _server_span(method, context) as span_context:
+            with _attached(span_context):
+                result: Any = behavior(request_or_iterator, context)
             if inspect.isasyncgen(result):
                 try:
-                    async for item in result:
+                    while True:
+                        with _attached(span_context):
+                            try:
+                                item = await result.__anext__()
+                            except StopAsyncIteration:
+                                break
                         yield item
                 finally:
                     # Closed now, not whenever it is garbage collected: when the call is
                     # cancelled, the handler's own cleanup (its slot, its engine sequence) must
                     # run at once.
-                    await result.aclose()
+                    with _attached(span_context):
+                        await result.aclose()
             else:  # a handler that writes with context.write() and returns nothing
-                await result
+                with _attached(span_context):
+                    await result
 
     return traced
 

@@ -9,6 +9,7 @@ OTLP exporter is checked against a collector served on loopback.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -22,12 +23,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from ballast.v1 import inference_pb2_grpc
+from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.cache.app import create_server as create_cache
 from services.cli.client import chat_request, collect
 from services.common import tracing
 from services.common.config import TracingConfig, load_config
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_server import CHANNEL_OPTIONS, new_server
 from services.common.grpc_tracing import client_interceptors
 from services.router.app import create_server as create_router
 from services.worker.app import create_server as create_worker
@@ -260,3 +261,51 @@ async def test_spans_are_exported_to_the_configured_otlp_collector():
     resource, exported_span = exported[0]
     assert exported_span.trace_id == span.get_span_context().trace_id.to_bytes(16, "big")
     assert {a.key: a.value.string_value for a in resource.attributes}["service.name"] == "ballast-router"
+
+
+class EndlessWorker(worker_pb2_grpc.WorkerServicer):
+    """Streams tokens as fast as the caller takes them, until it goes away; records that its
+    cleanup ran. A caller that stops reading leaves the handler waiting in gRPC's send, not in
+    its own code: the stream is then closed from outside, by another task."""
+
+    def __init__(self) -> None:
+        self.cleaned_up = asyncio.Event()
+
+    async def Generate(self, request, context):
+        try:
+            i = 0
+            while True:
+                yield worker_pb2.WorkerGenerateEvent(tokens=common_pb2.Tokens(text="x" * 1000, token_ids=[i], first_index=i))
+                i += 1
+        finally:
+            self.cleaned_up.set()
+
+
+async def test_a_stream_the_caller_cancels_ends_its_span_without_a_context_error(spans, caplog):
+    servicer = EndlessWorker()
+    server = new_server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="opentelemetry.context"):
+            for _ in range(5):
+                servicer.cleaned_up.clear()
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    call = worker_pb2_grpc.WorkerStub(channel).Generate(worker_pb2.WorkerGenerateRequest(prompt_ids=[1]))
+                    async for _event in call:
+                        break
+                    await asyncio.sleep(0.2)  # the server fills the window and waits to send
+                    call.cancel()
+                await asyncio.wait_for(servicer.cleaned_up.wait(), 10)
+            await asyncio.sleep(0.2)
+        # The server closed each stream from another task than the one that ran its steps; the
+        # span's context must not have been left attached across them.
+        assert not [r for r in caplog.records if "detach" in r.getMessage()]
+        # A caller that went away is the caller's outcome, not a server error.
+        ended = [s for s in spans.get_finished_spans() if s.name == "ballast.v1.Worker/Generate"]
+        assert len(ended) >= 5
+        assert {s.attributes["rpc.grpc.status_code"] for s in ended[-5:]} == {grpc.StatusCode.CANCELLED.value[0]}
+        assert all(s.status.status_code != StatusCode.ERROR for s in ended[-5:])
+    finally:
+        await server.stop(None)
