@@ -141,11 +141,19 @@ class Keeper:
         sys.stdout.flush()
         sys.stderr.flush()
         keeper = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # the worker
-            os.close(read_end)
-            os._exit(self._child_main(keeper, write_end))
-        self._child = pid
+        # A stop signal between the fork and `self._child = pid` would find no child to pass
+        # on to, and the keeper would wait for a worker that never heard it: held back until
+        # the child is known (a signal that came meanwhile is delivered at the unblock).
+        stop_signals = {signal.SIGTERM, signal.SIGINT}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        try:
+            pid = os.fork()
+            if pid == 0:  # the worker
+                os.close(read_end)
+                os._exit(self._child_main(keeper, write_end, stop_signals))
+            self._child = pid
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
         os.close(write_end)
         try:
             # Blocks until the worker says it is ready, or EOF when it dies first.
@@ -156,10 +164,11 @@ class Keeper:
         self._child = None
         return status, was_ready
 
-    def _child_main(self, keeper: int, ready_fd: int) -> int:
+    def _child_main(self, keeper: int, ready_fd: int, stop_signals: set[signal.Signals]) -> int:
         try:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in stop_signals:
                 signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)  # blocked across the fork
             os.setpgid(0, 0)
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             if os.getppid() != keeper:

@@ -13,12 +13,18 @@ engine falls back to transformers for any other.
 Each sequence keeps its KV in `SequenceKV`: per-layer buffers with spare room, so a decode
 step writes one position in place instead of copying the whole cache. `decode` runs one new
 token for each of B sequences: the projections and MLP as [B, hidden] matrix products (where
-batching pays), attention per sequence over its own cache length.
+batching pays). Attention is batched too when every sequence of the step lives in the model's
+`KVPool` (one slot each): the new positions are written and the caches gathered with a few
+indexed operations for the whole batch. Otherwise (the pool was full, or a sequence outgrew
+its slot) attention runs per sequence over its own cache, several small operations each,
+which on a CPU cost about as much as the rest of the step together.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 _GROW_MIN = 64  # tokens of spare room a buffer gains when it grows
+_MIN_POOLED_TOKENS = 256  # a pool whose slots hold fewer tokens is not made
 
 
 def supports(config: dict[str, Any]) -> bool:
@@ -56,42 +63,97 @@ class _Layer:
         self.keys, self.values = keys, values
 
 
+class KVPool:
+    """KV memory for `slots` sequences of up to `capacity` tokens: per layer, keys and values
+    of [slots, kv_heads, capacity, head_dim]. A pooled SequenceKV's buffers are views of its
+    slot; the slot returns to the pool when that SequenceKV is garbage collected, so nothing
+    that still holds the SequenceKV (a running sequence, the session memory, a pending KV
+    save) can see its memory reused."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (slots, kv_heads, capacity, head_dim)
+        # Zeros, not empty: positions past a sequence's length are masked out of attention,
+        # and a masked weight of 0 times a NaN left in uninitialised memory would still be NaN.
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.slots = slots
+        self.capacity = capacity
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()  # slots come back from finalizers, on whichever thread
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> "SequenceKV | None":
+        """An empty sequence in a free slot, or None when every slot is taken."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        cache = SequenceKV([k[slot] for k in self.keys], [v[slot] for v in self.values], 0)
+        cache.pool, cache.slot = self, slot
+        weakref.finalize(cache, self._give_back, slot)
+        return cache
+
+    def _give_back(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+
 class SequenceKV:
     """One sequence's KV cache: per layer, key and value buffers of
-    [kv_heads, capacity, head_dim], of which the first `length` positions are filled."""
+    [kv_heads, capacity, head_dim], of which the first `length` positions are filled.
+    `pool` is the KVPool whose slot the buffers are, while they are (None otherwise)."""
 
-    __slots__ = ("keys", "values", "length")
+    __slots__ = ("keys", "values", "length", "pool", "slot", "__weakref__")
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
         self.keys, self.values, self.length = keys, values, length
+        self.pool: KVPool | None = None
+        self.slot = -1
 
     @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "SequenceKV":
-        """From per-layer (keys, values) of [1, kv_heads, tokens, head_dim] (copied)."""
-        keys = [k[0].contiguous().clone() for k, _v in pairs]
-        values = [v[0].contiguous().clone() for _k, v in pairs]
-        return cls(keys, values, keys[0].shape[1] if keys else 0)
+    def from_pairs(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   pool: KVPool | None = None) -> "SequenceKV":
+        """From per-layer (keys, values) of [1, kv_heads, tokens, head_dim] (copied), into a
+        slot of `pool` when one is free and large enough."""
+        tokens = pairs[0][0].shape[2] if pairs else 0
+        cache = pool.take() if pool is not None and tokens < pool.capacity else None
+        if cache is None:
+            keys = [k[0].contiguous().clone() for k, _v in pairs]
+            values = [v[0].contiguous().clone() for _k, v in pairs]
+            return cls(keys, values, tokens)
+        for layer, (k, v) in enumerate(pairs):
+            cache.keys[layer][:, :tokens] = k[0]
+            cache.values[layer][:, :tokens] = v[0]
+        cache.length = tokens
+        return cache
 
     def get_seq_length(self) -> int:
         return self.length
 
     @property
     def layers(self) -> list[_Layer]:
-        """Views of the filled part, as in transformers' DynamicCache (for the KV store)."""
+        """Views of the filled part, as in transformers' DynamicCache (for the KV store). A
+        pooled cache's views stay valid only while this SequenceKV is alive: hold it too."""
         n = self.length
         return [_Layer(k[None, :, :n], v[None, :, :n]) for k, v in zip(self.keys, self.values)]
 
     def truncated(self, tokens: int) -> "SequenceKV":
-        """A copy holding the first `tokens` positions. A copy, not a cut in place: a
-        pending save may still read this cache's filled positions."""
+        """A copy holding the first `tokens` positions (in a slot of this cache's pool when
+        one is free). A copy, not a cut in place: a pending save may still read this cache's
+        filled positions."""
         if not 0 <= tokens <= self.length:
             raise ValueError(f"cannot keep {tokens} of {self.length} cached tokens")
-        return SequenceKV([k[:, :tokens].clone() for k in self.keys],
-                          [v[:, :tokens].clone() for v in self.values], tokens)
+        return SequenceKV.from_pairs([(layer.keys[:, :, :tokens], layer.values[:, :, :tokens])
+                                      for layer in self.layers], self.pool)
 
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` more positions. Growing allocates new buffers and leaves the old
-        ones to whoever still views them."""
+        ones to whoever still views them; a pooled cache that outgrows its slot leaves the
+        pool (the slot itself comes back only when this SequenceKV is collected)."""
         need = self.length + tokens
         if not self.keys or need <= self.keys[0].shape[1]:
             return
@@ -101,6 +163,7 @@ class SequenceKV:
                 new = old.new_empty((old.shape[0], capacity, old.shape[2]))
                 new[:, : self.length] = old[:, : self.length]
                 store[i] = new
+        self.pool = None
 
 
 class LlamaModel:
@@ -161,8 +224,29 @@ class LlamaModel:
                 "down": take(p + "mlp.down_proj.weight"),
             })
         self.vocab_size = int(self.lm_head.shape[0])
+        self.pool: KVPool | None = None
+
+    def attach_pool(self, slots: int, max_bytes: int) -> KVPool | None:
+        """Gives the model a KVPool of `slots` slots, each as long as fits in `max_bytes`
+        (at most the model's context); None, and no pool, when a slot would be too short to
+        be worth it."""
+        per_token = 2 * self.layers_count * self.kv_heads * self.head_dim * self.embed.element_size()
+        context = int(self.config.get("max_position_embeddings") or 4096)
+        capacity = min(context, max_bytes // max(1, slots * per_token))
+        if slots < 1 or capacity < _MIN_POOLED_TOKENS:
+            self.pool = None
+        else:
+            self.pool = KVPool(self.layers_count, slots, self.kv_heads, capacity, self.head_dim,
+                               self.dtype, self.device)
+        return self.pool
 
     def new_cache(self, capacity: int = _GROW_MIN) -> SequenceKV:
+        """An empty cache with room for `capacity` tokens: a pool slot when one is free and
+        long enough, else buffers of its own."""
+        if self.pool is not None and capacity <= self.pool.capacity:
+            pooled = self.pool.take()
+            if pooled is not None:
+                return pooled
         shape = (self.kv_heads, capacity, self.head_dim)
         keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers_count)]
         values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers_count)]
@@ -190,6 +274,12 @@ class LlamaModel:
         k = F.linear(h, layer["k"], layer["k_bias"]).view(rows, self.kv_heads, self.head_dim)
         v = F.linear(h, layer["v"], layer["v_bias"]).view(rows, self.kv_heads, self.head_dim)
         return q, k, v
+
+    def _rotated_qkv(self, layer: dict, x: torch.Tensor, rows: int, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's queries, keys (both with rotary positions) and values of `x`."""
+        q, k, v = self._qkv(layer, self._rms_norm(x, layer["input_norm"]), rows)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin, v
 
     def _mlp_block(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
         h = self._rms_norm(x, layer["post_norm"])
@@ -229,10 +319,7 @@ class LlamaModel:
             start += t
         gqa = self.kv_heads != self.heads
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["input_norm"])
-            q, k, v = self._qkv(layer, h, rows)  # [rows, heads, dim]
-            q = q * cos + self._rotate_half(q) * sin
-            k = k * cos + self._rotate_half(k) * sin
+            q, k, v = self._rotated_qkv(layer, x, rows, cos, sin)  # [rows, heads, dim]
             attended = []
             for cache, past, t, first, mask in spans:
                 cache.keys[i][:, past : past + t] = k[first : first + t].transpose(0, 1)
@@ -255,16 +342,16 @@ class LlamaModel:
         b = len(tokens)
         for cache in caches:
             cache.reserve(1)
+        pool = self.pool
+        if pool is not None and all(cache.pool is pool for cache in caches):
+            return self._decode_pooled(pool, caches, tokens)
         positions = [cache.length for cache in caches]
         x = self.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
         cos, sin = self._rotary(torch.tensor(positions, device=self.device))
         cos, sin = cos[:, None], sin[:, None]  # [b, 1, dim], broadcast over heads
         gqa = self.kv_heads != self.heads
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["input_norm"])
-            q, k, v = self._qkv(layer, h, b)
-            q = q * cos + self._rotate_half(q) * sin
-            k = k * cos + self._rotate_half(k) * sin
+            q, k, v = self._rotated_qkv(layer, x, b, cos, sin)
             attended = []
             for row, (cache, pos) in enumerate(zip(caches, positions)):
                 cache.keys[i][:, pos] = k[row]
@@ -273,6 +360,36 @@ class LlamaModel:
                 attended.append(F.scaled_dot_product_attention(
                     q[row][None, :, None], keys[None], values[None], enable_gqa=gqa)[0, :, 0])
             x = x + F.linear(torch.stack(attended).reshape(b, -1), layer["o"], layer["o_bias"])
+            x = self._mlp_block(layer, x)
+        for cache, pos in zip(caches, positions):
+            cache.length = pos + 1
+        return self._logits(x)
+
+    def _decode_pooled(self, pool: KVPool, caches: Sequence[SequenceKV], tokens: Sequence[int]) -> torch.Tensor:
+        """`decode` for sequences that all live in `pool`: per layer, one indexed write of the
+        batch's new keys and values, one gather of the batch's caches (padded to the longest,
+        the padding masked out) and one attention call, whatever the batch size."""
+        b = len(tokens)
+        positions = [cache.length for cache in caches]
+        at = torch.tensor(positions, device=self.device)
+        slots = torch.tensor([cache.slot for cache in caches], device=self.device)
+        span = max(positions) + 1
+        # [b, 1, 1, span]: row r sees positions 0..positions[r] (its past and the new token).
+        visible = (torch.arange(span, device=self.device)[None, :] <= at[:, None])[:, None, None, :]
+        x = self.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
+        cos, sin = self._rotary(at)
+        cos, sin = cos[:, None], sin[:, None]  # [b, 1, dim], broadcast over heads
+        gqa = self.kv_heads != self.heads
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._rotated_qkv(layer, x, b, cos, sin)
+            pool_keys, pool_values = pool.keys[i], pool.values[i]
+            pool_keys[slots, :, at] = k  # [b, kv_heads, dim] into (slot, position) pairs
+            pool_values[slots, :, at] = v
+            keys = pool_keys[:, :, :span].index_select(0, slots)  # [b, kv_heads, span, dim]
+            values = pool_values[:, :, :span].index_select(0, slots)
+            attended = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
+                                                      enable_gqa=gqa)  # [b, heads, 1, dim]
+            x = x + F.linear(attended.reshape(b, -1), layer["o"], layer["o_bias"])
             x = self._mlp_block(layer, x)
         for cache, pos in zip(caches, positions):
             cache.length = pos + 1

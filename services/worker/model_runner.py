@@ -19,6 +19,8 @@ from typing import Any, Sequence
 import torch
 
 RUNTIMES = ("auto", "native", "transformers")
+# The native runner's KV pool at most: a 2-layer test model's slot of 2048 tokens is 1 MiB.
+DEFAULT_KV_POOL_BYTES = 256 << 20
 KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -26,10 +28,15 @@ class NativeRunner:
     name = "native"
     batched = True
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, kv_pool_slots: int = 0,
+                 kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES) -> None:
+        """`kv_pool_slots`: sequences whose KV lives in the model's pool (batched attention);
+        0 for none. The pool takes at most `kv_pool_bytes`."""
         from services.worker.llama import LlamaModel
 
         self._model = LlamaModel(model_dir, dtype=dtype, device=device)
+        if kv_pool_slots:
+            self._model.attach_pool(kv_pool_slots, kv_pool_bytes)
         # Attribute access, as transformers' configs give it (for the KV block layout).
         self.config = SimpleNamespace(**self._model.config)
 
@@ -49,7 +56,7 @@ class NativeRunner:
     def from_pairs(self, pairs: KVPairs) -> Any:
         from services.worker.llama import SequenceKV
 
-        return SequenceKV.from_pairs(pairs)
+        return SequenceKV.from_pairs(pairs, self._model.pool)
 
     def truncated(self, cache: Any, tokens: int) -> Any:
         return cache.truncated(tokens)
@@ -100,8 +107,9 @@ class TransformersRunner:
 
 
 def load_runner(model_dir: Path, dtype: torch.dtype, device: torch.device,
-                runtime: str = "auto") -> NativeRunner | TransformersRunner:
-    """The runner for the model in `model_dir` (see the module docstring for `runtime`)."""
+                runtime: str = "auto", kv_pool_slots: int = 0) -> NativeRunner | TransformersRunner:
+    """The runner for the model in `model_dir` (see the module docstring for `runtime`);
+    `kv_pool_slots` sizes the native runner's KV pool."""
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
     if runtime == "auto":
@@ -110,5 +118,5 @@ def load_runner(model_dir: Path, dtype: torch.dtype, device: torch.device,
         config = json.loads((Path(model_dir) / "config.json").read_text())
         runtime = "native" if supports(config.get("text_config") or config) else "transformers"
     if runtime == "native":
-        return NativeRunner(model_dir, dtype, device)
+        return NativeRunner(model_dir, dtype, device, kv_pool_slots)
     return TransformersRunner(model_dir, dtype, device)

@@ -172,7 +172,10 @@ class TorchEngine:
     def _load(self) -> None:
         if self._device.type == "cpu":
             torch.set_num_threads(self._threads)
-        self._runner = load_runner(self._dir, self._dtype, self._device, self._runtime)
+        # Pool slots for the running sequences, the session memory's caches, and the copies a
+        # truncation or restore makes while the original still lives.
+        pool_slots = 2 * self._max_concurrency + self._sessions.capacity
+        self._runner = load_runner(self._dir, self._dtype, self._device, self._runtime, pool_slots)
         self._warm_up()
         log.info("%s: %s runtime on %s", self._description.name, self._runner.name, self._device)
 
@@ -389,6 +392,9 @@ class TorchEngine:
             return
 
         def encode(first: int, end: int):
+            # `pairs` are views of the cache's buffers; a pooled cache's slot is reused once the
+            # cache is collected, so the closure holds the cache until the save is done.
+            _ = cache
             return encode_blocks(pairs, layout, first, end)
 
         self._kv.save(request.tenant, request.session_id, ids, encode)

@@ -2,12 +2,14 @@
 
 On the tiny Llama: prefill logits and KV, chunked prefill, and batched greedy decoding of
 sequences of different lengths. On a random Qwen2 (q/k/v bias, grouped-query attention,
-tied embeddings, a non-default rope theta): prefill and decode logits. Then `supports()`
-and the SequenceKV buffers.
+tied embeddings, a non-default rope theta): prefill and decode logits. Each model runs twice:
+with its KV in a KVPool (decode attention batched) and without (attention per sequence).
+Then `supports()`, the SequenceKV buffers and the pool's slots.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -21,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from services.worker.llama import LlamaModel, SequenceKV, supports
+from services.worker.llama import KVPool, LlamaModel, SequenceKV, supports
 from services.worker.tiny_model import render_chat
 from tests.model_fixtures import tiny_model_dir  # noqa: F401
 
@@ -35,15 +37,22 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
+def native(model_dir, pooled: bool) -> LlamaModel:
+    model = LlamaModel(model_dir)
+    if pooled:
+        assert model.attach_pool(slots=16, max_bytes=16 << 20) is not None
+    return model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["per-sequence", "pooled"])
+def tiny(tiny_model_dir, request):
     """(native model, transformers model, prompt ids) for the tiny Llama."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     assert len({len(i) for i in ids}) == len(ids), "prompts should differ in length"
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
                                               local_files_only=True).eval()
-    return LlamaModel(tiny_model_dir), hf, ids
+    return native(tiny_model_dir, request.param), hf, ids
 
 
 def hf_forward(hf, ids: list[int]):
@@ -146,8 +155,8 @@ def test_batched_decode_logits_match_transformers(tiny):
 
 
 # --- a random Qwen2: bias, GQA, tied embeddings ------------------------------------------------
-@pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["per-sequence", "pooled"])
+def qwen2(tmp_path_factory, request):
     torch.manual_seed(1234)
     config = Qwen2Config(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
@@ -167,7 +176,7 @@ def qwen2(tmp_path_factory):
     hf.save_pretrained(path, safe_serialization=True)
     saved = json.loads((path / "config.json").read_text())
     assert saved["architectures"] == ["Qwen2ForCausalLM"] and saved["tie_word_embeddings"]
-    return LlamaModel(path), hf
+    return native(path, request.param), hf
 
 
 def test_qwen2_weights_are_the_ones_this_test_means(qwen2):
@@ -182,6 +191,7 @@ def test_qwen2_prefill_and_decode_logits_match_transformers(qwen2):
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 101, (n,), generator=generator).tolist() for n in (9, 4)]
     caches = [model.new_cache(8) for _ in prompts]
+    assert all(cache.pool is model.pool for cache in caches)
     tokens = []
     for cache, ids in zip(caches, prompts):
         logits = model.prefill(cache, ids)
@@ -279,3 +289,88 @@ def test_from_pairs_copies_transformers_layout():
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
     pairs[0][0].zero_()
     assert not torch.equal(kv.layers[0].keys, pairs[0][0])
+
+
+# --- KVPool -------------------------------------------------------------------------------------
+def test_pooled_caches_live_in_slots_and_decode_as_one_batch(tiny_model_dir):
+    """Pooled and unpooled sequences decode the same logits; a batch mixing both (the pool
+    was full) still does, through the per-sequence path."""
+    pooled, plain = native(tiny_model_dir, True), native(tiny_model_dir, False)
+    lengths = [3, 11, 7, 20]
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, pooled.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    in_pool = [pooled.new_cache() for _ in prompts]
+    assert all(c.pool is pooled.pool for c in in_pool) and len({c.slot for c in in_pool}) == len(prompts)
+    reference = [plain.new_cache() for _ in prompts]
+    pooled.prefill_many(in_pool, prompts)
+    plain.prefill_many(reference, prompts)
+    tokens = [5, 6, 7, 8]
+    for _ in range(6):
+        mine, theirs = pooled.decode(in_pool, tokens), plain.decode(reference, tokens)
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+        tokens = theirs.argmax(-1).tolist()
+    mixed = in_pool[:2] + [SequenceKV.from_pairs([(l.keys, l.values) for l in in_pool[2].layers])]
+    assert mixed[2].pool is None
+    torch.testing.assert_close(pooled.decode(mixed, tokens[:3]), plain.decode(reference[:3], tokens[:3]),
+                               atol=1e-5, rtol=0)
+
+
+def test_a_slot_comes_back_only_when_its_cache_is_collected(tiny_model_dir):
+    model = native(tiny_model_dir, True)
+    pool = model.pool
+    cache = model.new_cache()
+    views = cache.layers  # what a pending KV save holds, beside the cache itself
+    assert pool.free == pool.slots - 1
+    del views
+    gc.collect()
+    assert pool.free == pool.slots - 1  # the cache is still alive: its slot stays taken
+    del cache
+    gc.collect()
+    assert pool.free == pool.slots
+
+
+def test_a_full_pool_hands_out_caches_of_their_own(tiny_model_dir):
+    model = LlamaModel(tiny_model_dir)
+    pool = model.attach_pool(slots=2, max_bytes=16 << 20)
+    taken = [model.new_cache() for _ in range(3)]
+    assert [c.pool is pool for c in taken] == [True, True, False]
+    assert model.new_cache(pool.capacity + 1).pool is None  # longer than a slot
+
+
+def test_a_cache_that_outgrows_its_slot_leaves_the_pool_with_its_tokens(tiny_model_dir):
+    model = LlamaModel(tiny_model_dir)
+    pool = model.attach_pool(slots=2, max_bytes=2 * 256 * 2 * model.layers_count * model.kv_heads
+                             * model.head_dim * 4)
+    assert pool.capacity == 256
+    cache = model.new_cache()
+    ids = [4 + i % 50 for i in range(pool.capacity - 1)]
+    model.prefill(cache, ids)
+    before = [(l.keys.clone(), l.values.clone()) for l in cache.layers]
+    model.decode([cache], [9])  # the last position of the slot
+    assert cache.pool is pool
+    model.decode([cache], [10])  # one more: out of the slot, into buffers of its own
+    assert cache.pool is None and cache.length == pool.capacity + 1
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert torch.equal(layer.keys[:, :, : len(ids)], keys) and torch.equal(layer.values[:, :, : len(ids)], values)
+    assert pool.free == 1  # its slot stays taken while the cache lives (old views may be read)
+
+
+def test_truncated_and_restored_caches_land_in_the_pool(tiny_model_dir):
+    model = native(tiny_model_dir, True)
+    cache = model.new_cache()
+    model.prefill(cache, [4, 5, 6, 7, 8])
+    cut = cache.truncated(3)
+    restored = SequenceKV.from_pairs([(l.keys, l.values) for l in cache.layers], model.pool)
+    assert cut.pool is model.pool and restored.pool is model.pool
+    assert len({cache.slot, cut.slot, restored.slot}) == 3
+    assert cut.length == 3 and restored.length == 5
+    for a, b in zip(cut.layers, cache.layers):
+        assert torch.equal(a.keys, b.keys[:, :, :3]) and torch.equal(a.values, b.values[:, :, :3])
+
+
+def test_pool_slots_are_zeroed_views():
+    pool = KVPool(layers=2, slots=3, kv_heads=2, capacity=8, head_dim=4, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    cache = pool.take()
+    assert cache.keys[0].shape == (2, 8, 4) and cache.keys[0].data_ptr() == pool.keys[0][cache.slot].data_ptr()
+    assert all(float(t.abs().sum()) == 0.0 for t in pool.keys + pool.values)

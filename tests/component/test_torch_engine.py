@@ -344,3 +344,30 @@ async def test_invalid_requests_are_rejected(engine, prompt, generated, sampling
 async def test_context_limit_is_inclusive(endless):
     got = await run(endless, [5] * 2040, generated=[6] * 4, max_tokens=4)
     assert len(got.tokens) == 4
+
+
+async def test_concurrent_sequences_decode_in_pool_slots_that_all_come_back(endless):
+    """The native runner keeps each running sequence's KV in a pool slot (batched attention);
+    when the sequences end, every slot is free again (none leaks to a finished stream)."""
+    import gc
+
+    pool = endless._runner._model.pool
+    assert pool is not None and pool.slots >= 2 * 4
+    seen_taken = []
+
+    async def watch() -> None:
+        while True:
+            seen_taken.append(pool.slots - pool.free)
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        results = await asyncio.gather(*(run(endless, CHAT, max_tokens=24) for _ in range(8)))
+    finally:
+        watcher.cancel()
+    assert all(len(r.tokens) == 24 for r in results)
+    assert len({tuple(r.tokens) for r in results}) == 1  # greedy: one answer, batched or not
+    assert max(seen_taken) >= 2  # sequences ran side by side in slots
+    gc.collect()
+    assert pool.free == pool.slots
+    assert_idle(endless)
