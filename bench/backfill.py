@@ -233,6 +233,9 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
         "stored": stored,
         "backfill_stored_total": _metric(metrics, "ballast_backfill_processed_total", outcome="stored"),
         "backfill_replays_ok": _metric(metrics, "ballast_backfill_replays_total", result="ok"),
+        # Replays the router turned away (pool full, or not back yet): each waits a backoff.
+        "backfill_replays_busy": _metric(metrics, "ballast_backfill_replays_total", result="busy"),
+        "backfill_replays_unhealthy": _metric(metrics, "ballast_backfill_replays_total", result="unhealthy"),
         "subscription_errors": dict(listener.errors),
         "lag_p50_s": percentile(push_lag, 50), "lag_p99_s": percentile(push_lag, 99),
         "lag_max_s": max(push_lag, default=float("nan")),
@@ -249,10 +252,10 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
 
 
 def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency: int = 32, concurrency: int = 8,
-                  timeout_s: float = 600.0, out: str = "bench/results/backfill.json") -> int:
+                  timeout_s: float = 600.0, out: str = "bench/results/backfill.json", worker_capacity: int = 16) -> int:
     model_dir = model_dir_for("tiny")
     with tempfile.TemporaryDirectory(prefix="bench-backfill-") as state:
-        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=2, lease_ttl_s=3, worker_capacity=16,
+        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=2, lease_ttl_s=3, worker_capacity=worker_capacity,
                         overrides={"backfill": {"replay_concurrency": replay_concurrency}})
         mesh = Mesh(spec).start()
         try:
@@ -260,6 +263,7 @@ def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency:
         finally:
             mesh.stop()
     result["replay_concurrency"] = replay_concurrency
+    result["worker_capacity"] = worker_capacity
     result["goal"] = {"replayed_once": "100 %", "lag_p99_s": LAG_GOAL_S,
                       "met": result["replayed_once"] == result["degraded"] and result["lag_p99_s"] <= LAG_GOAL_S}
     latency = result["latency_ms"]
@@ -275,6 +279,7 @@ def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency:
         ["lost", result["lost"]],
         ["stored (GetBackfill finds)", result["stored"]],
         ["replays ok (backfill metric)", result["backfill_replays_ok"]],
+        ["replays refused busy / unhealthy", f'{result["backfill_replays_busy"]:.0f} / {result["backfill_replays_unhealthy"]:.0f}'],
         ["push lag p50 (s)", result["lag_p50_s"]],
         ["push lag p99 (s)", result["lag_p99_s"]],
         ["first push after recovery (s)", result["first_push_s"]],
@@ -294,12 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=100, help="sessions they belong to (one subscription each)")
     parser.add_argument("--replay-concurrency", type=int, default=32, help="backfill.replay_concurrency")
     parser.add_argument("--concurrency", type=int, default=8, help="clients sending requests at once")
+    parser.add_argument("--worker-capacity", type=int, default=16, help="worker.max_concurrency of each of the two workers")
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for every answer (s)")
     parser.add_argument("--out", default="bench/results/backfill.json")
     args = parser.parse_args(argv)
     stop_on_sigterm()
     return run_benchmark(args.requests, args.sessions, args.replay_concurrency, args.concurrency, args.timeout,
-                         args.out)
+                         args.out, args.worker_capacity)
 
 
 if __name__ == "__main__":

@@ -195,16 +195,17 @@ class AsyncProducer:
             return await future
 
     async def reset(self) -> None:
-        """Replaces the producer after a failure: pending records fail, a new producer id starts."""
+        """Replaces the producer after a failure: pending records fail, a new producer id starts.
+        The new producer takes over at once, so sends during the reset go to it (none fails
+        for want of a producer), and resets that overlap each discard only the producer they
+        replaced (none is left unpolled with records waiting in it)."""
         with self._lock:
-            old, self._current = self._current, None
+            old = self._current
+            self._current = None if self._stopping.is_set() else self._new_generation()
+            self.resets += 1
         if old is not None:
             await asyncio.to_thread(_discard, old.producer)
             _fail_unreported(old, "the producer was replaced before the broker answered")
-        with self._lock:
-            if not self._stopping.is_set():
-                self._current = self._new_generation()
-        self.resets += 1
 
     async def stop(self, flush_timeout_s: float = 5.0) -> None:
         """Flushes what it can, then stops. Idempotent."""

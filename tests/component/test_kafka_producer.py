@@ -83,3 +83,27 @@ async def test_replacing_a_producer_fails_its_unreported_records_at_once(tmp_pat
     finally:
         await producer.stop()
         broker.stop()
+
+
+async def test_overlapping_resets_leave_no_record_without_an_answer(kafka_broker):
+    """Two failing callers may reset at once while others send: every record still gets a
+    delivery report (delivered, or failed by the purge), none waits in a producer nobody polls."""
+    producer = AsyncProducer(kafka_broker.bootstrap, DELIVERY_TIMEOUT_S, "test-overlap")
+    await producer.start()
+    try:
+        futures = []
+
+        async def sender() -> None:
+            for i in range(60):
+                futures.append(producer.send_nowait("overlap.t", f"r{i}".encode(), b"k"))
+                await asyncio.sleep(0)
+
+        await asyncio.gather(sender(), producer.reset(), producer.reset())
+        outcomes = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
+                                          DELIVERY_TIMEOUT_S + 5)
+        assert all(isinstance(o, (Delivered, DeliveryFailed)) for o in outcomes)
+        assert not [o for o in outcomes if isinstance(o, DeliveryFailed) and "stopped" in str(o)]
+        assert producer.resets == 2
+        assert isinstance(await producer.send("overlap.t", b"after", b"k"), Delivered)
+    finally:
+        await producer.stop()
