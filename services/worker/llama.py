@@ -34,6 +34,10 @@ import torch.nn.functional as F
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 _GROW_MIN = 64  # tokens of spare room a buffer gains when it grows
 _MIN_POOLED_TOKENS = 256  # a pool whose slots hold fewer tokens is not made
+# Batched attention copies the batch's caches (padded to the longest) every step; per-sequence
+# attention reads them in place. Past this length the copy costs more than the small ops it
+# saves (measured on CPU: at 16 sequences the batched step is faster up to 512 tokens).
+_POOLED_SPAN_MAX = 1024
 
 
 def supports(config: dict[str, Any]) -> bool:
@@ -343,7 +347,8 @@ class LlamaModel:
         for cache in caches:
             cache.reserve(1)
         pool = self.pool
-        if pool is not None and all(cache.pool is pool for cache in caches):
+        if pool is not None and all(cache.pool is pool for cache in caches) \
+                and max(cache.length for cache in caches) < _POOLED_SPAN_MAX:
             return self._decode_pooled(pool, caches, tokens)
         positions = [cache.length for cache in caches]
         x = self.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
