@@ -342,21 +342,36 @@ class LlamaModel:
 
     @torch.inference_mode()
     def decode(self, caches: Sequence[SequenceKV], tokens: Sequence[int]) -> torch.Tensor:
-        """One new token for each sequence (extending each cache); logits of [B, vocab]."""
+        """One new token for each sequence (extending each cache); logits of [B, vocab].
+        Attention runs for the whole batch when every sequence lives in the pool (and none is
+        long), else per sequence; the rest of the step is the same either way."""
         b = len(tokens)
         for cache in caches:
             cache.reserve(1)
-        pool = self.pool
-        if pool is not None and all(cache.pool is pool for cache in caches) \
-                and max(cache.length for cache in caches) < _POOLED_SPAN_MAX:
-            return self._decode_pooled(pool, caches, tokens)
         positions = [cache.length for cache in caches]
+        at = torch.tensor(positions, device=self.device)
+        pool = self.pool
+        if pool is not None and all(cache.pool is pool for cache in caches) and max(positions) < _POOLED_SPAN_MAX:
+            attend = self._pooled_attention(pool, caches, positions, at)
+        else:
+            attend = self._per_sequence_attention(caches, positions)
         x = self.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
-        cos, sin = self._rotary(torch.tensor(positions, device=self.device))
+        cos, sin = self._rotary(at)
         cos, sin = cos[:, None], sin[:, None]  # [b, 1, dim], broadcast over heads
-        gqa = self.kv_heads != self.heads
         for i, layer in enumerate(self.layers):
             q, k, v = self._rotated_qkv(layer, x, b, cos, sin)
+            x = x + F.linear(attend(i, q, k, v).reshape(b, -1), layer["o"], layer["o_bias"])
+            x = self._mlp_block(layer, x)
+        for cache, pos in zip(caches, positions):
+            cache.length = pos + 1
+        return self._logits(x)
+
+    def _per_sequence_attention(self, caches: Sequence[SequenceKV], positions: list[int]):
+        """Layer i's attention with each sequence's new key and value written into its own
+        cache and attended over it in place: several small operations per sequence."""
+        gqa = self.kv_heads != self.heads
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             attended = []
             for row, (cache, pos) in enumerate(zip(caches, positions)):
                 cache.keys[i][:, pos] = k[row]
@@ -364,38 +379,28 @@ class LlamaModel:
                 keys, values = cache.keys[i][:, : pos + 1], cache.values[i][:, : pos + 1]
                 attended.append(F.scaled_dot_product_attention(
                     q[row][None, :, None], keys[None], values[None], enable_gqa=gqa)[0, :, 0])
-            x = x + F.linear(torch.stack(attended).reshape(b, -1), layer["o"], layer["o_bias"])
-            x = self._mlp_block(layer, x)
-        for cache, pos in zip(caches, positions):
-            cache.length = pos + 1
-        return self._logits(x)
+            return torch.stack(attended)
 
-    def _decode_pooled(self, pool: KVPool, caches: Sequence[SequenceKV], tokens: Sequence[int]) -> torch.Tensor:
-        """`decode` for sequences that all live in `pool`: per layer, one indexed write of the
+        return attend
+
+    def _pooled_attention(self, pool: KVPool, caches: Sequence[SequenceKV], positions: list[int],
+                          at: torch.Tensor):
+        """Layer i's attention for sequences that all live in `pool`: one indexed write of the
         batch's new keys and values, one gather of the batch's caches (padded to the longest,
         the padding masked out) and one attention call, whatever the batch size."""
-        b = len(tokens)
-        positions = [cache.length for cache in caches]
-        at = torch.tensor(positions, device=self.device)
+        gqa = self.kv_heads != self.heads
         slots = torch.tensor([cache.slot for cache in caches], device=self.device)
         span = max(positions) + 1
         # [b, 1, 1, span]: row r sees positions 0..positions[r] (its past and the new token).
         visible = (torch.arange(span, device=self.device)[None, :] <= at[:, None])[:, None, None, :]
-        x = self.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.device)]
-        cos, sin = self._rotary(at)
-        cos, sin = cos[:, None], sin[:, None]  # [b, 1, dim], broadcast over heads
-        gqa = self.kv_heads != self.heads
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._rotated_qkv(layer, x, b, cos, sin)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool_keys, pool_values = pool.keys[i], pool.values[i]
             pool_keys[slots, :, at] = k  # [b, kv_heads, dim] into (slot, position) pairs
             pool_values[slots, :, at] = v
             keys = pool_keys[:, :, :span].index_select(0, slots)  # [b, kv_heads, span, dim]
             values = pool_values[:, :, :span].index_select(0, slots)
-            attended = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
-                                                      enable_gqa=gqa)  # [b, heads, 1, dim]
-            x = x + F.linear(attended.reshape(b, -1), layer["o"], layer["o_bias"])
-            x = self._mlp_block(layer, x)
-        for cache, pos in zip(caches, positions):
-            cache.length = pos + 1
-        return self._logits(x)
+            return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
+                                                  enable_gqa=gqa)  # [b, heads, 1, dim]
+
+        return attend

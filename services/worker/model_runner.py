@@ -20,7 +20,7 @@ import torch
 
 RUNTIMES = ("auto", "native", "transformers")
 # The native runner's KV pool at most: a 2-layer test model's slot of 2048 tokens is 1 MiB.
-DEFAULT_KV_POOL_BYTES = 256 << 20
+KV_POOL_BYTES = 256 << 20
 KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -28,15 +28,14 @@ class NativeRunner:
     name = "native"
     batched = True
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, kv_pool_slots: int = 0,
-                 kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, kv_pool_slots: int = 0) -> None:
         """`kv_pool_slots`: sequences whose KV lives in the model's pool (batched attention);
-        0 for none. The pool takes at most `kv_pool_bytes`."""
+        0 for none. The pool takes at most KV_POOL_BYTES."""
         from services.worker.llama import LlamaModel
 
         self._model = LlamaModel(model_dir, dtype=dtype, device=device)
         if kv_pool_slots:
-            self._model.attach_pool(kv_pool_slots, kv_pool_bytes)
+            self._model.attach_pool(kv_pool_slots, KV_POOL_BYTES)
         # Attribute access, as transformers' configs give it (for the KV block layout).
         self.config = SimpleNamespace(**self._model.config)
 
