@@ -51,6 +51,15 @@ class BackfillMetrics:
             description="Seconds since the original timestamp of the oldest degraded request being handled.",
         )
 
+    def observe_replaying(self, count: Callable[[], int]) -> None:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(count())
+
+        self._meter.create_observable_gauge(
+            "ballast_backfill_replays_in_flight", callbacks=[observe],
+            description="Replays running on the router now (at most backfill.replay_concurrency).",
+        )
+
     def observe_subscribers(self, count: Callable[[], int]) -> None:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
             yield Observation(count())

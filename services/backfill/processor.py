@@ -65,6 +65,11 @@ class Processor:
         self.metrics = metrics
         # Original timestamps of the records in hand, for the lag gauge.
         self._in_hand: dict[tuple[int, int], float] = {}
+        # Bounds the replays on the router, not the records in hand: a record that is storing
+        # its answer or waiting for the broker's ack does not hold a replay slot, so the pool
+        # stays as busy as replay_concurrency allows (and its batches as large).
+        self._replay_slots = asyncio.Semaphore(settings.replay_concurrency)
+        self.replaying = 0
 
     def oldest_in_hand(self) -> float | None:
         return min(self._in_hand.values(), default=None)
@@ -127,7 +132,7 @@ class Processor:
         while True:
             started = time.perf_counter()
             try:
-                result = await self.replayer.replay(degraded)
+                result = await self._replay_once(degraded)
             except ReplayError as error:
                 self._count("replays", result=error.kind.value)
                 if error.kind is ReplayErrorKind.FAILED:
@@ -156,6 +161,15 @@ class Processor:
             if self.metrics is not None:
                 self.metrics.replay_latency.record((time.perf_counter() - started) * 1000)
             return result
+
+    async def _replay_once(self, degraded: backfill_pb2.DegradedRequest):
+        """One replay through the router, in one of the replay slots (backoffs wait outside)."""
+        async with self._replay_slots:
+            self.replaying += 1
+            try:
+                return await self.replayer.replay(degraded)
+            finally:
+                self.replaying -= 1
 
     async def _renew_producer(self) -> None:
         """A producer that lost every broker is replaced before it sends (the broker may be a

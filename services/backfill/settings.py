@@ -39,7 +39,9 @@ class BackfillSettings(BaseModel):
     replay_tenant: str = Field("ballast-backfill", min_length=1, description="Tenant whose key replays use by default.")
     replay_concurrency: int = Field(
         1, ge=1, le=64, description="Replays at once. They run at tier B through the router, which "
-                                   "serves live traffic first; this bounds what they queue there.")
+                                   "serves live traffic first; this bounds what they queue there. "
+                                   "Twice as many records are in hand: storing and publishing one "
+                                   "answer overlaps other replays.")
     replay_timeout_s: float = Field(120.0, gt=0, description="Deadline of one replay.")
     replay_flush_ms: int = Field(
         1000, ge=0, le=10_000, description="GenerateRequest.flush_interval_ms of a replay: the backfill "

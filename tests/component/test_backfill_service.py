@@ -180,6 +180,7 @@ async def test_degraded_requests_are_replayed_stored_and_pushed_exactly_once(
     assert 'ballast_backfill_processed_total{outcome="stored"} 3.0' in text
     assert "ballast_backfill_completion_lag_seconds_bucket" in text
     assert "ballast_backfill_current_lag_seconds" in text
+    assert "ballast_backfill_replays_in_flight 0.0" in text  # every replay is over
 
 
 async def test_a_redelivered_record_is_not_replayed_or_pushed_again(backfill_app, backfill_stub, handoff):
