@@ -1,10 +1,11 @@
 """`ballast.v1.Backfill`: better answers pushed to the user once per ticket, or read on demand.
 
 A subscription first pushes what its session (or ticket) already has, oldest original request
-first, then waits for notices. Before pushing a ticket it takes the ticket's delivery mark
-(SET NX): of all subscriptions on every replica, exactly one pushes each ticket. If the push
-cannot be written (the client left), the mark is given back so the next subscription gets it.
-Callers only ever see their own tenant's answers.
+first, then waits for notices. Before pushing answers it takes their delivery marks (a ticket's
+with SET NX; a session's ready answers together, in one script): of all subscriptions on every
+replica, exactly one pushes each ticket. If a push cannot be written (the client left), the
+marks of it and of the rest of its batch are given back, with a notice, so the next
+subscription gets them. Callers only ever see their own tenant's answers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from services.common.errors import NotFound, ResourceExhausted, Unavailable
 from services.router.auth import Authenticator
 
 log = logging.getLogger(__name__)
+# Answers one wake of a session subscription claims at most; it reads again at once for more.
+CLAIM_BATCH = 64
 
 
 class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
@@ -68,27 +71,26 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
                 # Cleared before reading, so a notice during the read wakes the next wait.
                 wake.clear()
                 if which == "ticket":
-                    candidates = [ticket]
+                    answer, taken_elsewhere = await self._claim_ticket(tenant, ticket, subscriber)
+                    if taken_elsewhere:
+                        return  # pushed to another subscription already; GetAnswer reads it
+                    answers = [answer] if answer is not None else []
                 else:
-                    candidates = await self._redis(self.store.session_tickets(tenant, session_id))
-                for candidate in candidates:
-                    answer = await self._redis(self.store.get(candidate))
-                    if answer is None or answer.tenant != tenant:
-                        continue
-                    if not await self._redis(self.store.claim(candidate, subscriber)):
-                        if which == "ticket":
-                            return  # pushed to another subscription already; GetAnswer reads it
-                        continue
+                    answers = await self._redis(
+                        self.store.claim_session(tenant, session_id, subscriber, CLAIM_BATCH))
+                for i, answer in enumerate(answers):
                     try:
                         yield answer
                     except BaseException:
-                        # Not written: let the next subscription push it. Shielded: we may be cancelled.
-                        await asyncio.shield(self._give_back(candidate, subscriber))
+                        # Not written: let the next subscription push these. Shielded: we may be cancelled.
+                        await asyncio.shield(self._give_back(answers[i:], subscriber))
                         raise
                     if self.metrics is not None:
                         self.metrics.delivered.add(1)
-                    if which == "ticket":
-                        return
+                if which == "ticket" and answers:
+                    return
+                if len(answers) == CLAIM_BATCH:
+                    continue  # more may be waiting
                 try:
                     remaining = max(0.0, ends_at - time.monotonic())
                     # Not asyncio.wait_for, which can swallow a cancellation as the event fires.
@@ -100,11 +102,23 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
             self.notices.unwatch(keys, wake)
             self.subscribers -= 1
 
-    async def _give_back(self, ticket: str, subscriber: str) -> None:
-        try:
-            await self.store.unclaim(ticket, subscriber)
-        except Exception as exc:  # noqa: BLE001 - best effort; GetAnswer still has it
-            log.warning("could not release delivery mark of %s: %r", ticket, exc)
+    async def _claim_ticket(self, tenant: str, ticket: str,
+                            subscriber: str) -> tuple[backfill_pb2.BackfilledAnswer | None, bool]:
+        """The ticket's answer if it is ready, the tenant's, and now claimed by this subscriber;
+        and whether another subscription claimed it first."""
+        answer = await self._redis(self.store.get(ticket))
+        if answer is None or answer.tenant != tenant:
+            return None, False
+        if not await self._redis(self.store.claim(ticket, subscriber)):
+            return None, True
+        return answer, False
+
+    async def _give_back(self, answers: list[backfill_pb2.BackfilledAnswer], subscriber: str) -> None:
+        for answer in answers:
+            try:
+                await self.store.unclaim(answer, subscriber)
+            except Exception as exc:  # noqa: BLE001 - best effort; GetAnswer still has it
+                log.warning("could not release delivery mark of %s: %r", answer.ticket, exc)
 
     @staticmethod
     async def _redis(awaitable):

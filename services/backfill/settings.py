@@ -56,7 +56,10 @@ class BackfillSettings(BaseModel):
     redis_prefix: str = Field("ballast:backfill:", min_length=1, description="Prefix of every backfill key in Redis.")
     answer_ttl_s: int = Field(3 * 86400, ge=60, description="How long better answers (and delivery marks) are kept.")
     session_index_max: int = Field(1000, ge=1, description="Answers remembered per session for Subscribe; oldest go first.")
-    subscribe_poll_s: float = Field(2.0, gt=0, description="Subscriptions re-check Redis this often even without a notice.")
+    # Notices wake subscriptions, and all of them re-read when the notice listener reconnects;
+    # this timer only bounds what an unforeseen loss could delay. Each re-read is a Redis call
+    # per open subscription, so a short timer costs the most where subscriptions are many.
+    subscribe_poll_s: float = Field(30.0, gt=0, description="Subscriptions re-check Redis this often even without a notice.")
     subscribe_max_s: float = Field(3600.0, gt=0, description="Longest life of one subscription stream.")
     max_subscribers: int = Field(1000, ge=1, description="Open subscriptions at most; more get RESOURCE_EXHAUSTED.")
     shutdown_grace_s: float = Field(5.0, ge=0, description="Time streams and replays get on stop.")

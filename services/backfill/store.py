@@ -8,8 +8,14 @@ Keys (prefix `ballast:backfill:` by default), all with the answer TTL:
   capped, for Subscribe to catch up;
 - `attempts:{ticket}`: failed replays so far (survives restarts, so a request that crashes the
   service is still dead-lettered after N tries).
-A notice on one pub/sub channel wakes subscriptions at once; they also re-check on a timer,
-so a lost notice (Redis restart) only delays delivery.
+A notice on one pub/sub channel wakes subscriptions at once. Notices are lost only while the
+listener is disconnected, so every subscription re-checks when it (re)connects; a slow timer
+re-check is the last safety net.
+
+A session subscription's wake is one round trip: a script walks the session's index and takes
+the delivery mark of every stored, undelivered answer, returning them. The keys it touches are
+computed in the script, so it needs a single Redis node (as the multi-key reads here always
+have), not Redis Cluster.
 """
 
 from __future__ import annotations
@@ -27,11 +33,45 @@ from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
-# Deletes the delivery mark only if this subscriber set it (an unclaim after a failed write).
+# Deletes the delivery mark only if this subscriber set it (an unclaim after a failed write),
+# then announces the answer again (ARGV[2]: channel, ARGV[3]: notice) so a waiting
+# subscription takes it now.
 _UNCLAIM = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+  return 1
+end
 return 0
 """
+
+
+# KEYS[1]: a session's index. ARGV: key prefix, subscriber id, mark TTL (s), most answers to take.
+# Returns ticket, answer, ticket, answer, ...: the stored answers of the session not delivered
+# yet, oldest original request first, each now marked as delivered by this subscriber.
+_CLAIM_SESSION = """
+local taken = {}
+local limit = tonumber(ARGV[4])
+for _, ticket in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if #taken >= 2 * limit then break end
+  local mark = ARGV[1] .. 'delivered:' .. ticket
+  if redis.call('EXISTS', mark) == 0 then
+    local answer = redis.call('GET', ARGV[1] .. 'answer:' .. ticket)
+    if answer then
+      redis.call('SET', mark, ARGV[2], 'EX', tonumber(ARGV[3]))
+      taken[#taken + 1] = ticket
+      taken[#taken + 1] = answer
+    end
+  end
+end
+return taken
+"""
+
+
+def _parse_answer(raw: bytes) -> backfill_pb2.BackfilledAnswer:
+    answer = backfill_pb2.BackfilledAnswer()
+    answer.ParseFromString(raw)
+    return answer
 
 
 class AnswerStore:
@@ -42,6 +82,7 @@ class AnswerStore:
         self.index_max = index_max
         self.channel = f"{prefix}notify"
         self._unclaim = client.register_script(_UNCLAIM)
+        self._claim_session = client.register_script(_CLAIM_SESSION)
 
     def _answer(self, ticket: str) -> str:
         return f"{self.prefix}answer:{ticket}"
@@ -72,35 +113,33 @@ class AnswerStore:
             # Keep only the newest entries: a chatty session cannot grow the index forever.
             pipe.zremrangebyrank(key, 0, -self.index_max - 1)
             pipe.expire(key, self.ttl_s)
-        pipe.publish(self.channel, f"{answer.tenant}\0{answer.session_id}\0{answer.ticket}")
+        pipe.publish(self.channel, self._notice(answer))
+
+    @staticmethod
+    def _notice(answer: backfill_pb2.BackfilledAnswer) -> str:
+        return f"{answer.tenant}\0{answer.session_id}\0{answer.ticket}"
 
     async def get(self, ticket: str) -> backfill_pb2.BackfilledAnswer | None:
         raw = await self.redis.get(self._answer(ticket))
-        if raw is None:
-            return None
-        answer = backfill_pb2.BackfilledAnswer()
-        answer.ParseFromString(raw)
-        return answer
+        return None if raw is None else _parse_answer(raw)
 
-    async def session_tickets(self, tenant: str, session_id: str) -> list[str]:
-        """The session's tickets not delivered yet, oldest original request first."""
-        tickets = [t.decode() if isinstance(t, bytes) else t
-                   for t in await self.redis.zrange(self._session(tenant, session_id), 0, -1)]
-        if not tickets:
-            return []
-        marks = await self.redis.mget([self._delivered(t) for t in tickets])
-        return [t for t, mark in zip(tickets, marks) if mark is None]
-
-    async def is_delivered(self, ticket: str) -> bool:
-        return bool(await self.redis.exists(self._delivered(ticket)))
+    async def claim_session(self, tenant: str, session_id: str, subscriber: str,
+                            limit: int) -> list[backfill_pb2.BackfilledAnswer]:
+        """Takes the delivery marks of up to `limit` stored, undelivered answers of the session
+        (oldest original request first) and returns those answers. The index is per tenant, so
+        they are the tenant's own."""
+        reply = await self._claim_session(keys=[self._session(tenant, session_id)],
+                                          args=[self.prefix, subscriber, self.ttl_s, limit])
+        return [_parse_answer(raw) for raw in reply[1::2]]
 
     async def claim(self, ticket: str, subscriber: str) -> bool:
         """Sets the delivery mark; True for the one caller that may push this ticket."""
         return bool(await self.redis.set(self._delivered(ticket), subscriber, nx=True, ex=self.ttl_s))
 
-    async def unclaim(self, ticket: str, subscriber: str) -> None:
-        """Gives a claimed ticket back (the push did not reach the stream)."""
-        await self._unclaim(keys=[self._delivered(ticket)], args=[subscriber])
+    async def unclaim(self, answer: backfill_pb2.BackfilledAnswer, subscriber: str) -> None:
+        """Gives a claimed answer back (the push did not reach the stream) and announces it again."""
+        await self._unclaim(keys=[self._delivered(answer.ticket)],
+                            args=[subscriber, self.channel, self._notice(answer)])
 
     async def add_attempt(self, ticket: str) -> int:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -136,6 +175,12 @@ class Notices:
                 if not waiters:
                     del self._waiters[key]
 
+    def _wake_all(self) -> None:
+        """Notices published while the listener was away are lost: every subscription reads again."""
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
+
     def _wake(self, payload: str) -> None:
         parts = payload.split("\0")
         if len(parts) != 3:
@@ -152,6 +197,7 @@ class Notices:
             try:
                 await pubsub.subscribe(self.channel)
                 backoff = 0.5
+                self._wake_all()
                 while True:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None and message.get("type") == "message":

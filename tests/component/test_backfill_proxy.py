@@ -56,7 +56,7 @@ def backfill_settings(router, names) -> BackfillSettings:
         deadletter_topic=f"{names['topic']}-dead", topic_partitions=1, group_id=names["group"],
         session_timeout_ms=6000, heartbeat_interval_ms=1000, router_address=router.address, router_api_key=API_KEY,
         replay_timeout_s=30, retry_backoff_s=0.2, busy_backoff_s=0.2, redis_prefix=names["prefix"],
-        subscribe_poll_s=0.5, delivery_timeout_s=5,
+        delivery_timeout_s=5,
     )
 
 

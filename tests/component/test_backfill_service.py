@@ -57,7 +57,7 @@ async def backfill_app(kafka_broker, redis_server, router_app, names):
         port=0, topic=names["topic"], backfilled_topic=names["backfilled"], deadletter_topic=names["deadletter"],
         topic_partitions=1, group_id=names["group"], session_timeout_ms=6000, heartbeat_interval_ms=1000,
         router_address=router_app.address, router_api_key=API_KEY, replay_timeout_s=30, max_attempts=2,
-        retry_backoff_s=0.2, busy_backoff_s=0.2, redis_prefix=names["prefix"], subscribe_poll_s=0.5,
+        retry_backoff_s=0.2, busy_backoff_s=0.2, redis_prefix=names["prefix"],
         delivery_timeout_s=5,
     )
     app = await create_backfill(config, settings)

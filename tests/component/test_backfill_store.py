@@ -1,0 +1,155 @@
+"""The backfill's answer store on a real Redis: a session's ready answers claimed in one call,
+exactly once across subscribers; marks given back only by their holder; and notices that
+reach every subscription again after the listener lost its connection."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from ballast.v1 import backfill_pb2
+from services.backfill.store import AnswerStore, Notices
+from services.degrade.codec import make_ticket, timestamp
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TENANT = "acme"
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def store(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield AnswerStore(client, prefix=f"test-{uuid.uuid4().hex[:8]}:backfill:", ttl_s=600)
+    await client.aclose()
+
+
+def answer(session: str, n: int, tenant: str = TENANT) -> backfill_pb2.BackfilledAnswer:
+    return backfill_pb2.BackfilledAnswer(
+        ticket=make_ticket(tenant, f"{session}-{n}"), tenant=tenant, session_id=session, text=f"answer {n}",
+        received_at=timestamp(1_800_000_000 + n),
+    )
+
+
+async def test_a_session_claim_takes_each_ready_answer_once_oldest_first(store):
+    session = uuid.uuid4().hex
+    stored = [answer(session, n) for n in (3, 1, 2)]
+    for a in stored:
+        assert await store.put_once(a)
+
+    first = await store.claim_session(TENANT, session, "sub-a", limit=2)
+    assert [a.text for a in first] == ["answer 1", "answer 2"]  # by original timestamp, at most 2
+    rest = await store.claim_session(TENANT, session, "sub-b", limit=10)
+    assert [a.text for a in rest] == ["answer 3"]
+    assert await store.claim_session(TENANT, session, "sub-a", limit=10) == []
+    # The marks are the ticket marks: a ticket subscription cannot push them again.
+    assert not await store.claim(stored[0].ticket, "sub-c")
+
+
+async def test_a_session_claim_sees_only_its_tenants_index(store):
+    session = uuid.uuid4().hex
+    await store.put_once(answer(session, 1, tenant="globex"))
+    assert await store.claim_session(TENANT, session, "sub-a", limit=10) == []
+    assert [a.tenant for a in await store.claim_session("globex", session, "sub-a", limit=10)] == ["globex"]
+
+
+async def test_only_the_holder_gives_a_mark_back_and_the_answer_is_announced_again(store):
+    session = uuid.uuid4().hex
+    a = answer(session, 1)
+    await store.put_once(a)
+    [claimed] = await store.claim_session(TENANT, session, "holder", limit=10)
+
+    notices = store.redis.pubsub(ignore_subscribe_messages=True)
+    await notices.subscribe(store.channel)
+    try:
+        await store.unclaim(claimed, "someone-else")
+        assert await store.claim_session(TENANT, session, "sub-b", limit=10) == []  # still held
+        await store.unclaim(claimed, "holder")
+        assert await next_message(notices) == f"{TENANT}\0{session}\0{a.ticket}"
+    finally:
+        await notices.aclose()
+    assert [x.ticket for x in await store.claim_session(TENANT, session, "sub-b", limit=10)] == [a.ticket]
+
+
+async def next_message(pubsub, timeout_s: float = 5.0) -> str | None:
+    """The next published message (the subscribe confirmation is skipped, and reads as None)."""
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + timeout_s
+    while loop.time() < ends:
+        message = await pubsub.get_message(timeout=max(0.0, ends - loop.time()))
+        if message is not None:
+            return message["data"].decode()
+    return None
+
+
+async def test_every_subscription_is_woken_when_the_notice_listener_reconnects(store, redis_server):
+    """A notice published while the listener is disconnected is lost; the reconnect makes up for it."""
+    listener = aioredis.Redis.from_url(redis_server.url)
+    notices = Notices(listener, store.channel)
+    session_event = notices.watch([("session", TENANT, "s1")])
+    ticket_event = notices.watch([("ticket", "t-1")])
+    await notices.start()
+    try:
+        both = lambda: asyncio.wait_for(asyncio.gather(session_event.wait(), ticket_event.wait()), 10)  # noqa: E731
+        await both()  # connected: whatever was announced before is read again
+        session_event.clear()
+        ticket_event.clear()
+        # Cut the listener off, as a Redis restart or a network blip would.
+        assert await store.redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub") >= 1
+        await both()
+    finally:
+        await notices.stop()
+        await listener.aclose()
+
+
+class CallContext:
+    """The part of a gRPC servicer context Subscribe reads: the caller's metadata."""
+
+    def invocation_metadata(self):
+        return (("x-api-key", "acme-key"),)
+
+
+def subscription_servicer(store: AnswerStore, redis_server):
+    from services.backfill.servicer import BackfillServicer
+    from services.backfill.settings import BackfillSettings
+    from services.common.config import AuthConfig
+    from services.router.auth import Authenticator
+
+    notices = Notices(aioredis.Redis.from_url(redis_server.url), store.channel)
+    auth = Authenticator(AuthConfig(enabled=True, api_keys={"acme-key": TENANT}))
+    return BackfillServicer(BackfillSettings(subscribe_poll_s=0.2), auth, store, notices)
+
+
+async def pushed(servicer, session: str, count: int) -> list[str]:
+    stream = servicer.Subscribe(backfill_pb2.SubscribeRequest(session_id=session), CallContext())
+    got = [(await asyncio.wait_for(anext(stream), 5)).text for _ in range(count)]
+    # Asking for one more confirms the last push; the stream then waits for news until closed.
+    waiting = asyncio.create_task(anext(stream))
+    await asyncio.sleep(0.1)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await stream.aclose()
+    return got
+
+
+@pytest.mark.parametrize("written", [0, 1])
+async def test_a_push_that_was_not_written_gives_back_it_and_the_rest_of_its_batch(store, redis_server, written):
+    """The stream stops at the push after `written` written ones (the client left): the unwritten
+    answers of the claimed batch go to the next subscription, the written ones never again."""
+    session = uuid.uuid4().hex
+    for n in (1, 2, 3):
+        await store.put_once(answer(session, n))
+    servicer = subscription_servicer(store, redis_server)
+    try:
+        stream = servicer.Subscribe(backfill_pb2.SubscribeRequest(session_id=session), CallContext())
+        for _ in range(written + 1):
+            await anext(stream)  # asking for the next one means the previous was written
+        await stream.aclose()  # the push in hand was not written
+        expected = [f"answer {n}" for n in (1, 2, 3)][written:]
+        assert await pushed(servicer, session, len(expected)) == expected
+        assert await store.claim_session(TENANT, session, "late", limit=10) == []
+    finally:
+        await servicer.notices.redis.aclose()
