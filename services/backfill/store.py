@@ -26,6 +26,7 @@ from collections import defaultdict
 from typing import Iterable
 
 import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
 from ballast.v1 import backfill_pb2
@@ -130,7 +131,16 @@ class AnswerStore:
         they are the tenant's own."""
         reply = await self._claim_session(keys=[self._session(tenant, session_id)],
                                           args=[self.prefix, subscriber, self.ttl_s, limit])
-        return [_parse_answer(raw) for raw in reply[1::2]]
+        answers = []
+        for ticket, raw in zip(reply[::2], reply[1::2]):
+            try:
+                answers.append(_parse_answer(raw))
+            except DecodeError:
+                # Not written by put_once. It stays marked, so no subscription of the session
+                # trips on it again; the rest go out.
+                log.error("unreadable answer %s in session %s of %s; skipped",
+                          ticket.decode(errors="replace"), session_id, tenant)
+        return answers
 
     async def claim(self, ticket: str, subscriber: str) -> bool:
         """Sets the delivery mark; True for the one caller that may push this ticket."""

@@ -153,3 +153,16 @@ async def test_a_push_that_was_not_written_gives_back_it_and_the_rest_of_its_bat
         assert await store.claim_session(TENANT, session, "late", limit=10) == []
     finally:
         await servicer.notices.redis.aclose()
+
+
+async def test_an_unreadable_answer_is_skipped_and_the_rest_are_pushed(store):
+    """Bytes that are no BackfilledAnswer (not written by the service) never block a session."""
+    session = uuid.uuid4().hex
+    good = answer(session, 2)
+    await store.put_once(good)
+    bad_ticket = make_ticket(TENANT, f"{session}-bad")
+    await store.redis.set(store._answer(bad_ticket), b"\xff\xff not a protobuf")
+    await store.redis.zadd(store._session(TENANT, session), {bad_ticket: 1})
+
+    assert [a.ticket for a in await store.claim_session(TENANT, session, "sub-a", limit=10)] == [good.ticket]
+    assert await store.claim_session(TENANT, session, "sub-b", limit=10) == []
