@@ -12,10 +12,11 @@ A notice on one pub/sub channel wakes subscriptions at once. Notices are lost on
 listener is disconnected, so every subscription re-checks when it (re)connects; a slow timer
 re-check is the last safety net.
 
-A session subscription's wake is one round trip: a script walks the session's index and takes
-the delivery mark of every stored, undelivered answer, returning them. The keys it touches are
-computed in the script, so it needs a single Redis node (as the multi-key reads here always
-have), not Redis Cluster.
+Storing an answer is one round trip (a script: SET NX, index, notice), and so is a session
+subscription's wake: a script walks the session's index and takes the delivery mark of every
+stored, undelivered answer, returning them. The wake script computes the keys it touches, and
+the keys of one call live in different hash slots, so the store needs a single Redis node (or
+a primary with replicas), not Redis Cluster.
 """
 
 from __future__ import annotations
@@ -43,6 +44,23 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PUBLISH', ARGV[2], ARGV[3])
   return 1
 end
+return 0
+"""
+
+
+# KEYS[1]: the answer's key; KEYS[2]: its session's index, when it has a session. ARGV: the
+# answer, TTL (s), ticket, original timestamp (ms), index size, notice channel, notice.
+# Stores the answer unless one is (1 when stored), indexes and announces it either way.
+_PUT_ONCE = """
+local stored = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', tonumber(ARGV[2]))
+if KEYS[2] then
+  redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+  -- Keep only the newest entries: a chatty session cannot grow the index forever.
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[5]) - 1)
+  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+end
+redis.call('PUBLISH', ARGV[6], ARGV[7])
+if stored then return 1 end
 return 0
 """
 
@@ -84,6 +102,7 @@ class AnswerStore:
         self.channel = f"{prefix}notify"
         self._unclaim = client.register_script(_UNCLAIM)
         self._claim_session = client.register_script(_CLAIM_SESSION)
+        self._put_once = client.register_script(_PUT_ONCE)
 
     def _answer(self, ticket: str) -> str:
         return f"{self.prefix}answer:{ticket}"
@@ -100,21 +119,14 @@ class AnswerStore:
     async def put_once(self, answer: backfill_pb2.BackfilledAnswer) -> bool:
         """Stores the answer unless one is stored already; indexes and announces it either way
         (a retry after a crash must still reach subscribers). True when this call stored it.
-        One round trip: the commands run in order, so the notice follows the stored answer."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self._answer(answer.ticket), answer.SerializeToString(), nx=True, ex=self.ttl_s)
-            self._announce_in(pipe, answer)
-            stored, *_ = await pipe.execute()
-        return bool(stored)
-
-    def _announce_in(self, pipe, answer: backfill_pb2.BackfilledAnswer) -> None:
+        One script: the notice follows the stored answer, in one round trip."""
+        keys = [self._answer(answer.ticket)]
         if answer.session_id:
-            key = self._session(answer.tenant, answer.session_id)
-            pipe.zadd(key, {answer.ticket: answer.received_at.ToMilliseconds()})
-            # Keep only the newest entries: a chatty session cannot grow the index forever.
-            pipe.zremrangebyrank(key, 0, -self.index_max - 1)
-            pipe.expire(key, self.ttl_s)
-        pipe.publish(self.channel, self._notice(answer))
+            keys.append(self._session(answer.tenant, answer.session_id))
+        stored = await self._put_once(keys=keys, args=[
+            answer.SerializeToString(), self.ttl_s, answer.ticket, answer.received_at.ToMilliseconds(),
+            self.index_max, self.channel, self._notice(answer)])
+        return bool(stored)
 
     @staticmethod
     def _notice(answer: backfill_pb2.BackfilledAnswer) -> str:

@@ -166,3 +166,35 @@ async def test_an_unreadable_answer_is_skipped_and_the_rest_are_pushed(store):
 
     assert [a.ticket for a in await store.claim_session(TENANT, session, "sub-a", limit=10)] == [good.ticket]
     assert await store.claim_session(TENANT, session, "sub-b", limit=10) == []
+
+
+async def test_put_once_keeps_the_first_answer_and_announces_every_time(store):
+    session = uuid.uuid4().hex
+    first, second = answer(session, 1), answer(session, 1)
+    second.text = "a different replay"
+    notices = store.redis.pubsub(ignore_subscribe_messages=True)
+    await notices.subscribe(store.channel)
+    try:
+        assert await store.put_once(first)
+        assert not await store.put_once(second)  # a redelivered record never replaces it
+        notice = f"{TENANT}\0{session}\0{first.ticket}"
+        assert [await next_message(notices), await next_message(notices)] == [notice, notice]
+    finally:
+        await notices.aclose()
+    assert (await store.get(first.ticket)).text == "answer 1"
+    assert 0 < await store.redis.ttl(store._answer(first.ticket)) <= 600
+
+
+async def test_the_session_index_keeps_the_newest_and_answers_without_a_session_are_stored(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    small = AnswerStore(client, prefix=f"test-{uuid.uuid4().hex[:8]}:backfill:", ttl_s=600, index_max=2)
+    try:
+        session = uuid.uuid4().hex
+        for n in (1, 2, 3):
+            await small.put_once(answer(session, n))
+        assert [a.text for a in await small.claim_session(TENANT, session, "sub", limit=10)] == ["answer 2", "answer 3"]
+        lone = answer("", 7)
+        assert await small.put_once(lone)
+        assert (await small.get(lone.ticket)).text == "answer 7"
+    finally:
+        await client.aclose()
