@@ -18,12 +18,12 @@ from functools import partial
 
 import grpc
 import redis.asyncio as redis_asyncio
-from confluent_kafka.admin import AdminClient
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.backfill.consumer import ConsumerLoop, consumer_config
+from services.backfill.kafka_check import KafkaCheck, admin_client
 from services.backfill.metrics import BackfillMetrics
 from services.backfill.pool_watch import PrimaryPoolWatch
 from services.backfill.processor import Processor
@@ -142,12 +142,10 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, settings.host, settings.port)
 
-    admin = AdminClient({"bootstrap.servers": config.kafka.bootstrap, "log_level": 2})
     producer = AsyncProducer(config.kafka.bootstrap, settings.delivery_timeout_s, "ballast-backfill")
-
-    async def check_kafka() -> None:
-        # librdkafka calls block: keep them off the event loop.
-        await asyncio.to_thread(admin.list_topics, timeout=config.kafka.timeout_s)
+    check_kafka = KafkaCheck(admin_client(config.kafka.bootstrap), producer, config.kafka.timeout_s,
+                             on_renewed=partial(_ensure_topics_once, config.kafka.bootstrap, settings,
+                                                config.kafka.timeout_s))
 
     async def check_redis() -> None:
         await client.ping()
