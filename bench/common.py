@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import os
+import platform
+import subprocess
+import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -31,12 +33,27 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> Non
 
 
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()}
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
+            "load_avg_1m": os.getloadavg()[0]}
+
+
+def commit() -> dict:
+    """The commit the benchmark ran on, and whether the tree had uncommitted changes to it."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"sha": git("rev-parse", "HEAD") or "unknown",
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "services", "bench", "protos"))}
 
 
 def write_result(path: Path, data: dict) -> Path:
+    """Writes a result stamped with the machine and the commit it ran on."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**data, "machine": machine()}, indent=2, sort_keys=True) + "\n")
+    stamped = {**data, "machine": machine(), "commit": commit(), "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path.write_text(json.dumps(stamped, indent=2, sort_keys=True) + "\n")
     return path
 
 

@@ -2,7 +2,10 @@
 
 One run starts a local mesh whose router runs the autoscaler with the local executor (as
 `ballast up` does with `autoscaler.enabled`), then two phases with the same load step on a
-pool of one serving worker (one sequence at a time, so requests queue):
+pool of one serving worker (one sequence at a time, so requests queue). The step is sized
+from the service time measured in the same phase (`bench/load_step.py`: enough closed-loop
+clients to queue each request about three targets long) and doubles while it does not breach,
+so it breaches on an idle machine and on a busy one alike:
   cold  no standby: the leader cold-starts a worker process (the baseline);
   warm  one warm standby kept: the leader promotes it.
 For each phase: the clients' own TTFT p99 unloaded, the breach (the clients' rolling p99
@@ -11,7 +14,7 @@ worker is routable (membership watch), and the p99 before and after. Prints a ta
 writes bench/results/scale.json (cold_s, warm_s: breach to serving; p99_before_ms,
 p99_after_ms: the cold phase, around the new capacity).
 
-    python -m bench.scale [--clients 10] [--target-ms 300]
+    python -m bench.scale [--target-ms 300] [--clients N (a fixed first step instead)]
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
+from bench.load_step import (
+    ClosedLoopLoad, Samples, clients_for_queue_wait, grow_until, median_service_ms, timed_stream,
+)
 from ballast.v1 import inference_pb2_grpc
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
@@ -45,6 +48,7 @@ MIN_SAMPLES = 10
 COOLDOWN_S = 10.0
 SETTLE_S = 3.0
 AFTER_S = 12.0
+GOAL = {"cold_s": 5.0, "warm_s": 1.0}
 
 
 def policy(target_ms: float, standby: int) -> dict:
@@ -56,55 +60,18 @@ def policy(target_ms: float, standby: int) -> dict:
     }
 
 
-@dataclass
-class Samples:
-    """Clients' TTFTs as (finished at, ms), plus degraded and failed counts."""
-
-    ttft: list[tuple[float, float]] = field(default_factory=list)
-    degraded: int = 0
-    errors: int = 0
-
-    def p99(self, start: float, end: float) -> float:
-        return percentile([ms for at, ms in self.ttft if start <= at < end], 99)
-
-    def rolling_p99(self, now: float, since: float) -> float | None:
-        recent = [ms for at, ms in self.ttft if at > max(now - WINDOW_S, since)]
-        return percentile(recent, 99) if len(recent) >= MIN_SAMPLES else None
+# The step queues each request about this many targets long; doubled while it does not breach.
+STEP_WAIT_TARGETS = 3
+PATIENCE_S = 20.0
 
 
-async def _client(stub, stop: asyncio.Event, samples: Samples) -> None:
-    while not stop.is_set():
-        started, first = time.perf_counter(), None
-        degraded = False
-        try:
-            async for event in stub.Generate(chat_request(PROMPT, max_tokens=MAX_TOKENS, raw_prompt=True),
-                                             metadata=METADATA, timeout=30):
-                if first is None and event.HasField("tokens"):
-                    first = time.perf_counter()
-                if event.HasField("finished") and event.finished.degradation:
-                    degraded = True
-        except grpc.aio.AioRpcError:
-            samples.errors += 1
-            await asyncio.sleep(0.1)
-            continue
-        if degraded:
-            samples.degraded += 1  # a rule-engine answer says nothing about the pool's latency
-        elif first is not None:
-            samples.ttft.append((time.time(), (first - started) * 1000))
+def _p99(samples: Samples, start: float, end: float) -> float:
+    return percentile([ms for at, ms in samples.ttft if start <= at < end], 99)
 
 
-class Load:
-    """`clients` closed-loop clients until stopped."""
-
-    def __init__(self, stub, clients: int, samples: Samples) -> None:
-        self.stop = asyncio.Event()
-        self.tasks = [asyncio.create_task(_client(stub, self.stop, samples)) for _ in range(clients)]
-
-    async def finish(self) -> None:
-        self.stop.set()
-        await asyncio.wait(self.tasks, timeout=40)
-        for task in self.tasks:
-            task.cancel()
+def _rolling_p99(samples: Samples, now: float, since: float) -> float | None:
+    recent = [ms for at, ms in samples.ttft if at > max(now - WINDOW_S, since)]
+    return percentile(recent, 99) if len(recent) >= MIN_SAMPLES else None
 
 
 async def _until(predicate, timeout: float, interval: float = 0.02):
@@ -135,7 +102,7 @@ def _standby(membership: MembershipWatcher) -> set[str]:
     return {w.id for w in membership.workers().values() if w.standby}
 
 
-async def _phase(mesh: Mesh, name: str, standby: int, clients: int, target_ms: float) -> dict:
+async def _phase(mesh: Mesh, name: str, standby: int, clients: int | None, target_ms: float) -> dict:
     config = load_config(mesh.config_path, environ={})
     membership = MembershipWatcher(config.etcd, DependencyStatus())
     await membership.start()
@@ -160,18 +127,31 @@ async def _phase(mesh: Mesh, name: str, standby: int, clients: int, target_ms: f
         async with open_channel(mesh.router_address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             # One client: the workers warm up, the bring-up cooldown passes, the unloaded p99.
-            quiet = Load(stub, 1, samples)
+            quiet = ClosedLoopLoad(stub, METADATA, PROMPT, MAX_TOKENS, samples)
+            quiet.grow(1)
             await asyncio.sleep(COOLDOWN_S + 2)
             await quiet.finish()
-            unloaded_p99 = samples.p99(time.time() - WINDOW_S, time.time())
+            unloaded_p99 = _p99(samples, time.time() - WINDOW_S, time.time())
+            service_ms = await median_service_ms(lambda: timed_stream(
+                stub, chat_request(PROMPT, max_tokens=MAX_TOKENS, raw_prompt=True), METADATA, Samples()))
+            step = clients or clients_for_queue_wait(service_ms, STEP_WAIT_TARGETS * target_ms, slots=1)
 
-            print(f"[{name}] load step: {clients} clients", flush=True)
+            print(f"[{name}] service time {service_ms:.0f} ms unloaded; load step: {step} clients", flush=True)
             load_at = time.time()
-            load = Load(stub, clients, samples)
+            load = ClosedLoopLoad(stub, METADATA, PROMPT, MAX_TOKENS, samples)
+            load.grow(step)
+            breach: list[float] = []
+
+            def breached() -> bool:
+                p99 = _rolling_p99(samples, time.time(), load_at)
+                if p99 is not None and p99 >= 0.9 * target_ms and not breach:
+                    breach.append(time.time())
+                return bool(breach)
+
             try:
-                breach_at = await _until(
-                    lambda: (p := samples.rolling_p99(time.time(), load_at)) is not None and p >= 0.9 * target_ms
-                    and time.time(), 60)
+                if not await grow_until(load, breached, PATIENCE_S):
+                    raise TimeoutError(f"[{name}] no breach of {0.9 * target_ms:.0f} ms even at {load.clients} clients")
+                breach_at = breach[0]
                 decision = await _until(scale_out, 60, 0.05)
                 new = await _until(lambda: _routable(membership) - initial, 180)
                 serving_at = time.time()
@@ -188,8 +168,11 @@ async def _phase(mesh: Mesh, name: str, standby: int, clients: int, target_ms: f
             "decision_to_serving_s": serving_at - decision["at"],
             "load_to_breach_s": breach_at - load_at,
             "p99_unloaded_ms": unloaded_p99,
-            "p99_before_ms": samples.p99(load_at, serving_at),
-            "p99_after_ms": samples.p99(serving_at + SETTLE_S, serving_at + SETTLE_S + AFTER_S),
+            "p99_before_ms": _p99(samples, load_at, serving_at),
+            "p99_after_ms": _p99(samples, serving_at + SETTLE_S, serving_at + SETTLE_S + AFTER_S),
+            "service_ms_unloaded": service_ms,
+            "clients_first_step": step,
+            "clients_at_breach": load.clients,
             "decision_reason": decision["reason"],
             "degraded": samples.degraded,
             "errors": samples.errors,
@@ -217,7 +200,7 @@ def _restart_router(mesh: Mesh) -> None:
     mesh.restart_service(router)
 
 
-def run_benchmark(clients: int, target_ms: float, out: Path) -> int:
+def run_benchmark(clients: int | None, target_ms: float, out: Path) -> int:
     model_dir = model_dir_for("tiny")
     results = {}
     with tempfile.TemporaryDirectory(prefix="ballast-scale-") as state:
@@ -239,7 +222,8 @@ def run_benchmark(clients: int, target_ms: float, out: Path) -> int:
     rows = [[r["phase"], "promotion" if r["promoted"] else "cold start", r["breach_to_serving_s"],
              r["breach_to_decision_s"], r["decision_to_serving_s"], r["p99_unloaded_ms"], r["p99_before_ms"],
              r["p99_after_ms"], r["requests"], r["degraded"], r["errors"]] for r in results.values()]
-    print(f"\nnew capacity under a load step ({clients} clients, target p99 TTFT {target_ms:.0f} ms)")
+    steps = ", ".join(f"{r['phase']} {r['clients_first_step']} -> {r['clients_at_breach']}" for r in results.values())
+    print(f"\nnew capacity under a load step (clients: {steps}; target p99 TTFT {target_ms:.0f} ms)")
     print_table(["phase", "how", "breach->serving s", "breach->decision s", "decision->serving s",
                  "p99 unloaded ms", "p99 before ms", "p99 after ms", "requests", "degraded", "errors"], rows)
     cold, warm = results["cold"], results["warm"]
@@ -249,16 +233,20 @@ def run_benchmark(clients: int, target_ms: float, out: Path) -> int:
         "p99_before_ms": cold["p99_before_ms"],
         "p99_after_ms": cold["p99_after_ms"],
         "phases": results,
-        "clients": clients, "target_p99_ttft_ms": target_ms,
-        "goal": {"cold_s": 5.0, "warm_s": 1.0},
+        "target_p99_ttft_ms": target_ms,
+        "goal": GOAL,
+        "met": {name: results[name]["breach_to_serving_s"] <= limit for name, limit in (("cold", GOAL["cold_s"]), ("warm", GOAL["warm_s"]))},
     }
+    print(f"goal breach->serving: cold <= {GOAL['cold_s']} s, warm <= {GOAL['warm_s']} s: "
+          + ", ".join(f"{name} {'met' if met else 'MISSED'}" for name, met in result["met"].items()))
     print(f"wrote {write_result(out, result)}")
-    return 0
+    return 0 if all(result["met"].values()) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=None,
+                        help="a fixed first load step (default: sized from the measured service time)")
     parser.add_argument("--target-ms", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     args = parser.parse_args(argv)

@@ -1,25 +1,25 @@
 """The autoscaler with its local executor: real etcd, real worker processes it starts itself.
 
-A router (in process, elected leader) holds a pool whose latency target the tiny model on CPU
-meets only unloaded (300 ms p99 TTFT, one sequence at a time per worker). A load step
-breaches it; the leader adds capacity: a cold-started worker process, or, with a warm standby
-kept, a promotion. Each test checks that the new capacity becomes routable and takes requests,
-and prints how long that took from the scale-out decision (bench/scale.py measures it properly).
+A router (in process, elected leader) holds a pool with a 300 ms p99 TTFT target and one
+sequence at a time per worker. The load step is sized from the service time measured in the
+same test (enough closed-loop clients to queue each request about three targets long, doubled
+if that still does not breach), so it breaches on a fast machine and on a slow one alike; the
+leader adds capacity: a cold-started worker process, or, with a warm standby kept, a promotion.
+Each test checks that the new capacity becomes routable and takes requests, and prints how long
+that took from the scale-out decision (bench/scale.py measures it properly).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 import uuid
+from contextlib import asynccontextmanager
 
-import grpc
 import pytest
 
 from ballast.v1 import inference_pb2_grpc
-from services.cli.client import chat_request, collect
-from services.common.grpc_server import CHANNEL_OPTIONS
+from bench.load_step import ClosedLoopLoad, clients_for_queue_wait, grow_until, median_service_ms
+from services.cli.client import api_key_metadata, chat_request, collect, open_channel
 from services.router.app import create_server as create_router
 from services.router.autoscale.decision import Action
 from tests.component.conftest import API_KEY, make_config
@@ -28,12 +28,19 @@ from tests.polling import poll
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(150)]
 
 PROMPT = "Customer asks where order 7041 is and when it ships."
+MAX_TOKENS = 24
+TARGET_MS = 300
+# The step queues each request about this many targets long; a breach without it is luck.
+STEP_WAIT_TARGETS = 3
+# Seconds without a breach before the load doubles (the pool's 10 s scale-out cooldown fits).
+PATIENCE_S = 15
 
 
 def policy(standby: int) -> str:
     # At most two replicas: one serving plus, on a breach, either a cold start or the standby.
-    return ('{"primary": {"min_replicas": 1, "max_replicas": 2, "target_p99_ttft_ms": 300, '
-            '"calm_p99_ttft_ms": 150, "min_samples": 10, "latency_window_s": 8, "scale_out_cooldown_s": 10, '
+    return ('{"primary": {"min_replicas": 1, "max_replicas": 2, '
+            f'"target_p99_ttft_ms": {TARGET_MS}, "calm_p99_ttft_ms": {TARGET_MS // 2}, '
+            '"min_samples": 10, "latency_window_s": 8, "scale_out_cooldown_s": 10, '
             f'"calm_for_s": 600, "standby_replicas": {standby}}}}}')
 
 
@@ -51,28 +58,21 @@ def autoscaled_config(etcd_server, model_dir, state_dir, standby: int):
     )
 
 
-@contextlib.asynccontextmanager
-async def load(address: str, clients: int):
-    """`clients` closed-loop clients sending requests until the block ends (bounded by it)."""
-    stop = asyncio.Event()
-
-    async def client(stub) -> None:
-        while not stop.is_set():
-            try:
-                await collect(stub, chat_request(PROMPT, max_tokens=24, raw_prompt=True), API_KEY)
-            except grpc.aio.AioRpcError:
-                await asyncio.sleep(0.1)
-
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+@asynccontextmanager
+async def load_step(address: str):
+    """A closed-loop load sized from the service time measured now, with the pool unloaded."""
+    async with open_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        tasks = [asyncio.create_task(client(stub)) for _ in range(clients)]
+        service_ms = await median_service_ms(
+            lambda: collect(stub, chat_request(PROMPT, max_tokens=MAX_TOKENS, raw_prompt=True), API_KEY))
+        clients = clients_for_queue_wait(service_ms, STEP_WAIT_TARGETS * TARGET_MS, slots=1)
+        print(f"\nservice time {service_ms:.0f} ms unloaded: a load step of {clients} clients")
+        load = ClosedLoopLoad(stub, api_key_metadata(API_KEY), PROMPT, MAX_TOKENS)
+        load.grow(clients)
         try:
-            yield
+            yield load
         finally:
-            stop.set()
-            await asyncio.wait(tasks, timeout=30)
-            for task in tasks:
-                task.cancel()
+            await load.finish()
 
 
 def serving_ids(router) -> set[str]:
@@ -95,8 +95,9 @@ async def test_a_load_step_breaches_the_p99_and_a_cold_started_worker_serves(etc
         # Below min_replicas: the leader cold-starts the first worker itself.
         assert await poll(lambda: len(serving_ids(router)) == 1, 60), "the first worker never served"
         first = serving_ids(router)
-        async with load(router.address, clients=6):
-            assert await poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
+        async with load_step(router.address) as load:
+            assert await grow_until(load, lambda: scale_out(router) is not None, PATIENCE_S), \
+                f"the load step never breached, even at {load.clients} clients"
             decision = scale_out(router)
             # The breach is the load's doing (its latency or its growing queue), not a floor or a surge.
             assert "p99 TTFT" in decision.reason or "queue wait growing" in decision.reason, decision.reason
@@ -118,8 +119,9 @@ async def test_a_warm_standby_is_promoted_on_a_breach_and_serves(etcd_server, ti
         assert await poll(lambda: len(serving_ids(router)) == 1 and len(standby_ids(router)) == 1, 60), \
             "the pool never reached one serving and one warm worker"
         (warm,) = standby_ids(router)
-        async with load(router.address, clients=6):
-            assert await poll(lambda: scale_out(router) is not None, 40), "the load step never breached"
+        async with load_step(router.address) as load:
+            assert await grow_until(load, lambda: scale_out(router) is not None, PATIENCE_S), \
+                f"the load step never breached, even at {load.clients} clients"
             decision = scale_out(router)
             assert await poll(lambda: warm in serving_ids(router), 10, interval=0.01), "the warm standby was not promoted"
             promoted_after = time.time() - decision.at
