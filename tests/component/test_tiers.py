@@ -22,7 +22,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 B_PROMPT = "Please summarise every order of customer 4471 for the archive."
 S_PROMPT = "Confirm payment 9001."
-B_TOKENS = 600
+# Long enough that B streams still hold both slots when S arrives, on a machine a few times
+# faster than this one too (the tiny model's context is 2048).
+B_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +66,11 @@ def b_request(i: int):
 async def test_s_request_preempts_b_and_b_still_completes_exactly(mesh, stub):
     router, worker, _ = mesh
     references = [await collect(stub, b_request(i), API_KEY, timeout=60) for i in range(2)]
-    b_streams = [asyncio.create_task(collect(stub, b_request(i), API_KEY, timeout=60)) for i in range(2)]
-    while worker.state.in_flight < 2:  # both slots taken by B
+    decoding: set[int] = set()
+    b_streams = [asyncio.create_task(collect(stub, b_request(i), API_KEY, timeout=60,
+                                             on_tokens=lambda _tokens, i=i: decoding.add(i))) for i in range(2)]
+    while worker.state.in_flight < 2 or len(decoding) < 2:  # both slots taken by B, both decoding
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
     started = time.monotonic()
     s_result = await collect(stub, chat_request(S_PROMPT, max_tokens=8, raw_prompt=True, tier="S"), API_KEY, timeout=10)
     s_elapsed = time.monotonic() - started
