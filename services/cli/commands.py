@@ -42,9 +42,9 @@ def cmd_up(args) -> int:
         print(f"building the tiny model in {args.model_dir}")
         build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
     spec = MeshSpec(state_dir=args.state_dir, model_dir=args.model_dir, workers=args.workers,
-                    router_port=args.router_port)
+                    router_port=args.router_port, engine=args.engine)
     mesh = Mesh(spec)
-    print(f"starting the local mesh in {args.state_dir}/ ...", flush=True)
+    print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers) ...", flush=True)
     started = time.monotonic()
     mesh.start()
     for server in mesh.infra:

@@ -51,6 +51,13 @@ class MeshSpec:
     overrides: dict = field(default_factory=dict)
     # Per-worker files for tests: temperature override and fault injection, under state_dir.
     worker_test_files: bool = False
+    # The workers' engine: torch (the small Llama on CPU) or vllm (vLLM's CPU build here).
+    engine: str = "torch"
+
+    @property
+    def start_timeout_s(self) -> float:
+        # vLLM imports for tens of seconds and starts an engine process: 30-80 s on two busy cores.
+        return 400.0 if self.engine == "vllm" else 120.0
 
 
 @dataclass
@@ -73,6 +80,19 @@ def _merge(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def engine_settings(engine: str, model_dir: Path) -> dict:
+    """The worker settings an engine needs on this machine. vLLM requires an explicit KV dtype:
+    the weights' own (read from config.json); on CPUs no CUDA graphs (eager mode)."""
+    if engine == "torch":
+        return {"engine": "torch"}
+    if engine == "vllm":
+        from services.worker.vllm.checks import read_model_facts
+
+        facts = read_model_facts(model_dir)
+        return {"engine": "vllm", "kv_cache_dtype": facts.weights_dtype or "float32", "enforce_eager": True}
+    raise ValueError(f"unknown engine {engine!r}: torch or vllm")
 
 
 def _read_ready_line(log_path: Path, offset: int, name: str) -> str | None:
@@ -124,6 +144,7 @@ class Mesh:
                 "model_dir": str(Path(spec.model_dir).resolve()),
                 "max_concurrency": spec.worker_capacity,
                 "cache_address": f"127.0.0.1:{self.cache_port}",
+                **engine_settings(spec.engine, Path(spec.model_dir)),
             },
         }
         return _merge(config, spec.overrides)
@@ -191,6 +212,10 @@ class Mesh:
         self._worker_seq += 1
         name = f"worker-{self._worker_seq}"
         env = {"BALLAST__WORKER__ID": name}
+        if self.spec.engine == "vllm":
+            # One core per vLLM engine, round robin: engines left to bind themselves all pick
+            # the same core and spin against each other.
+            env["BALLAST__WORKER__VLLM_CPU_THREADS_BIND"] = str((self._worker_seq - 1) % (os.cpu_count() or 1))
         if self.spec.worker_test_files:
             self.temperature_file(name).parent.mkdir(parents=True, exist_ok=True)
             env["BALLAST__WORKER__TEMPERATURE_FILE"] = str(self.temperature_file(name))
@@ -198,12 +223,12 @@ class Mesh:
         env.update(extra_env or {})
         return self._service_process(name, "services.worker", env)
 
-    def start_worker(self, extra_env: dict[str, str] | None = None, timeout: float = 120.0) -> ServiceProcess:
+    def start_worker(self, extra_env: dict[str, str] | None = None, timeout: float | None = None) -> ServiceProcess:
         service = self._new_worker(extra_env)
-        self._launch_all([(service, "worker")], timeout)
+        self._launch_all([(service, "worker")], timeout or self.spec.start_timeout_s)
         return service
 
-    def restart_service(self, service: ServiceProcess, timeout: float = 120.0) -> ServiceProcess:
+    def restart_service(self, service: ServiceProcess, timeout: float | None = None) -> ServiceProcess:
         """Starts a stopped service again with the same identity and settings."""
         kind = service.name.split("-")[0]
         module = f"services.{kind}"
@@ -212,7 +237,7 @@ class Mesh:
             self.services[self.services.index(service)] = fresh
             offset = self._spawn(fresh)
             self.save_state()
-        self._await_ready(fresh, kind, offset, timeout)
+        self._await_ready(fresh, kind, offset, timeout or self.spec.start_timeout_s)
         self.save_state()
         return fresh
 
@@ -224,7 +249,8 @@ class Mesh:
         self.save_state()
         return service
 
-    def start(self, timeout: float = 120.0) -> "Mesh":
+    def start(self, timeout: float | None = None) -> "Mesh":
+        timeout = timeout or self.spec.start_timeout_s
         self.state_dir.mkdir(parents=True, exist_ok=True)
         try:
             for server in self.infra:

@@ -214,8 +214,16 @@ class WorkerConfig(Section):
     enable_chunked_prefill: bool = Field(True, description="vLLM: split long prefills across steps.")
     enable_prefix_caching: bool = Field(True, description="vLLM: reuse KV of shared prompt prefixes.")
     enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (less memory, slower decode).")
+    vllm_cpu_threads_bind: str = Field(
+        "auto", pattern=r"^(auto|nobind|[0-9,\-|]+)$",
+        description="vLLM on CPUs: cores the engine's OpenMP threads run on (VLLM_CPU_OMP_THREADS_BIND): "
+                    "auto, nobind, or a list like '0-3'. Give engines sharing a host disjoint cores.")
+    vllm_cpu_kv_cache_gib: int = Field(
+        1, ge=1, le=1024, description="vLLM on CPUs: host memory for the KV cache in GiB, in place of "
+                                      "gpu_memory_utilization (vLLM's VLLM_CPU_KVCACHE_SPACE).")
     sleep_on_standby: bool = Field(
-        False, description="vLLM: start asleep (weights offloaded, KV freed) and wake on the first request.")
+        False, description="vLLM on GPUs: start asleep (weights offloaded, KV freed) and wake on the first "
+                           "request. vLLM's CPU build has no sleep mode: a CPU standby stays loaded.")
     standby: bool = Field(
         False, description="Start as a warm standby: model loaded, registered, not routable until promoted.")
     respawn: bool = Field(
@@ -224,6 +232,13 @@ class WorkerConfig(Section):
     respawn_max: int = Field(
         10, ge=0, description="Crashes within respawn_window_s after which the keeper gives up (exit 1).")
     respawn_window_s: float = Field(60.0, gt=0, description="Window of respawn_max.")
+
+
+    @field_validator("vllm_cpu_threads_bind", mode="before")
+    @classmethod
+    def _core_list_as_text(cls, value):
+        # A single core ("0") arrives from YAML or the environment as a number.
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 class CacheConfig(Section):

@@ -43,6 +43,11 @@ class WorkerMetrics:
             "ballast_worker_kv_used_ratio", callbacks=[self._observe_kv],
             description="Share of the KV-cache capacity in use.",
         )
+        meter.create_observable_gauge(
+            "ballast_worker_kv_fragmentation_ratio", callbacks=[self._observe_fragmentation],
+            description="KV slots allocated but holding no token, over slots allocated (vLLM's "
+                        "paged KV; absent where the engine does not allocate in blocks).",
+        )
 
     def observe_temperature(self, read: Callable[[], float | None]) -> None:
         """Exports the GPU temperature the worker reports to the balancer (none when unknown)."""
@@ -65,3 +70,8 @@ class WorkerMetrics:
 
     def _observe_kv(self, _options: CallbackOptions) -> Iterable[Observation]:
         yield Observation(self._stats().kv_used)
+
+    def _observe_fragmentation(self, _options: CallbackOptions) -> Iterable[Observation]:
+        fragmentation = self._stats().extra.get("kv_fragmentation")
+        if fragmentation is not None:
+            yield Observation(fragmentation)

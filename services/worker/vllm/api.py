@@ -44,6 +44,15 @@ class VllmApi:
     stat_logger_base: Any
     # Exceptions that mean the engine process is gone for good.
     dead_errors: tuple[type[BaseException], ...]
+    # "cuda" or "cpu" (vLLM's CPU build): where the KV cache lives, whether sleep mode exists.
+    platform: str = "cuda"
+    # The engine argument class that picks the structured-output backend; None: vLLM's default.
+    structured_config_class: Any = None
+
+    @property
+    def supports_sleep_mode(self) -> bool:
+        # vLLM's CPU platform refuses enable_sleep_mode ("not supported on current platform").
+        return self.platform != "cpu"
 
     @property
     def supports_cache_salt(self) -> bool:
@@ -115,6 +124,12 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
         structured_class = _find(importer, (("vllm.sampling_params", "GuidedDecodingParams"),))
         structured_field = "guided_decoding" if structured_class is not None else ""
 
+    structured_config = _find(importer, (("vllm.config.structured_outputs", "StructuredOutputsConfig"),
+                                          ("vllm.config", "StructuredOutputsConfig")))
+    current = _find(importer, (("vllm.platforms", "current_platform"),))
+    is_cpu = getattr(current, "is_cpu", None)
+    platform = "cpu" if callable(is_cpu) and is_cpu() else "cuda"
+
     stat_logger_base = None
     if kind == "AsyncLLM":
         stat_logger_base = _find(importer, (("vllm.v1.metrics.loggers", "StatLoggerBase"),
@@ -134,4 +149,6 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
         structured_class=structured_class,
         stat_logger_base=stat_logger_base,
         dead_errors=tuple(dead),
+        platform=platform,
+        structured_config_class=structured_config,
     )

@@ -1,4 +1,4 @@
-"""The GPU memory lessons as explicit configuration, checked before vLLM starts.
+"""The memory lessons as explicit configuration, checked before vLLM starts (GPU and CPU).
 
 What went wrong before, and the rule that keeps it from happening again:
   * A KV cache left on `auto` followed whatever dtype the engine picked, and in one
@@ -11,6 +11,12 @@ What went wrong before, and the rule that keeps it from happening again:
     the KV memory the GPU has for it, and start fails at once with the numbers.
   * Long prompts stalled every other stream while they were prefilled in one step: chunked
     prefill is on by default, and prefix caching too.
+
+On CPUs (vLLM's CPU build) the KV cache lives in host memory of an explicit size
+(`cpu_kv_cache_bytes`, vLLM's VLLM_CPU_KVCACHE_SPACE) in place of a share of GPU memory, and
+the CPU attention kernels take only some head sizes (`CPU_ATTENTION_HEAD_DIMS`): vLLM itself
+finds an unsupported one only at the first forward pass, and its engine dies there, so the
+check refuses it at start with the model's numbers.
 
 Everything here is pure (config.json facts, settings and a GPU size in; a plan or an
 EngineConfigError with the numbers out) so it is tested without vLLM or a GPU.
@@ -40,6 +46,8 @@ _DTYPE_ALIASES = {
 }
 WEIGHT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, **WEIGHT_DTYPE_BYTES}
+# Head sizes vLLM 0.32's CPU attention kernels take (CPUAttentionBackend.get_supported_head_sizes).
+CPU_ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 class EngineConfigError(ValueError):
@@ -62,6 +70,8 @@ class VllmSettings:
     max_waiting: int | None = None  # requests queued beyond max_concurrency; None: 4 x concurrency
     dtype: str = ""  # the dtype weights run in; "": the checkpoint's own
     reserve_bytes: int = 0  # GPU memory to assume for activations and CUDA graphs
+    cpu_kv_cache_bytes: int = 1 * GIB  # on CPUs: host memory for the KV cache
+    cpu_threads_bind: str = "auto"  # on CPUs: cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)
 
     @classmethod
     def from_worker_config(cls, worker: Any) -> "VllmSettings":
@@ -75,6 +85,8 @@ class VllmSettings:
             sleep_on_standby=worker.sleep_on_standby,
             max_concurrency=worker.max_concurrency,
             max_waiting=worker.max_queue,
+            cpu_kv_cache_bytes=int(worker.vllm_cpu_kv_cache_gib * GIB),
+            cpu_threads_bind=worker.vllm_cpu_threads_bind,
         )
 
 
@@ -111,6 +123,7 @@ class EnginePlan:
     gpu_memory_bytes: int | None  # None: unknown, the memory checks were skipped
     kv_budget_bytes: int | None
     kv_capacity_tokens: int | None
+    platform: str = "cuda"  # "cuda" or "cpu" (vLLM's CPU build: KV in host memory)
 
 
 def normalise_dtype(name: Any) -> str:
@@ -165,10 +178,8 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def check_engine_config(settings: VllmSettings, facts: ModelFacts,
-                        gpu_memory_bytes: int | None) -> EnginePlan:
-    """The plan vLLM starts with, or EngineConfigError explaining (with numbers) what cannot
-    work. `gpu_memory_bytes` is the GPU's total memory; None skips the memory checks."""
+def _checked_dtypes(settings: VllmSettings, facts: ModelFacts) -> tuple[str, str]:
+    """(the dtype weights run in, the KV dtype), or EngineConfigError."""
     checkpoint = facts.weights_dtype
     dtype = normalise_dtype(settings.dtype) if settings.dtype else checkpoint
     if settings.dtype and not dtype:
@@ -199,23 +210,43 @@ def check_engine_config(settings: VllmSettings, facts: ModelFacts,
             f"worker.kv_cache_dtype {kv} does not match the weights ({dtype}): the two 16-bit "
             f"formats have different ranges, so keys and values would be rounded or overflow; "
             f"set {dtype} or fp8")
+    return dtype, kv
 
-    if not 0.0 < settings.gpu_memory_utilization <= 1.0:
-        raise EngineConfigError(
-            f"worker.gpu_memory_utilization {settings.gpu_memory_utilization} must be in (0, 1]")
 
+def _checked_max_len(settings: VllmSettings, facts: ModelFacts) -> int:
     model_max = facts.max_position_embeddings
     max_len = settings.max_model_len or model_max
     if max_len > model_max:
         raise EngineConfigError(
             f"worker.max_model_len {max_len} exceeds the model's own maximum of {model_max} "
             f"(config.json); set at most {model_max}, or 0 for the model's own")
+    return max_len
 
+
+def _kv_bytes_per_token(facts: ModelFacts, kv: str) -> int:
     per_token = facts.kv_bytes_per_token(kv)
     if per_token <= 0:
         raise EngineConfigError(
             f"config.json gives {facts.layers} layers, {facts.kv_heads} KV heads, head dim "
             f"{facts.head_dim}: no KV size can be computed")
+    return per_token
+
+
+def check_engine_config(settings: VllmSettings, facts: ModelFacts,
+                        gpu_memory_bytes: int | None) -> EnginePlan:
+    """The plan vLLM starts with, or EngineConfigError explaining (with numbers) what cannot
+    work. `gpu_memory_bytes` is the GPU's total memory; None skips the memory checks."""
+    dtype, kv = _checked_dtypes(settings, facts)
+    checkpoint = facts.weights_dtype
+    weights_width = WEIGHT_DTYPE_BYTES[dtype]
+
+    if not 0.0 < settings.gpu_memory_utilization <= 1.0:
+        raise EngineConfigError(
+            f"worker.gpu_memory_utilization {settings.gpu_memory_utilization} must be in (0, 1]")
+
+    max_len = _checked_max_len(settings, facts)
+
+    per_token = _kv_bytes_per_token(facts, kv)
     budget = capacity = None
     if gpu_memory_bytes:
         weights = facts.weights_bytes
@@ -250,6 +281,46 @@ def check_engine_config(settings: VllmSettings, facts: ModelFacts,
         gpu_memory_bytes=gpu_memory_bytes,
         kv_budget_bytes=budget,
         kv_capacity_tokens=capacity,
+    )
+
+
+def check_cpu_engine_config(settings: VllmSettings, facts: ModelFacts) -> EnginePlan:
+    """The plan vLLM's CPU build starts with, or EngineConfigError with the numbers: the same
+    dtype rules as on a GPU, a head size the CPU kernels take, and a KV cache of
+    `cpu_kv_cache_bytes` that holds at least one sequence of max_model_len."""
+    dtype, kv = _checked_dtypes(settings, facts)
+    if kv != dtype and KV_DTYPE_BYTES[kv] != 1:
+        # CPU attention stores KV in the weights' dtype or in fp8, nothing else.
+        raise EngineConfigError(
+            f"worker.kv_cache_dtype {kv} differs from the weights ({dtype}); vLLM on CPU keeps the KV "
+            f"cache in the weights' dtype or fp8: set {dtype}")
+    if not facts.mla_latent_dim and facts.head_dim not in CPU_ATTENTION_HEAD_DIMS:
+        raise EngineConfigError(
+            f"the model's head dim is {facts.head_dim} (hidden size / attention heads in config.json); "
+            f"vLLM's CPU attention takes only {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))} and would "
+            f"fail at the first forward pass")
+    max_len = _checked_max_len(settings, facts)
+    per_token = _kv_bytes_per_token(facts, kv)
+    budget = settings.cpu_kv_cache_bytes
+    if budget < GIB:
+        # vLLM reads its CPU KV space in whole GiB (VLLM_CPU_KVCACHE_SPACE).
+        raise EngineConfigError(f"worker.vllm_cpu_kv_cache_gib must be at least 1 (got {_gib(budget)})")
+    need = max_len * per_token
+    if need > budget:
+        raise EngineConfigError(
+            f"max_model_len {max_len} needs {max_len} x {per_token} bytes per token = {_gib(need)} of KV "
+            f"cache for one sequence, but worker.vllm_cpu_kv_cache_gib gives {_gib(budget)}; set "
+            f"worker.max_model_len to at most {budget // per_token} or give the KV cache more memory")
+    return EnginePlan(
+        dtype=dtype,
+        kv_cache_dtype=kv,
+        vllm_kv_cache_dtype=vllm_kv_dtype(kv, dtype),
+        max_model_len=max_len,
+        kv_bytes_per_token=per_token,
+        gpu_memory_bytes=None,
+        kv_budget_bytes=budget,
+        kv_capacity_tokens=budget // per_token,
+        platform="cpu",
     )
 
 

@@ -31,25 +31,29 @@ import asyncio
 import inspect
 import itertools
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
-from services.common.errors import BallastError, ResourceExhausted, Unavailable
+from services.common.errors import BallastError, InvalidArgument, ResourceExhausted, Unavailable
 from services.worker.detokenizer import TextStream
 from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, TokenDelta
+from services.worker.guided import GuideCompiler, GuideMismatch
 from services.worker.model_files import describe_model
 from services.worker.vllm.api import VllmApi, detect_vllm_api
 from services.worker.vllm.checks import (
     EnginePlan,
     VllmSettings,
+    check_cpu_engine_config,
     check_engine_config,
     gpu_memory_bytes,
     read_model_facts,
 )
 from services.worker.vllm.errors import map_vllm_error
 from services.worker.vllm.params import sampling_plan, validate_request
-from services.worker.vllm.stats import SchedulerSnapshot, SchedulerStatsSink, engine_stats
+from services.worker.vllm.request_args import PROCESSOR_NAMES
+from services.worker.vllm.stats import SchedulerSnapshot, SchedulerStatsSink, engine_stats, kv_fragmentation
 
 log = logging.getLogger(__name__)
 
@@ -72,31 +76,48 @@ class VllmClient(Protocol):
 
     def kv_capacity_tokens(self) -> int | None: ...
 
+    def kv_block_tokens(self) -> int | None: ...
+
     def shutdown(self) -> None: ...
 
 
 ClientFactory = Callable[[VllmApi, Path, str, VllmSettings, EnginePlan], "VllmClient | Awaitable[VllmClient]"]
 
 
-def engine_args(model_dir: Path, model_name: str, settings: VllmSettings, plan: EnginePlan) -> dict[str, Any]:
+def engine_args(model_dir: Path, model_name: str, settings: VllmSettings, plan: EnginePlan,
+                api: VllmApi | None = None) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments: every setting that decides memory is explicit."""
-    return {
+    args: dict[str, Any] = {
         "model": str(model_dir),
         "tokenizer": str(model_dir),
         "served_model_name": model_name,
         "dtype": plan.dtype,
         "kv_cache_dtype": plan.vllm_kv_cache_dtype,
         "max_model_len": plan.max_model_len,
-        "gpu_memory_utilization": settings.gpu_memory_utilization,
         "enable_chunked_prefill": settings.enable_chunked_prefill,
         "enable_prefix_caching": settings.enable_prefix_caching,
         "enforce_eager": settings.enforce_eager,
-        "enable_sleep_mode": settings.sleep_on_standby,
+        "enable_sleep_mode": settings.sleep_on_standby and (api is None or api.supports_sleep_mode),
         "max_num_seqs": settings.max_concurrency,
         # Scheduler stats reach our stat logger only while stats are on.
         "disable_log_stats": False,
         "trust_remote_code": False,
+        # Position-seeded sampling and resumed guidance (`processors`), loaded by name in
+        # vLLM's engine process.
+        "logits_processors": list(PROCESSOR_NAMES),
     }
+    if plan.platform == "cpu":
+        # On CPUs the KV cache is an explicit amount of host memory; a share of memory
+        # (gpu_memory_utilization) would mean a share of the whole machine's RAM.
+        args["kv_cache_memory_bytes"] = plan.kv_budget_bytes
+    else:
+        args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if api is not None and api.structured_config_class is not None:
+        # llguidance with compact JSON: the grammar Ballast's own guide (resumed streams, the
+        # torch engine) uses, so a stream guided here and resumed elsewhere stays consistent.
+        args["structured_outputs_config"] = api.structured_config_class(
+            backend="guidance", disable_any_whitespace=True)
+    return args
 
 
 class AsyncLLMClient:
@@ -126,10 +147,16 @@ class AsyncLLMClient:
         return self._sink.latest
 
     def kv_capacity_tokens(self) -> int | None:
-        # The engine core reports how many KV blocks it allocated after profiling.
+        # The engine core reports how many KV blocks it allocated after profiling; one of
+        # them is vLLM's reserved null block, never given to a request.
         cache = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
         blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
-        return int(blocks) * int(size) if blocks and size else None
+        return (int(blocks) - 1) * int(size) if blocks and size else None
+
+    def kv_block_tokens(self) -> int | None:
+        cache = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
+        size = getattr(cache, "block_size", None)
+        return int(size) if size else None
 
     def shutdown(self) -> None:
         shutdown = getattr(self._engine, "shutdown", None)
@@ -142,7 +169,13 @@ def open_vllm_client(api: VllmApi, model_dir: Path, model_name: str, settings: V
     """Starts vLLM (loads the model, profiles memory, allocates the KV cache: minutes).
     Runs on the event loop, as vLLM's own server does: AsyncLLM binds to the running loop."""
     sink = SchedulerStatsSink()
-    args = api.engine_args_class(**engine_args(model_dir, model_name, settings, plan))
+    # Ballast's logits processors implement vLLM's V1 model-runner interface: never let the
+    # choice of runner depend on what else is installed (a Triton build, say).
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    if plan.platform == "cpu":
+        # vLLM's engine process reads its core binding from the environment it inherits.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+    args = api.engine_args_class(**engine_args(model_dir, model_name, settings, plan, api))
     kwargs: dict[str, Any] = {}
     if api.stat_logger_base is not None:
         kwargs["stat_loggers"] = [sink.logger_class(api.stat_logger_base)]
@@ -192,7 +225,10 @@ class VllmEngine:
         self._ids = itertools.count(1)
         self._in_flight = 0
         self._generated_total = 0
-        self._guided_dropped = 0
+        self._guided_resumes = 0
+        # Tokens each request in flight holds in the KV cache (context + generated so far).
+        self._context_tokens: dict[str, int] = {}
+        self._guide_compiler: GuideCompiler | None = None
         self._sleeping = False
         self._sleep_lock = asyncio.Lock()
 
@@ -212,11 +248,14 @@ class VllmEngine:
     async def start(self) -> None:
         if self._client is not None:
             return
-        gpu = self._gpu_memory()
-        plan = check_engine_config(self._settings, self._facts, gpu)
-        if gpu is None:
-            log.warning("GPU memory unknown (no NVML, no CUDA): KV memory checks skipped")
         api = self._api or detect_vllm_api()
+        if api.platform == "cpu":
+            plan = check_cpu_engine_config(self._settings, self._facts)
+        else:
+            gpu = self._gpu_memory()
+            plan = check_engine_config(self._settings, self._facts, gpu)
+            if gpu is None:
+                log.warning("GPU memory unknown (no NVML, no CUDA): KV memory checks skipped")
         log.info("vLLM %s (%s): dtype %s, KV %s (%d bytes/token), max_model_len %d, estimated KV "
                  "capacity %s tokens", api.version, api.engine_kind, plan.dtype, plan.kv_cache_dtype,
                  plan.kv_bytes_per_token, plan.max_model_len, plan.kv_capacity_tokens)
@@ -226,8 +265,11 @@ class VllmEngine:
         self._api, self._plan, self._client = api, plan, client
         self._kv_capacity = (client.kv_capacity_tokens() or plan.kv_capacity_tokens
                              or self._settings.max_concurrency * plan.max_model_len)
-        if self._settings.sleep_on_standby:
+        if self._settings.sleep_on_standby and api.supports_sleep_mode:
             await self.sleep()
+        elif self._settings.sleep_on_standby:
+            log.info("vLLM on %s has no sleep mode: a standby stays loaded (not routable until promoted)",
+                     api.platform)
 
     async def stop(self) -> None:
         """Shuts vLLM down; streams still open fail Unavailable and resume elsewhere."""
@@ -246,8 +288,9 @@ class VllmEngine:
         with running requests on sleep differs between releases. A request that arrives
         while asleep wakes the engine."""
         client = self._require_client()
-        if not self._settings.sleep_on_standby:
-            raise RuntimeError("vLLM was started without sleep mode: set worker.sleep_on_standby")
+        if not self._settings.sleep_on_standby or (self._api is not None and not self._api.supports_sleep_mode):
+            raise RuntimeError("vLLM runs without sleep mode (worker.sleep_on_standby is off, or the "
+                               "platform has none)")
         if self._in_flight:
             raise RuntimeError(f"{self._in_flight} requests are in flight: drain before sleeping")
         async with self._sleep_lock:
@@ -296,6 +339,7 @@ class VllmEngine:
         context = [*request.prompt_ids, *request.generated_ids]
         request_id = f"{request.request_id or 'ballast'}-{next(self._ids)}"
         self._in_flight += 1
+        self._context_tokens[request_id] = len(context)
         stream: Any = None
         vllm_done = False
         try:
@@ -324,6 +368,10 @@ class VllmEngine:
                 if reason == "abort":
                     raise Unavailable("vLLM aborted the request (engine asleep, paused or stopping); "
                                       "resume it elsewhere")
+                if reason == "error":
+                    # vLLM failed this request inside its engine (a grammar that did not compile
+                    # there, a KV load that failed): another replica may still serve it.
+                    raise Unavailable("vLLM ended the request with an engine-side error; resume it elsewhere")
                 ids = [int(t) for t in completion.token_ids]
                 eos_hit = (reason == "stop" and bool(ids) and ids[-1] in self._eos
                            and not isinstance(stop_reason, str))
@@ -341,6 +389,7 @@ class VllmEngine:
                         break
                 emitted += len(kept)
                 self._generated_total += len(kept)
+                self._context_tokens[request_id] = len(context) + emitted
 
                 finish: FinishReason | None = None
                 if stopped_here:
@@ -376,6 +425,7 @@ class VllmEngine:
         finally:
             # Runs on normal end, aclose() and cancellation alike.
             self._in_flight -= 1
+            self._context_tokens.pop(request_id, None)
             close = getattr(stream, "aclose", None)
             if close is not None:
                 try:
@@ -388,10 +438,14 @@ class VllmEngine:
     def _sampling_params(self, api: VllmApi, request: EngineRequest) -> Any:
         plan = sampling_plan(request, self._description.eos_token_ids, api.delta_output_kind)
         kwargs = dict(plan.kwargs)
-        if plan.guided_dropped:
-            self._guided_dropped += 1
-            log.info("request %s resumes a guided stream after %d tokens: continuing unguided",
-                     request.request_id, len(request.generated_ids))
+        if plan.resumed_guide:
+            # Checked here with the grammar the processor will use, so a schema llguidance
+            # refuses, or ids that do not fit it, fail as bad input before vLLM sees them.
+            try:
+                self._guides().guide(request.response_format, request.generated_ids)
+            except GuideMismatch as exc:
+                raise InvalidArgument(f"the generated ids do not fit response_format: {exc}") from None
+            self._guided_resumes += 1
         if plan.schema:
             if not api.structured_field:
                 log.warning("vLLM %s has no guided decoding: response_format is only validated "
@@ -401,6 +455,14 @@ class VllmEngine:
             return api.sampling_params(**kwargs)
         except Exception as exc:  # vLLM validates its parameters on construction
             raise map_vllm_error(exc) from exc
+
+    def _guides(self) -> GuideCompiler:
+        if not self._description.eos_token_ids:
+            raise InvalidArgument("guided decoding needs an EOS token, and this engine has none")
+        if self._guide_compiler is None:
+            self._guide_compiler = GuideCompiler(self._description.tokenizer_json, self._vocab_size,
+                                                 self._description.eos_token_ids)
+        return self._guide_compiler
 
     async def _abort(self, client: VllmClient, request_id: str) -> None:
         try:
@@ -421,10 +483,15 @@ class VllmEngine:
             "max_concurrency": float(self._settings.max_concurrency),
             "generated_tokens_total": float(self._generated_total),
             "sleeping": 1.0 if self._sleeping else 0.0,
-            "guided_resumed_unguided_total": float(self._guided_dropped),
+            "guided_resumes_total": float(self._guided_resumes),
         }
         if snapshot is not None:
             extra["kv_cache_usage"] = snapshot.kv_usage
+            block = client.kv_block_tokens() if client is not None else None
+            fragmentation = kv_fragmentation(snapshot.kv_usage, self._kv_capacity, block,
+                                             sum(self._context_tokens.values()))
+            if fragmentation is not None:
+                extra["kv_fragmentation"] = fragmentation
         return engine_stats(snapshot, self._in_flight, self._settings.max_concurrency,
                             self._kv_capacity, extra)
 

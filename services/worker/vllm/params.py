@@ -12,20 +12,19 @@ changes what Ballast asked for):
   * DELTA outputs: each output carries only the new tokens.
   * response_format: the JSON Schema goes to vLLM's structured outputs.
 
-Seeded sampling, and its limitation on vLLM. The torch engine draws the token at generated
-position p from a generator seeded by (seed, p) alone, so a replica that resumes a stream at
-position k samples exactly what the first replica would have. vLLM seeds one generator per
-request and advances it with every draw, and it cannot start that generator at position k.
-A resumed seeded stream on vLLM therefore continues with *different* (equally valid)
-tokens than the uninterrupted stream would have. What it keeps: the request seed is derived
-from (seed, k) only (`request_seed`), so the same resume, on any replica, continues with the
-same tokens; and an uninterrupted stream is reproducible from its seed. Greedy streams
-resume exactly on both engines.
+Seeded sampling is exact across replicas. vLLM seeds one generator per request and advances it
+with every draw, so its own sampler cannot resume a stream at generated position k. A seeded
+request is therefore sent to vLLM as greedy, with `extra_args` naming the seed, the temperature,
+top_p and k (`processors.sampler_args`): Ballast's logits processor inside vLLM picks the token
+at position p exactly as the torch engine does (a generator seeded by (seed, p) alone) and
+leaves it the only choice. A resumed stream continues with the tokens the uninterrupted one
+would have drawn; an uninterrupted one is reproducible from its seed.
 
-Guided decoding has a similar limit: vLLM's grammar starts at the first generated token and
-cannot be advanced over tokens that arrive as part of the prompt. A stream resumed
-mid-document therefore continues unguided (the router validates and repairs the result);
-`SamplingPlan.guided_dropped` says when that happened.
+Guided decoding: a fresh stream uses vLLM's structured outputs. vLLM's grammar starts at the
+first generated token and cannot be advanced over tokens that arrive as part of the prompt, so
+a stream resumed mid-document instead carries the schema and the ids already generated
+(`processors.guide_args`) to Ballast's processor, which masks with the same grammar from where
+the first replica stopped (`SamplingPlan.resumed_guide`).
 """
 
 from __future__ import annotations
@@ -37,14 +36,15 @@ from typing import Any, Iterable
 
 from services.common.errors import InvalidArgument
 from services.worker.engine import EngineRequest
-from services.worker.sampling import position_seed
+from services.worker.sampling import fresh_seed
+from services.worker.vllm.request_args import guide_args, sampler_args
 
 
 @dataclass(frozen=True)
 class SamplingPlan:
-    kwargs: dict[str, Any]  # SamplingParams keyword arguments, except guidance
-    schema: str  # JSON Schema to guide by; "" for none
-    guided_dropped: bool  # a schema was asked for but cannot apply to a resumed stream
+    kwargs: dict[str, Any]  # SamplingParams keyword arguments, except vLLM's own guidance
+    schema: str  # JSON Schema for vLLM's structured outputs (a fresh stream); "" for none
+    resumed_guide: bool  # the schema goes to Ballast's processor instead (a resumed stream)
 
 
 def validate_request(request: EngineRequest, vocab_size: int, max_context: int) -> None:
@@ -82,24 +82,29 @@ def validate_request(request: EngineRequest, vocab_size: int, max_context: int) 
             raise InvalidArgument("response_format must be a JSON Schema object")
 
 
-def request_seed(request: EngineRequest) -> int | None:
-    """vLLM's per-request seed: from (seed, tokens already generated) only, so any replica
-    resuming at the same point continues identically. None for greedy or unseeded."""
-    s = request.sampling
-    if s.temperature == 0.0 or s.seed is None:
-        return None
-    return position_seed(s.seed, len(request.generated_ids))
-
-
 def sampling_plan(request: EngineRequest, eos_token_ids: Iterable[int], delta_kind: Any) -> SamplingPlan:
     s = request.sampling
-    greedy = s.temperature == 0.0
+    sampled = s.temperature > 0.0
+    if sampled and s.seed is None:
+        # The router gives every request a seed; one without is sampled from fresh randomness.
+        seed = fresh_seed()
+    else:
+        seed = s.seed
     eos = sorted(set(int(t) for t in eos_token_ids))
+    extra: dict[str, Any] = {}
+    if sampled:
+        extra.update(sampler_args(seed, len(request.generated_ids), s.temperature, s.top_p))
+    schema = request.response_format
+    resumed_guide = bool(schema) and bool(request.generated_ids)
+    if resumed_guide:
+        extra.update(guide_args(schema, request.generated_ids))
     kwargs: dict[str, Any] = {
         "n": 1,
-        "temperature": 0.0 if greedy else float(s.temperature),
-        "top_p": 1.0 if greedy else float(s.top_p),
-        "seed": request_seed(request),
+        # vLLM decodes greedily: for sampled requests Ballast's processor has already made
+        # the position-seeded choice the only finite logit.
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": None,
         "max_tokens": int(s.max_tokens),
         "stop": list(s.stop) or None,
         "stop_token_ids": eos or None,
@@ -108,7 +113,6 @@ def sampling_plan(request: EngineRequest, eos_token_ids: Iterable[int], delta_ki
         "skip_special_tokens": True,
         "detokenize": bool(s.stop),
         "output_kind": delta_kind,
+        "extra_args": extra or None,
     }
-    schema = request.response_format
-    dropped = bool(schema) and bool(request.generated_ids)
-    return SamplingPlan(kwargs, "" if dropped else schema, dropped)
+    return SamplingPlan(kwargs, "" if resumed_guide else schema, resumed_guide)

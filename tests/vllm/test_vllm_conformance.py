@@ -1,0 +1,188 @@
+"""The engine conformance suite on real vLLM, and what only the vLLM engine has to prove.
+
+The same `EngineConformance` the torch engine passes, on VllmEngine over vLLM's AsyncLLM
+(vLLM's CPU build here, with the tiny model folder), including exact seeded resumes. Beside
+it: greedy tokens identical to vLLM's own generate for the same request, guided JSON through
+vLLM's structured outputs that stays guided when resumed, the prefix cache salted per tenant,
+and vLLM's scheduler stats in the engine's stats.
+
+Both engines of the suite (EOS on and EOS off) share one AsyncLLM: EOS is a per-request
+setting on vLLM, and one engine start is 30-80 s here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+import pytest_asyncio
+
+from tests.vllm.conftest import cpu_settings, require_vllm
+
+require_vllm()
+
+from services.worker.engine import EngineRequest, Sampling  # noqa: E402
+from services.worker.vllm import VllmEngine  # noqa: E402
+from services.worker.vllm.engine import open_vllm_client  # noqa: E402
+from tests.engine_conformance import (  # noqa: E402
+    PROSE, EngineConformance, EngineFactory, decoder, factory_fixture, run,
+)
+from tests.engine_conformance import conf_engine, endless  # noqa: E402,F401  (fixtures)
+
+pytestmark = pytest.mark.timeout(300)
+
+ORDER_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"order": {"type": "integer"}, "status": {"type": "string", "enum": ["shipped", "late"]},
+                   "note": {"type": "string", "maxLength": 12}},
+    "required": ["order", "status", "note"],
+    "additionalProperties": False,
+})
+
+
+class _Unowned:
+    """A vLLM client an engine uses but does not own: its shutdown is the module's."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SharedVllm:
+    """Opens vLLM once for every engine of the module."""
+
+    def __init__(self) -> None:
+        self.client: Any = None
+
+    def factory(self, api, model_dir, name, settings, plan):
+        if self.client is None:
+            self.client = open_vllm_client(api, model_dir, name, settings, plan)
+        return _Unowned(self.client)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+            self.client = None
+            # Collect the engine now, while vLLM's modules are alive: its __del__ at
+            # interpreter exit fails noisily on a half torn-down vLLM.
+            gc.collect()
+
+
+SHARED = SharedVllm()
+
+
+def vllm_factory() -> EngineFactory:
+    def make(model_dir, eos_token_ids=None, max_concurrency=8):
+        return VllmEngine(model_dir, "conformance", cpu_settings(max_concurrency=max_concurrency),
+                          eos_token_ids=eos_token_ids, client_factory=SHARED.factory)
+
+    # Stats arrive with vLLM's engine steps: an aborted request leaves the snapshot a step late.
+    return EngineFactory("vllm", make, exact_seeded_resume=True, idle_timeout_s=10.0)
+
+
+engine_factory = factory_fixture(vllm_factory())
+
+
+@pytest.fixture(scope="module")
+def conformance_model_dir(tiny_model_dir):
+    return tiny_model_dir
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", autouse=True)
+async def shared_vllm():
+    yield SHARED
+    SHARED.close()
+
+
+class TestVllmEngineConformance(EngineConformance):
+    async def test_seeded_resume_is_exact_at_every_point(self, endless):
+        n = 24
+        options = {"temperature": 1.2, "top_p": 0.9, "seed": 20261201}
+        full = await run(endless, PROSE, max_tokens=n, **options)
+        for k in (1, 5, 13, n - 1):
+            resumed = await run(endless, PROSE, generated=full.tokens[:k], max_tokens=n - k, **options)
+            assert resumed.tokens == full.tokens[k:], k
+
+    async def test_greedy_tokens_equal_vllms_own_generate(self, endless, shared_vllm):
+        """The same request straight to vLLM (no Ballast processors in play: greedy, no
+        extra arguments) gives the tokens the engine streamed."""
+        api = endless.api
+        prompt = endless.tokenize(PROSE)
+        ours = await run(endless, prompt, max_tokens=32)
+        params = api.sampling_params(temperature=0.0, max_tokens=32, ignore_eos=True,
+                                     output_kind=api.delta_output_kind)
+        theirs: list[int] = []
+        async for out in shared_vllm.client.generate(api.tokens_prompt(prompt), params, "own-generate"):
+            theirs += list(out.outputs[0].token_ids)
+        assert ours.tokens == theirs
+
+    async def test_guided_json_is_valid_and_stays_guided_when_resumed(self, conf_engine):
+        prompt = conf_engine.tokenize("Reply in JSON about order 7041:")
+        request = EngineRequest("guided", tuple(prompt), (), Sampling(max_tokens=64, temperature=0.0),
+                                response_format=ORDER_SCHEMA)
+        full = [t async for delta in conf_engine.generate(request) for t in delta.token_ids]
+        text = decoder(conf_engine).decode(full)
+        jsonschema.validate(json.loads(text), json.loads(ORDER_SCHEMA))
+        # Resumed mid-document on the same engine (as on another replica): Ballast's guide
+        # takes over from vLLM's structured outputs, with the same grammar.
+        k = len(full) // 2
+        resumed = EngineRequest("guided-resume", tuple(prompt), tuple(full[:k]),
+                                Sampling(max_tokens=64 - k, temperature=0.0), response_format=ORDER_SCHEMA)
+        rest = [t async for delta in conf_engine.generate(resumed) for t in delta.token_ids]
+        assert full[:k] + rest == full
+        assert conf_engine.stats().extra["guided_resumes_total"] >= 1
+
+    async def test_resumed_guided_ids_that_break_the_schema_are_refused(self, conf_engine):
+        from services.common.errors import InvalidArgument
+
+        prompt = conf_engine.tokenize("Reply in JSON:")
+        not_json = tuple(conf_engine.tokenize("hello"))
+        request = EngineRequest("bad-guide", tuple(prompt), not_json, Sampling(max_tokens=8),
+                                response_format=ORDER_SCHEMA)
+        with pytest.raises(InvalidArgument):
+            async for _ in conf_engine.generate(request):
+                pass
+
+    async def test_prefix_cache_is_salted_by_tenant(self, endless):
+        # vLLM's CPU blocks hold 128 tokens: a prompt of several blocks has whole blocks to share.
+        prompt = tuple((endless.tokenize(PROSE + " ") * 12)[:400])
+
+        async def prefill(tenant: str, rid: str) -> int:
+            request = EngineRequest(rid, prompt, (), Sampling(max_tokens=1), tenant=tenant)
+            deltas = [d async for d in endless.generate(request)]
+            return deltas[0].prefill_tokens
+
+        first = await prefill("tenant-a", "salt-1")
+        again = await prefill("tenant-a", "salt-2")
+        other = await prefill("tenant-b", "salt-3")
+        assert first == len(prompt)
+        assert again < len(prompt), "the same tenant's prefix was not reused"
+        assert other == len(prompt), "another tenant reused this tenant's cached prefix"
+
+    async def test_reports_vllm_kv_use_and_fragmentation(self, endless):
+        request = EngineRequest("kv", tuple(endless.tokenize("The customer paid")), (), Sampling(max_tokens=300))
+        stream = endless.generate(request)
+        for _ in range(20):
+            await stream.__anext__()
+        stats = endless.stats()
+        await stream.aclose()
+        assert stats.running == 1 and stats.kv_capacity_tokens > endless.model.max_context
+        assert 0.0 < stats.kv_used < 1.0, stats
+        # One request of about 25 tokens in a 128-token block: most of its block is empty.
+        assert 0.5 < stats.extra["kv_fragmentation"] < 1.0, stats.extra
+
+
+def test_the_plan_is_a_cpu_plan(tiny_model_dir):
+    from services.worker.vllm import check_cpu_engine_config, read_model_facts
+
+    plan = check_cpu_engine_config(cpu_settings(), read_model_facts(tiny_model_dir))
+    assert plan.platform == "cpu" and plan.kv_capacity_tokens > plan.max_model_len
+

@@ -1,0 +1,146 @@
+"""The mesh on vLLM: a router, two vLLM worker processes (vLLM's CPU build), the cache
+service on Redis, the backfill service on the Kafka broker, real etcd; every request through
+the public API.
+
+A worker serving streams is killed with SIGKILL (its whole process group: the worker and
+vLLM's engine process) while greedy and seeded sampled streams are in flight: every stream
+must equal its uninterrupted reference token for token, and none may be a degraded answer.
+A JSON-Schema request is answered VALID through vLLM's guided decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+import pytest_asyncio
+
+from tests.vllm.conftest import require_vllm
+
+require_vllm()
+
+from ballast.v1 import common_pb2, inference_pb2_grpc  # noqa: E402
+from services.cli.client import chat_request, collect, open_channel  # noqa: E402
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec  # noqa: E402
+from tests.integration.test_mesh import metric_value, scrape  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
+
+STREAM_TOKENS = 600
+PROMPTS = [f"Customer {i} asks about order {2000 + i} and when it will be delivered." for i in range(4)]
+SEEDED = {"temperature": 0.9, "seed": 4242}
+SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"order": {"type": "integer", "minimum": 0, "maximum": 9999},
+                   "status": {"type": "string", "enum": ["shipped", "late"]}},
+    "required": ["order", "status"],
+    "additionalProperties": False,
+})
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, bench_model_dir):
+    # The bench preset, not the tiny model: on the tiny one vLLM finishes a whole stream long
+    # before the router has relayed it, so a kill would rarely hit generation in flight.
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("vllm-mesh"),
+        model_dir=bench_model_dir,
+        workers=2,
+        engine="vllm",
+        # Everything shares two cores here; a kill is seen on the connection, not by the lease.
+        lease_ttl_s=10,
+        worker_capacity=8,
+        overrides={
+            "router": {
+                # vLLM on two shared cores steps slower than the torch engine: no false stalls.
+                "stall": {"s_timeout_s": 5.0, "a_timeout_s": 5.0, "b_timeout_s": 5.0},
+                "retry": {"ratio": 1.0, "min_retries_per_s": 20.0, "max_attempts": 4},
+                # Two vLLM engines share two cores with everything else: after the kill, one
+                # worker serves every stream, more slowly than tier A's default 2 s budget
+                # assumes, and these clients do not accept degraded answers.
+                "scheduling": {"slow_start_s": 0.5, "tiers": {"A": {"budget_s": 30.0}}},
+            },
+        },
+    )
+    running = Mesh(spec).start()
+    yield running
+    running.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def router(mesh):
+    async with open_channel(mesh.router_address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+def request(prompt: str, seeded: bool):
+    options = SEEDED if seeded else {}
+    return chat_request(prompt, max_tokens=STREAM_TOKENS, raw_prompt=True, allow_degraded=False, **options)
+
+
+def assert_full_answer(result) -> None:
+    assert result.finished is not None and not result.finished.degradation, "a degraded answer"
+
+
+async def worker_loads(mesh) -> dict:
+    """Streams in flight per worker now (their live /metrics, not the heartbeat, which lags by
+    up to a second)."""
+    return {w.name: metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in mesh.workers()}
+
+
+async def test_kill9_mid_stream_greedy_and_seeded_streams_equal_their_references(mesh, router):
+    references = {}
+    for seeded in (False, True):
+        results = await asyncio.gather(*[collect(router, request(p, seeded), LOCAL_API_KEY, timeout=120)
+                                         for p in PROMPTS])
+        for prompt, result in zip(PROMPTS, results):
+            assert_full_answer(result)
+            assert len(result.token_ids) > 64, "the reference stream is too short to be cut"
+            references[(prompt, seeded)] = result.token_ids
+
+    arrived: dict[tuple[str, bool], int] = {}
+
+    def counter(key):
+        def on_tokens(tokens) -> None:
+            arrived[key] = arrived.get(key, 0) + len(tokens.token_ids)
+        return on_tokens
+
+    keys = [(p, seeded) for p in PROMPTS for seeded in (False, True)]
+    streams = [asyncio.create_task(collect(router, request(p, seeded), LOCAL_API_KEY, timeout=180,
+                                           on_tokens=counter((p, seeded))))
+               for p, seeded in keys]
+    # Kill a worker that is generating streams which have already sent tokens (one killed
+    # before its first token is retried, not resumed). Its live in-flight count says it is
+    # still generating: vLLM can finish a stream while the router still relays it.
+    victim = None
+    deadline = asyncio.get_running_loop().time() + 60
+    while victim is None:
+        assert asyncio.get_running_loop().time() < deadline, "the streams never got under way"
+        if sum(n >= 4 for n in arrived.values()) == len(keys):
+            loads = await worker_loads(mesh)
+            busiest = max(loads, key=loads.get)
+            if loads[busiest] >= 2:
+                victim = next(w for w in mesh.workers() if w.name == busiest)
+                break
+        await asyncio.sleep(0.01)
+    victim.process.kill()
+    unfinished_at_kill = sum(not s.done() for s in streams)
+    results = await asyncio.gather(*streams)
+    assert unfinished_at_kill > 0, "every stream had finished before the kill"
+
+    for key, result in zip(keys, results):
+        assert_full_answer(result)
+        assert result.token_ids == references[key], key
+        assert result.indices == list(range(len(result.token_ids)))
+    assert sum(r.finished.resumes for r in results) >= 1, "no stream was on the killed worker"
+
+
+async def test_a_json_schema_request_is_answered_valid_through_guided_decoding(router):
+    message = chat_request("Reply in JSON: status of order 7041?", max_tokens=48, allow_degraded=False)
+    message.response_format = SCHEMA
+    result = await collect(router, message, LOCAL_API_KEY, timeout=120)
+    assert_full_answer(result)
+    assert result.finished.structured_status == common_pb2.STRUCTURED_VALID, result.finished
+    jsonschema.validate(json.loads(result.finished.structured_output), json.loads(SCHEMA))
