@@ -165,6 +165,10 @@ def cmd_chat(args) -> int:
             print(f"[{result.started.model}@{result.started.model_version} | tier {tier} "
                   f"({result.started.tier_reason}) | {finished.usage.prompt_tokens} prompt + "
                   f"{finished.usage.completion_tokens} generated tokens | {reason}]", file=sys.stderr)
+            if finished.degradation:
+                level = common_pb2.DegradationLevel.Name(finished.degradation).removeprefix("DEGRADATION_")
+                print(f"[degraded answer ({level.lower()}); the better answer comes later on ticket "
+                      f"{finished.backfill_ticket or '(none)'}]", file=sys.stderr)
         return 0
 
     return asyncio.run(run())

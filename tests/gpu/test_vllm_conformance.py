@@ -1,9 +1,9 @@
 """The engine conformance suite on vLLM (VllmEngine over AsyncLLM) on a CUDA GPU.
 
 Skips without a GPU or without vLLM. Two engines run at once (EOS on and off), each with a
-quarter of the GPU's memory (BALLAST_GPU_MEMORY_UTILIZATION overrides). Seeded resumes are
-checked for reproducibility only: vLLM cannot restart a request's generator mid-stream
-(see services/worker/vllm/params.py).
+quarter of the GPU's memory (BALLAST_GPU_MEMORY_UTILIZATION overrides). Seeded resumes must
+be exact, as on CPUs: Ballast's logits processor draws by (seed, position) (see
+services/worker/vllm/processors.py); tests/vllm/ holds the same suite on vLLM's CPU build.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def vllm_factory() -> EngineFactory:
         settings = replace(gpu_settings(model_dir), max_concurrency=max_concurrency)
         return VllmEngine(model_dir, "conformance", settings, eos_token_ids=eos_token_ids)
 
-    return EngineFactory("vllm", make, exact_seeded_resume=False, idle_timeout_s=10.0)
+    return EngineFactory("vllm", make, exact_seeded_resume=True, idle_timeout_s=10.0)
 
 
 engine_factory = factory_fixture(vllm_factory())

@@ -58,18 +58,29 @@ async def router(mesh):
         yield inference_pb2_grpc.InferenceStub(channel)
 
 
+class References(list):
+    """The greedy token ids per prompt, and how long the batch of all of them took: faults
+    are timed as fractions of it, so they hit streams in flight on a fast machine and a slow
+    one alike."""
+
+    duration_s: float = 0.0
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def references(mesh):
     """Uninterrupted greedy outputs, one per prompt: computed once, while every worker is
     healthy (a later test leaves breakers open), and never a degraded answer."""
     async with open_channel(mesh.router_address) as channel:
         router = inference_pb2_grpc.InferenceStub(channel)
+        started = time.monotonic()
         results = await asyncio.gather(*[
             collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True, allow_degraded=False),
                     LOCAL_API_KEY)
             for p in PROMPTS
         ])
-    return [r.token_ids for r in results]
+    found = References(r.token_ids for r in results)
+    found.duration_s = time.monotonic() - started
+    return found
 
 
 def router_metrics_port(mesh) -> int:
@@ -99,7 +110,7 @@ async def test_kill9_at_random_points_loses_no_stream(mesh, router, references):
     ]
     kills = 0
     for _ in range(2):
-        await asyncio.sleep(rng.uniform(0.2, 0.8))
+        await asyncio.sleep(rng.uniform(0.15, 0.5) * references.duration_s)
         if all(s.done() for s in streams):
             break
         victim = rng.choice(mesh.workers())
@@ -118,7 +129,7 @@ async def test_stalled_worker_is_detected_and_streams_resume(mesh, router, refer
         asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
         for p in PROMPTS[:9]
     ]
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.2 * references.duration_s)
     victim = mesh.workers()[0]
     os.kill(victim.pid, signal.SIGSTOP)
     try:
@@ -200,7 +211,7 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
         asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
         for p in PROMPTS
     ]
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.3 * references.duration_s)
     killed_at = time.monotonic()
     os.kill(first, signal.SIGKILL)
     results = await asyncio.gather(*streams)
