@@ -58,14 +58,12 @@ def write_result(path: Path, data: dict) -> Path:
 
 
 def model_dir_for(preset: str) -> Path:
-    """The preset's model folder under .ballast/models, built on first use."""
-    from services.worker.tiny_model import build_tiny_model
+    """The preset's model folder under .ballast/models, built on first use (and rebuilt when
+    the preset's definition changed since)."""
+    from services.worker.tiny_model import ensure_tiny_model
 
     folder = Path(".ballast/models") / preset
-    if not (folder / "model.safetensors").exists():
-        print(f"building the {preset} model in {folder} ...", flush=True)
-        build_tiny_model(folder, preset=preset)
-    return folder
+    return ensure_tiny_model(folder, preset, progress=lambda msg: print(f"  {preset} model: {msg}", flush=True))
 
 
 def stop_on_sigterm() -> None:

@@ -14,6 +14,10 @@ random token (prompt + the ids before it), greedy and seeded sampling; a resume 
 when the continuation equals the uninterrupted stream token for token. All streams of a
 phase run at once, as on a busy worker (batch composition differs between the two engines).
 
+Beside them, the same 16 streams straight to vLLM's AsyncLLM (`raw_vllm_tokens_per_s_at_16`):
+what vLLM itself does here, so a gap to the torch engine can be told apart from Ballast's own
+cost around vLLM.
+
 Writes bench/results/engines.json: per engine and concurrency `ttft_p50_ms`, `ttft_p99_ms`,
 `tokens_per_s`; `vllm_resume_exact_greedy`, `vllm_resume_exact_seeded`, `vllm_resume_trials`.
 Goals, judged here: 100 % exact resumes, greedy and seeded; vLLM's tokens/s at 16 streams at
@@ -84,8 +88,8 @@ async def _stream(engine, prompt_ids, generated=(), max_tokens=128, **sampling):
     return (first - started) * 1000, tokens
 
 
-async def _measure(kind: str, model_dir: Path, tokens: int, rounds: int, born: float) -> dict:
-    engine = _make_engine(kind, model_dir, max(CONCURRENCY))
+async def _measure(kind: str, model_dir: Path, tokens: int, rounds: int, born: float, cores: str) -> dict:
+    engine = _make_engine(kind, model_dir, max(CONCURRENCY), cores)
     await engine.start()
     start_s = time.time() - born
     prompts = [engine.tokenize(p) for p in PROMPTS]
@@ -105,8 +109,33 @@ async def _measure(kind: str, model_dir: Path, tokens: int, rounds: int, born: f
         runs.sort(key=lambda run: run["tokens_per_s"])
         levels[str(n)] = {**runs[len(runs) // 2], "rounds": runs}
     rss = _tree_rss_bytes()
+    raw = await _raw_vllm_tokens_per_s(engine, prompts, tokens, rounds) if kind == "vllm" else None
     await engine.stop()
-    return {"engine": kind, "start_s": start_s, "rss_bytes": rss, "concurrency": levels}
+    return {"engine": kind, "start_s": start_s, "rss_bytes": rss, "concurrency": levels,
+            "raw_vllm_tokens_per_s_at_16": raw}
+
+
+async def _raw_vllm_tokens_per_s(engine, prompts, tokens: int, rounds: int) -> float:
+    """The same 16 greedy streams straight to vLLM's AsyncLLM, without Ballast's engine around
+    it (no text stream, no processors in play): what vLLM itself does on this machine."""
+    api, client = engine.api, engine._client
+    n = max(CONCURRENCY)
+
+    async def one(i: int, prompt: list[int]) -> int:
+        params = api.sampling_params(temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                                     output_kind=api.delta_output_kind, detokenize=False)
+        count = 0
+        async for out in client.generate(api.tokens_prompt(prompt), params, f"raw-{i}-{time.monotonic_ns()}"):
+            count += len(out.outputs[0].token_ids)
+        return count
+
+    rates = []
+    for r in range(rounds):
+        batch = [prompts[(r * n + i) % len(prompts)] for i in range(n)]
+        wall = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+        rates.append(sum(counts) / (time.perf_counter() - wall))
+    return statistics.median(rates)
 
 
 async def _resume_trials(model_dir: Path, tokens: int, trials: int, seed: int) -> dict:
@@ -142,11 +171,12 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--seed", type=int, default=20261201)
+    parser.add_argument("--vllm-cores", default="auto")
     args = parser.parse_args(argv)
     if args.child == "resume":
         result = asyncio.run(_resume_trials(args.model_dir, args.tokens, args.trials, args.seed))
     else:
-        result = asyncio.run(_measure(args.child, args.model_dir, args.tokens, args.rounds, born))
+        result = asyncio.run(_measure(args.child, args.model_dir, args.tokens, args.rounds, born, args.vllm_cores))
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
@@ -154,7 +184,8 @@ def child_main(argv: list[str]) -> int:
 # --- the parent: runs the children, judges the goals ----------------------------------------
 def _run_child(kind: str, model_dir: Path, args) -> dict:
     command = [sys.executable, "-m", "bench.engines", "--child", kind, "--model-dir", str(model_dir),
-               "--tokens", str(args.tokens), "--rounds", str(args.rounds), "--trials", str(args.trials)]
+               "--tokens", str(args.tokens), "--rounds", str(args.rounds), "--trials", str(args.trials),
+               "--vllm-cores", args.vllm_cores]
     print(f"[{kind}] running ...", flush=True)
     env = {**os.environ, "BALLAST_BENCH_BORN": repr(time.time())}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
@@ -177,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("bench/results/engines.json"))
+    parser.add_argument("--vllm-cores", default="auto",
+                        help="VLLM_CPU_OMP_THREADS_BIND of the measured vLLM engine (auto: vLLM's choice)")
     args = parser.parse_args(argv)
     model_dir = model_dir_for(args.preset)
     engines = {kind: _run_child(kind, model_dir, args) for kind in ("torch", "vllm")}
@@ -189,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                          result["start_s"], result["rss_bytes"] / (1 << 20)])
     print(f"\nengines on the {args.preset} model ({args.tokens} tokens per stream, median of {args.rounds} rounds)")
     print_table(["engine", "streams", "TTFT p50 ms", "TTFT p99 ms", "tokens/s", "start s", "RSS MiB"], rows)
+    print(f"vLLM itself (AsyncLLM, no Ballast engine around it) at {max(CONCURRENCY)} streams: "
+          f"{engines['vllm']['raw_vllm_tokens_per_s_at_16']:.0f} tokens/s")
     print_table(["vLLM resume", "exact", "trials"],
                 [[mode, r["exact"], r["trials"]] for mode, r in resume.items()])
 
@@ -205,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                            **{n: {k: v for k, v in level.items() if k != "rounds"} | {"rounds": level["rounds"]}
                               for n, level in r["concurrency"].items()}}
                     for kind, r in engines.items()},
+        "raw_vllm_tokens_per_s_at_16": engines["vllm"]["raw_vllm_tokens_per_s_at_16"],
         "vllm_resume_exact_greedy": resume["greedy"]["exact"],
         "vllm_resume_exact_seeded": resume["seeded"]["exact"],
         "vllm_resume_trials": args.trials,

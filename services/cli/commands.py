@@ -13,6 +13,14 @@ from services.cli.mesh import CONFIG_FILE, LOCAL_API_KEY, Mesh, MeshSpec, read_s
 
 
 def _model_present(model_dir: Path) -> bool:
+    """A model is there, and if Ballast built it, from the current definition of its preset
+    (an older tiny model has heads vLLM's CPU kernels refuse)."""
+    from services.worker.tiny_model import built_preset
+
+    built = built_preset(model_dir)
+    if built is not None and not built[1]:
+        print(f"{model_dir} holds the {built[0]} model of an older Ballast: rebuilding it")
+        return False
     return (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
 
 

@@ -19,6 +19,8 @@ must share one model version.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import random
@@ -333,21 +335,32 @@ def build_tiny_model(out_dir: Path, preset: str = "tiny",
     }))
     _write(out_dir / "model.safetensors", save(tensors, metadata={"format": "pt"}))
     _write(out_dir / "ballast.json", _json({
-        "preset": preset, "parameters": params, "vocab_size": vocab_size,
+        "preset": preset, "spec": dataclasses.asdict(p), "parameters": params, "vocab_size": vocab_size,
         "train_steps": p.train_steps, "final_loss": None if loss is None else round(loss, 4),
     }))
     say(f"done in {time.monotonic() - started:.1f}s ({params} parameters)")
     return out_dir
 
 
+def built_preset(out_dir: Path) -> tuple[str, bool] | None:
+    """(the preset a folder was built from, whether it matches that preset today), or None for
+    a folder Ballast did not build (a user's own model: never rebuilt over)."""
+    try:
+        marker = json.loads((Path(out_dir) / "ballast.json").read_text())
+    except (OSError, ValueError):
+        return None
+    preset = marker.get("preset")
+    if preset not in PRESETS:
+        return None
+    current = marker.get("spec") == dataclasses.asdict(PRESETS[preset]) and \
+        (Path(out_dir) / "model.safetensors").exists()
+    return preset, current
+
+
 def ensure_tiny_model(out_dir: Path, preset: str = "tiny",
                       progress: Callable[[str], None] | None = None) -> Path:
-    """Build the model unless `out_dir` already holds a complete one of this preset."""
-    marker = Path(out_dir) / "ballast.json"
-    try:
-        if json.loads(marker.read_text()).get("preset") == preset and \
-                (Path(out_dir) / "model.safetensors").exists():
-            return Path(out_dir)
-    except (OSError, ValueError):
-        pass
+    """Build the model unless `out_dir` already holds a complete, current one of this preset
+    (a folder built from an older definition of the preset is rebuilt)."""
+    if built_preset(out_dir) == (preset, True):
+        return Path(out_dir)
     return build_tiny_model(out_dir, preset, progress)

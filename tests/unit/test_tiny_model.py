@@ -108,3 +108,20 @@ def test_bench_preset_is_larger(tmp_path):
     assert config["hidden_size"] // config["num_attention_heads"] == 64
     meta = json.loads((folder / "ballast.json").read_text())
     assert meta["preset"] == "bench" and meta["parameters"] > 4_000_000
+
+
+def test_a_folder_built_from_an_older_preset_is_not_current(tmp_path):
+    import dataclasses
+    import json
+
+    from services.worker.tiny_model import PRESETS, built_preset
+
+    assert built_preset(tmp_path) is None  # not Ballast's: never rebuilt over
+    spec = dataclasses.asdict(PRESETS["tiny"])
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "ballast.json").write_text(json.dumps({"preset": "tiny", "spec": spec}))
+    assert built_preset(tmp_path) == ("tiny", True)
+    (tmp_path / "ballast.json").write_text(json.dumps({"preset": "tiny", "spec": {**spec, "heads": 4}}))
+    assert built_preset(tmp_path) == ("tiny", False)
+    (tmp_path / "ballast.json").write_text(json.dumps({"preset": "tiny"}))  # built before specs were kept
+    assert built_preset(tmp_path) == ("tiny", False)

@@ -5,7 +5,8 @@ the public API.
 A worker serving streams is killed with SIGKILL (its whole process group: the worker and
 vLLM's engine process) while greedy and seeded sampled streams are in flight: every stream
 must equal its uninterrupted reference token for token, and none may be a degraded answer.
-A JSON-Schema request is answered VALID through vLLM's guided decoding.
+A JSON-Schema request is answered VALID through vLLM's guided decoding, and a request whose
+deadline passes mid-stream leaves nothing running on the workers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import jsonschema
 import pytest
 import pytest_asyncio
@@ -88,6 +90,19 @@ async def worker_loads(mesh) -> dict:
     """Streams in flight per worker now (their live /metrics, not the heartbeat, which lags by
     up to a second)."""
     return {w.name: metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in mesh.workers()}
+
+
+async def test_a_deadline_ends_the_stream_and_frees_the_vllm_request(mesh, router):
+    message = chat_request(PROMPTS[0], max_tokens=STREAM_TOKENS, raw_prompt=True, allow_degraded=False)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(router, message, LOCAL_API_KEY, timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The worker saw the cancellation and aborted its vLLM request: nothing stays in flight.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while any((loads := await worker_loads(mesh)).values()):
+        assert loop.time() < deadline, f"streams still in flight after the deadline: {loads}"
+        await asyncio.sleep(0.1)
 
 
 async def test_kill9_mid_stream_greedy_and_seeded_streams_equal_their_references(mesh, router):
