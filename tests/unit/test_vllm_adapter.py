@@ -207,6 +207,7 @@ def fake_modules(*, v1: bool = True, structured: str = "structured_outputs", del
         params["GuidedDecodingParams"] = FakeStructured
     mods = {
         "vllm": module("vllm", __version__="0.33.0" if v1 else "0.5.5"),
+        "vllm.exceptions": module("vllm.exceptions", VLLMValidationError=VLLMValidationError),
         "vllm.engine.arg_utils": module("vllm.engine.arg_utils", AsyncEngineArgs=FakeArgs),
         "vllm.sampling_params": module("vllm.sampling_params", **params),
         "vllm.inputs": module("vllm.inputs", TokensPrompt=dict),
@@ -228,6 +229,7 @@ def fake_modules(*, v1: bool = True, structured: str = "structured_outputs", del
 
 
 API = detect_vllm_api(fake_modules())
+TYPES = API.error_types
 
 
 # --- a small model folder: real tokenizer, config.json, placeholder weights ---------------
@@ -486,15 +488,15 @@ def wrapped(cause: BaseException) -> BaseException:
 
 def test_error_mapping():
     long = ValueError("The decoder prompt (length 9000) is longer than the maximum model length of 8192.")
-    error = map_vllm_error(long)
+    error = map_vllm_error(long, TYPES)
     assert isinstance(error, InvalidArgument) and "length 9000" in error.message
-    assert isinstance(map_vllm_error(VLLMValidationError("bad top_k")), InvalidArgument)
-    assert isinstance(map_vllm_error(wrapped(ValueError("bad"))), InvalidArgument)
-    dead = map_vllm_error(EngineDeadError("EngineCore died"))
+    assert isinstance(map_vllm_error(VLLMValidationError("bad top_k"), TYPES), InvalidArgument)
+    assert isinstance(map_vllm_error(wrapped(ValueError("bad")), TYPES), InvalidArgument)
+    dead = map_vllm_error(EngineDeadError("EngineCore died"), TYPES)
     assert isinstance(dead, Unavailable) and "dead" in dead.message and dead.retriable
-    other = map_vllm_error(wrapped(RuntimeError("CUDA error")))
+    other = map_vllm_error(wrapped(RuntimeError("CUDA error")), TYPES)
     assert isinstance(other, Unavailable) and "dead" not in other.message
-    assert "dead" in map_vllm_error(RuntimeError("x"), engine_dead=lambda: True).message
+    assert "dead" in map_vllm_error(RuntimeError("x"), TYPES, engine_dead=lambda: True).message
     # An error merely raised while handling another is not caused by it.
     try:
         try:
@@ -502,7 +504,7 @@ def test_error_mapping():
         except ValueError:
             raise RuntimeError("outer")
     except RuntimeError as exc:
-        assert isinstance(map_vllm_error(exc), Unavailable)
+        assert isinstance(map_vllm_error(exc, TYPES), Unavailable)
 
 
 # --- streaming -------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from services.worker.vllm.errors import VllmErrorTypes
+
 Importer = Callable[[str], Any]
 
 
@@ -44,10 +46,16 @@ class VllmApi:
     stat_logger_base: Any
     # Exceptions that mean the engine process is gone for good.
     dead_errors: tuple[type[BaseException], ...]
+    # Exceptions that mean the request is bad (the same on every replica).
+    client_errors: tuple[type[BaseException], ...] = ()
     # "cuda" or "cpu" (vLLM's CPU build): where the KV cache lives, whether sleep mode exists.
     platform: str = "cuda"
     # The engine argument class that picks the structured-output backend; None: vLLM's default.
     structured_config_class: Any = None
+
+    @property
+    def error_types(self) -> VllmErrorTypes:
+        return VllmErrorTypes(client=self.client_errors, dead=self.dead_errors)
 
     @property
     def supports_sleep_mode(self) -> bool:
@@ -137,6 +145,9 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
     dead = [cls for cls in (_find(importer, (("vllm.v1.engine.exceptions", "EngineDeadError"),)),
                             _find(importer, (("vllm.engine.async_llm_engine", "AsyncEngineDeadError"),)))
             if isinstance(cls, type)]
+    client = [cls for cls in (_find(importer, (("vllm.exceptions", "VLLMClientError"),)),
+                              _find(importer, (("vllm.exceptions", "VLLMValidationError"),)))
+              if isinstance(cls, type)]
     return VllmApi(
         version=version,
         engine_kind=kind,
@@ -149,6 +160,7 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
         structured_class=structured_class,
         stat_logger_base=stat_logger_base,
         dead_errors=tuple(dead),
+        client_errors=tuple(client),
         platform=platform,
         structured_config_class=structured_config,
     )

@@ -348,7 +348,7 @@ class VllmEngine:
             except BallastError:
                 raise
             except Exception as exc:
-                raise map_vllm_error(exc, lambda: client.errored) from exc
+                raise map_vllm_error(exc, api.error_types, lambda: client.errored) from exc
             params = self._sampling_params(api, request)
             prompt = api.tokens_prompt(context, cache_salt=request.tenant)
             stream = client.generate(prompt, params, request_id)
@@ -359,7 +359,7 @@ class VllmEngine:
                 except StopAsyncIteration:
                     break
                 except Exception as exc:
-                    raise map_vllm_error(exc, lambda: client.errored) from exc
+                    raise map_vllm_error(exc, api.error_types, lambda: client.errored) from exc
                 completion = out.outputs[0]
                 reason = completion.finish_reason
                 stop_reason = getattr(completion, "stop_reason", None)
@@ -454,7 +454,7 @@ class VllmEngine:
         try:
             return api.sampling_params(**kwargs)
         except Exception as exc:  # vLLM validates its parameters on construction
-            raise map_vllm_error(exc) from exc
+            raise map_vllm_error(exc, api.error_types) from exc
 
     def _guides(self) -> GuideCompiler:
         if not self._description.eos_token_ids:

@@ -5,27 +5,27 @@ every replica, never counts against this worker and is never retried; anything e
 vLLM (Unavailable) lets the router resume the stream on another replica, and a dead engine
 says so, because only a restart brings this worker back.
 
-vLLM's classes moved between releases (EngineDeadError in V1, AsyncEngineDeadError before;
-VLLMValidationError subclasses ValueError in some releases and not in others), and
-AsyncLLM.generate wraps unexpected errors in EngineGenerateError with the cause attached.
-So errors are matched by class name along the MRO and the cause chain, which needs no vLLM
-import and works on every release.
+Errors are classified by type, never by their text: the classes come from the installed vLLM
+(`api.detect_vllm_api` finds them once: VLLMClientError and VLLMValidationError for bad
+requests, EngineDeadError for a dead engine), and a bare ValueError, which some of vLLM's
+validation still raises, is bad input too. AsyncLLM.generate wraps unexpected errors in
+EngineGenerateError with the cause attached, so the cause chain is searched as well.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from services.common.errors import BallastError, InvalidArgument, Unavailable
 
-_DEAD = frozenset({"EngineDeadError", "AsyncEngineDeadError"})
-_CLIENT = frozenset({"VLLMValidationError", "VLLMClientError"})
-# ValueError messages that vLLM raises when a prompt does not fit the model.
-_LENGTH_HINTS = ("maximum model length", "max_model_len", "maximum context length", "too long")
 
+@dataclass(frozen=True)
+class VllmErrorTypes:
+    """The installed vLLM's exception classes, by what they mean."""
 
-def _names(exc: BaseException) -> set[str]:
-    return {cls.__name__ for cls in type(exc).__mro__}
+    client: tuple[type[BaseException], ...] = ()  # the request is bad: the same on every replica
+    dead: tuple[type[BaseException], ...] = ()  # the engine process is gone for good
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -39,19 +39,17 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-def map_vllm_error(exc: BaseException, engine_dead: Callable[[], bool] = lambda: False) -> BallastError:
+def map_vllm_error(exc: BaseException, types: VllmErrorTypes,
+                   engine_dead: Callable[[], bool] = lambda: False) -> BallastError:
     """The Ballast error to raise for an exception out of vLLM's generate()."""
     chain = _chain(exc)
     for error in chain:
         if isinstance(error, BallastError):
             return error
-        names = _names(error)
         message = str(error) or type(error).__name__
-        if names & _DEAD:
+        if types.dead and isinstance(error, types.dead):
             return Unavailable(f"the vLLM engine is dead ({message}); this worker needs a restart")
-        if names & _CLIENT or isinstance(error, ValueError):
-            if any(hint in message.lower() for hint in _LENGTH_HINTS):
-                return InvalidArgument(f"the prompt does not fit this worker's model: {message}")
+        if (types.client and isinstance(error, types.client)) or isinstance(error, ValueError):
             return InvalidArgument(f"vLLM refused the request: {message}")
     # EngineGenerateError says nothing itself: name the error it wraps.
     root = chain[-1]
