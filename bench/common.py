@@ -46,7 +46,9 @@ def commit() -> dict:
             return ""
 
     return {"sha": git("rev-parse", "HEAD") or "unknown",
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "services", "bench", "protos"))}
+            # Results written since do not count: only the code the benchmark ran.
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "services", "bench",
+                              "protos", ":!bench/results"))}
 
 
 def write_result(path: Path, data: dict) -> Path:
