@@ -6,7 +6,8 @@ A worker serving streams is killed with SIGKILL (its whole process group: the wo
 vLLM's engine process) while greedy and seeded sampled streams are in flight: every stream
 must equal its uninterrupted reference token for token, and none may be a degraded answer.
 A JSON-Schema request is answered VALID through vLLM's guided decoding, and a request whose
-deadline passes mid-stream leaves nothing running on the workers.
+deadline passes mid-stream leaves nothing running on the workers. A vLLM warm standby is
+loaded and unroutable until promoted, then serves.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ require_vllm()
 from ballast.v1 import common_pb2, inference_pb2_grpc  # noqa: E402
 from services.cli.client import chat_request, collect, open_channel  # noqa: E402
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec  # noqa: E402
-from tests.integration.test_mesh import metric_value, scrape  # noqa: E402
+from services.cli.etcd_view import list_workers  # noqa: E402
+from services.common.membership import make_client  # noqa: E402
+from services.common.worker_roles import SERVING, request_role  # noqa: E402
+from tests.integration.test_mesh import etcd_config, metric_value, scrape  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
@@ -159,3 +163,32 @@ async def test_a_json_schema_request_is_answered_valid_through_guided_decoding(r
     assert_full_answer(result)
     assert result.finished.structured_status == common_pb2.STRUCTURED_VALID, result.finished
     jsonschema.validate(json.loads(result.finished.structured_output), json.loads(SCHEMA))
+
+
+async def test_a_vllm_standby_is_loaded_unroutable_and_serves_once_promoted(mesh, router):
+    """vLLM's CPU build has no sleep mode: a CPU standby keeps its engine loaded, takes no
+    traffic, and serves as soon as its role says so."""
+    standby = await asyncio.to_thread(mesh.start_worker, {"BALLAST__WORKER__STANDBY": "true"})
+    config = etcd_config(mesh)
+    (record,) = [r for r, _ in await list_workers(config) if r.id == standby.name]
+    assert record.standby and not record.routable
+    # Promote it through its role key, as the autoscaler's executor does.
+    client = make_client(config)
+    await client.connect()
+    try:
+        await request_role(client, config, standby.name, SERVING, record.lease_id)
+    finally:
+        await client.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while not next(r for r, _ in await list_workers(config) if r.id == standby.name).routable:
+        assert loop.time() < deadline, "the promoted standby never became routable"
+        await asyncio.sleep(0.1)
+    before = metric_value(await scrape(standby.metrics_port), "ballast_worker_requests_total")
+    results = await asyncio.gather(*[
+        collect(router, chat_request(f"{p} (after promotion)", max_tokens=32, raw_prompt=True, allow_degraded=False),
+                LOCAL_API_KEY, timeout=120)
+        for p in PROMPTS * 3])
+    for result in results:
+        assert_full_answer(result)
+    assert metric_value(await scrape(standby.metrics_port), "ballast_worker_requests_total") > before
