@@ -4,6 +4,11 @@ reflection.
 Core code raises the typed errors of `services.common.errors`; `DomainErrorInterceptor` is
 the one place they become gRPC status codes. Anything else escaping a handler is a bug and
 becomes INTERNAL (logged with its traceback).
+
+A request frame that does not parse as its message type is the client's fault: it gets
+INVALID_ARGUMENT, reaches no handler and writes no log line (gRPC itself would answer UNKNOWN
+and log a traceback per frame, so garbage could fill a disk); `malformed_requests()` counts
+them for metrics.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -50,8 +56,48 @@ async def abort_with(context: grpc.aio.ServicerContext, error: BallastError) -> 
     await context.abort(error.code, error.message)
 
 
+class MalformedRequest:
+    """Stands in for a request frame that did not parse; the handler refuses it."""
+
+    __slots__ = ("type_name",)
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+
+_malformed = 0
+
+
+def malformed_requests() -> int:
+    """Request frames refused because they did not parse, since the process started."""
+    return _malformed
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    type_name = getattr(getattr(deserializer, "__self__", None), "__name__", "the request message")
+
+    def parse(data: bytes) -> Any:
+        global _malformed
+        try:
+            return deserializer(data)
+        except DecodeError:
+            _malformed += 1
+            return MalformedRequest(type_name)
+
+    return parse
+
+
+async def _refuse_malformed(request, context) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request frame does not parse as {request.type_name}")
+
+
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
     async def wrapper(request, context):
+        if isinstance(request, MalformedRequest):
+            await _refuse_malformed(request, context)
         try:
             return await behavior(request, context)
         except BallastError as error:
@@ -67,6 +113,8 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
 
 def _wrap_stream(behavior: Callable[..., Any], method: str):
     async def wrapper(request, context):
+        if isinstance(request, MalformedRequest):
+            await _refuse_malformed(request, context)
         try:
             async for item in behavior(request, context):
                 yield item
@@ -92,13 +140,13 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler

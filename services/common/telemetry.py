@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 
 from services.common import tracing
 from services.common.config import TelemetryConfig
+from services.common.grpc_server import malformed_requests
 
 # Latency buckets in milliseconds: fine below 10 ms (relay overhead), coarse up to a minute.
 LATENCY_BUCKETS_MS = (
@@ -81,6 +82,11 @@ class Telemetry:
             "ballast_dependency_up",
             callbacks=[self.dependencies.observe],
             description="1 when the service can reach the dependency, else 0.",
+        )
+        self.meter.create_observable_counter(
+            "ballast_grpc_malformed_requests",
+            callbacks=[lambda _options: [Observation(malformed_requests())]],
+            description="Request frames refused with INVALID_ARGUMENT because they did not parse.",
         )
         self._http = None
         self.port = 0

@@ -1,0 +1,38 @@
+"""Request frames that do not parse: INVALID_ARGUMENT, no handler reached, no log line per
+frame, and the service goes on serving."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+
+from services.cli.client import chat_request, collect
+from services.common.grpc_server import CHANNEL_OPTIONS, malformed_requests
+from tests.component.conftest import API_KEY
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+GARBAGE = [b"\xff\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x05abc", bytes(range(256))]
+
+
+async def test_unparseable_frames_are_invalid_argument_and_log_nothing(router_app, router_stub, caplog):
+    before = malformed_requests()
+    async with grpc.aio.insecure_channel(router_app.address, options=CHANNEL_OPTIONS) as channel:
+        generate = channel.unary_stream("/ballast.v1.Inference/Generate",
+                                        request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        with caplog.at_level(logging.DEBUG):
+            for frame in GARBAGE * 25:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in generate(frame, metadata=(("x-api-key", API_KEY),), timeout=10):
+                        pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                assert "does not parse as GenerateRequest" in err.value.details()
+    assert malformed_requests() - before == len(GARBAGE) * 25
+    assert "ballast_grpc_malformed_requests_total" in router_app.telemetry.render()
+    # No traceback, no line per frame: a client sending garbage cannot fill a disk.
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.records[:3]
+    # And the router still answers a well-formed request with a model answer.
+    result = await collect(router_stub, chat_request("hello", max_tokens=4, allow_degraded=False), API_KEY)
+    assert result.finished is not None and not result.finished.degradation
