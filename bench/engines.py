@@ -236,9 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {
         "preset": args.preset, "tokens_per_stream": args.tokens, "rounds": args.rounds,
-        "engines": {kind: {"start_s": r["start_s"], "rss_bytes": r["rss_bytes"],
-                           **{n: {k: v for k, v in level.items() if k != "rounds"} | {"rounds": level["rounds"]}
-                              for n, level in r["concurrency"].items()}}
+        "engines": {kind: {"start_s": r["start_s"], "rss_bytes": r["rss_bytes"], **r["concurrency"]}
                     for kind, r in engines.items()},
         "raw_vllm_tokens_per_s_at_16": engines["vllm"]["raw_vllm_tokens_per_s_at_16"],
         "vllm_resume_exact_greedy": resume["greedy"]["exact"],

@@ -7,7 +7,10 @@ temporary folder, and their process groups are killed at teardown.
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 
+from ballast.v1 import inference_pb2_grpc
+from services.cli.client import open_channel
 from services.common.localservers import EtcdServer, KafkaBroker, RedisServer
 from tests.model_fixtures import bench_model_dir, tiny_model_dir  # noqa: F401  (re-exported fixtures)
 
@@ -33,3 +36,10 @@ def kafka_broker(tmp_path_factory):
     server = KafkaBroker(tmp_path_factory.mktemp("kafka")).start()
     yield server
     server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def router(mesh):
+    """A public-API stub on the router of the module's `mesh` (a local mesh of processes)."""
+    async with open_channel(mesh.router_address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)

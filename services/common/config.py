@@ -233,7 +233,6 @@ class WorkerConfig(Section):
         10, ge=0, description="Crashes within respawn_window_s after which the keeper gives up (exit 1).")
     respawn_window_s: float = Field(60.0, gt=0, description="Window of respawn_max.")
 
-
     @field_validator("vllm_cpu_threads_bind", mode="before")
     @classmethod
     def _core_list_as_text(cls, value):

@@ -19,14 +19,12 @@ must share one model version.
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import os
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -335,7 +333,7 @@ def build_tiny_model(out_dir: Path, preset: str = "tiny",
     }))
     _write(out_dir / "model.safetensors", save(tensors, metadata={"format": "pt"}))
     _write(out_dir / "ballast.json", _json({
-        "preset": preset, "spec": dataclasses.asdict(p), "parameters": params, "vocab_size": vocab_size,
+        "preset": preset, "spec": asdict(p), "parameters": params, "vocab_size": vocab_size,
         "train_steps": p.train_steps, "final_loss": None if loss is None else round(loss, 4),
     }))
     say(f"done in {time.monotonic() - started:.1f}s ({params} parameters)")
@@ -352,7 +350,7 @@ def built_preset(out_dir: Path) -> tuple[str, bool] | None:
     preset = marker.get("preset")
     if preset not in PRESETS:
         return None
-    current = marker.get("spec") == dataclasses.asdict(PRESETS[preset]) and \
+    current = marker.get("spec") == asdict(PRESETS[preset]) and \
         (Path(out_dir) / "model.safetensors").exists()
     return preset, current
 

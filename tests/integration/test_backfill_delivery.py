@@ -25,8 +25,7 @@ from services.degrade.ladder import Level
 from services.degrade.topics import DEADLETTER_TOPIC, DLQ_ERROR_HEADER
 from services.router.requests import InferenceRequest
 from tests.component.test_backfill_handoff import read_topic
-# router: the same fixture, on this module's mesh.
-from tests.integration.test_mesh import metric_value, registered_ids, router, scrape  # noqa: F401
+from tests.integration.test_mesh import metric_value, registered_ids, scrape
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 

@@ -15,10 +15,9 @@ import uuid
 
 import grpc
 import pytest
-import pytest_asyncio
 
-from ballast.v1 import backfill_pb2, common_pb2, inference_pb2_grpc
-from services.cli.client import chat_request, collect, open_channel
+from ballast.v1 import backfill_pb2, common_pb2
+from services.cli.client import chat_request, collect
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.common.config import BallastConfig
 from services.common.generation import Sampling
@@ -52,12 +51,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running = Mesh(spec).start()
     yield running
     running.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def router(mesh):
-    async with open_channel(mesh.router_address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
 
 
 async def first_answer(stub, timeout_s: float = 90.0, **target) -> backfill_pb2.BackfilledAnswer:

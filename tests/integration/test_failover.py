@@ -52,12 +52,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running.stop()
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def router(mesh):
-    async with open_channel(mesh.router_address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
-
-
 class References(list):
     """The greedy token ids per prompt, and how long the batch of all of them took: faults
     are timed as fractions of it, so they hit streams in flight on a fast machine and a slow

@@ -10,9 +10,8 @@ import asyncio
 import time
 
 import pytest
-import pytest_asyncio
 
-from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from ballast.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
@@ -43,12 +42,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running = Mesh(spec).start()
     yield running
     running.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def router(mesh):
-    async with open_channel(mesh.router_address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
 
 
 async def wait_metric(port: int, name: str, at_least: float, timeout: float = 20.0, **labels) -> bool:

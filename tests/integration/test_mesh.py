@@ -10,10 +10,9 @@ import time
 
 import grpc
 import pytest
-import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ballast.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from ballast.v1 import worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
@@ -38,12 +37,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running = Mesh(spec).start()
     yield running
     running.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def router(mesh):
-    async with open_channel(mesh.router_address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
 
 
 def etcd_config(mesh):

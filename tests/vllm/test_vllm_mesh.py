@@ -18,14 +18,13 @@ import json
 import grpc
 import jsonschema
 import pytest
-import pytest_asyncio
 
 from tests.vllm.conftest import require_vllm
 
 require_vllm()
 
-from ballast.v1 import common_pb2, inference_pb2_grpc  # noqa: E402
-from services.cli.client import chat_request, collect, open_channel  # noqa: E402
+from ballast.v1 import common_pb2  # noqa: E402
+from services.cli.client import chat_request, collect  # noqa: E402
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec  # noqa: E402
 from services.cli.etcd_view import list_workers  # noqa: E402
 from services.common.membership import make_client  # noqa: E402
@@ -73,12 +72,6 @@ def mesh(tmp_path_factory, bench_model_dir):
     running = Mesh(spec).start()
     yield running
     running.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def router(mesh):
-    async with open_channel(mesh.router_address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
 
 
 def request(prompt: str, seeded: bool):

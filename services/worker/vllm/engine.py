@@ -146,16 +146,18 @@ class AsyncLLMClient:
     def scheduler_stats(self) -> SchedulerSnapshot | None:
         return self._sink.latest
 
+    def _cache_config(self) -> Any:
+        # Filled in by the engine core after profiling: how many KV blocks it allocated.
+        return getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
+
     def kv_capacity_tokens(self) -> int | None:
-        # The engine core reports how many KV blocks it allocated after profiling; one of
-        # them is vLLM's reserved null block, never given to a request.
-        cache = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
+        # One of the blocks is vLLM's reserved null block, never given to a request.
+        cache = self._cache_config()
         blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
         return (int(blocks) - 1) * int(size) if blocks and size else None
 
     def kv_block_tokens(self) -> int | None:
-        cache = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
-        size = getattr(cache, "block_size", None)
+        size = getattr(self._cache_config(), "block_size", None)
         return int(size) if size else None
 
     def shutdown(self) -> None:

@@ -15,7 +15,7 @@ changes what Ballast asked for):
 Seeded sampling is exact across replicas. vLLM seeds one generator per request and advances it
 with every draw, so its own sampler cannot resume a stream at generated position k. A seeded
 request is therefore sent to vLLM as greedy, with `extra_args` naming the seed, the temperature,
-top_p and k (`processors.sampler_args`): Ballast's logits processor inside vLLM picks the token
+top_p and k (`request_args.sampler_args`): Ballast's logits processor inside vLLM picks the token
 at position p exactly as the torch engine does (a generator seeded by (seed, p) alone) and
 leaves it the only choice. A resumed stream continues with the tokens the uninterrupted one
 would have drawn; an uninterrupted one is reproducible from its seed.
@@ -23,7 +23,7 @@ would have drawn; an uninterrupted one is reproducible from its seed.
 Guided decoding: a fresh stream uses vLLM's structured outputs. vLLM's grammar starts at the
 first generated token and cannot be advanced over tokens that arrive as part of the prompt, so
 a stream resumed mid-document instead carries the schema and the ids already generated
-(`processors.guide_args`) to Ballast's processor, which masks with the same grammar from where
+(`request_args.guide_args`) to Ballast's processor, which masks with the same grammar from where
 the first replica stopped (`SamplingPlan.resumed_guide`).
 """
 
