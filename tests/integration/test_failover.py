@@ -96,6 +96,17 @@ async def wait_registered(mesh, names, timeout=30.0):
         await asyncio.sleep(0.2)
 
 
+async def busiest_worker(mesh):
+    """The worker with the most streams in flight now: the router may keep a just-restarted
+    worker in slow start, so a fixed choice of victim can hold no stream at all."""
+    counts = {}
+    for worker in mesh.workers():
+        counts[worker.name] = metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight")
+    busiest = max(mesh.workers(), key=lambda w: counts[w.name])
+    assert counts[busiest.name] > 0, f"no worker has a stream in flight: {counts}"
+    return busiest
+
+
 async def test_kill9_at_random_points_loses_no_stream(mesh, router, references):
     rng = random.Random(20261129)
     streams = [
@@ -124,7 +135,7 @@ async def test_stalled_worker_is_detected_and_streams_resume(mesh, router, refer
         for p in PROMPTS[:9]
     ]
     await asyncio.sleep(0.2 * references.duration_s)
-    victim = mesh.workers()[0]
+    victim = await busiest_worker(mesh)
     os.kill(victim.pid, signal.SIGSTOP)
     try:
         results = await asyncio.gather(*streams)
