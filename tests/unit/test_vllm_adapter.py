@@ -836,13 +836,29 @@ def test_connector_keys_match_the_torch_engines_block_names():
     assert stored_layout(ModelFacts(1, 1, 1, 1, "bfloat16", 0, mla_latent_dim=8), "bfloat16", 32) is None
 
 
+def _vec_pages(keys, values, page_table, pages, page):
+    """A layer's KV in vLLM's CPU "vec" layout, written by hand from its definition:
+    [pages, heads, page, 2 * head_dim], per (page, head) the keys transposed then the values."""
+    import torch
+
+    _one, heads, tokens, head_dim = keys.shape
+    cache = torch.zeros(pages, heads, page, 2 * head_dim, dtype=keys.dtype)
+    flat = cache.view(pages, heads, 2 * page * head_dim)
+    for t in range(tokens):
+        slot, offset = page_table[t // page], t % page
+        for d in range(head_dim):
+            flat[slot, :, d * page + offset] = keys[0, :, t, d]
+        flat[slot, :, page * head_dim + offset * head_dim:page * head_dim + (offset + 1) * head_dim] = values[0, :, t]
+    return cache
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kv_first", [True, False])
-def test_paged_blocks_gather_to_the_torch_engines_bytes(dtype, kv_first):
+def test_cpu_pages_gather_to_the_torch_engines_bytes_and_scatter_back(dtype):
     torch = pytest.importorskip("torch")
     from services.cache.types import KVLayout
     from services.worker.kv.tensors import NAMED_DTYPES, encode_blocks
-    from services.worker.vllm.kv_keys import ConnectorKeys, block_payload, gather_block, scatter_block
+    from services.worker.vllm.kv_keys import ConnectorKeys
+    from services.worker.vllm.kv_pages import block_from_payload, block_payload, gather_block, scatter_block
 
     layers, heads, head_dim, block, page = 3, 2, 4, 8, 4
     keys = ConnectorKeys("v", block, page)
@@ -855,24 +871,25 @@ def test_paged_blocks_gather_to_the_torch_engines_bytes(dtype, kv_first):
     expected = encode_blocks(pairs, layout, 0, 2)
 
     page_table = [5, 0, 7, 2]  # the request's pages, in token order, scattered over 9 pages
-    caches = []
-    for k, v in pairs:
-        paged = torch.zeros(2, 9, page, heads, head_dim, dtype=NAMED_DTYPES[dtype])
-        for t in range(tokens):
-            paged[0, page_table[t // page], t % page] = k[0, :, t]
-            paged[1, page_table[t // page], t % page] = v[0, :, t]
-        caches.append(paged if kv_first else paged.transpose(0, 1).contiguous())
+    caches = [_vec_pages(k, v, page_table, 9, page) for k, v in pairs]
     for index in range(2):
-        gathered = gather_block(caches, keys.pages_of(index, page_table), layout, kv_first)
-        payload, crc = block_payload(gathered)
+        pages = keys.pages_of(index, page_table)
+        payload, crc = block_payload(gather_block(caches, pages, head_dim))
         assert bytes(payload) == bytes(expected[index][0]) and crc == expected[index][1]
 
         fresh = [torch.zeros_like(c) for c in caches]
-        scatter_block(gathered, fresh, keys.pages_of(index, page_table), layout, kv_first)
+        restored = block_from_payload(bytearray(payload), layout.shape, NAMED_DTYPES[dtype])
+        scatter_block(restored, fresh, pages, head_dim)
         for original, copy in zip(caches, fresh):
-            for p in keys.pages_of(index, page_table):
-                select = (slice(None), p) if kv_first else (p,)
-                assert torch.equal(original[select], copy[select])
+            assert torch.equal(original[pages], copy[pages])
+            others = [p for p in range(9) if p not in pages]
+            assert not copy[others].any()
+
+        # Pages vLLM's prefix cache already holds are left as they are.
+        fresh = [torch.full_like(c, 7.0) for c in caches]
+        scatter_block(restored, fresh, pages, head_dim, skip_pages=1)
+        for original, copy in zip(caches, fresh):
+            assert (copy[pages[0]] == 7.0).all() and torch.equal(original[pages[1]], copy[pages[1]])
 
 
 # --- the shared conformance suite, through the adapter over the stand-in ---------------------

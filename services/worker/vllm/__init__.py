@@ -11,11 +11,15 @@ Modules:
   errors       vLLM exceptions -> Ballast typed errors (pure)
   stats        vLLM scheduler stats -> EngineStats, through a stat logger
   engine       VllmEngine itself
-  kv_keys      session KV: block names and block layout shared with the torch engine
-  connector    the vLLM KV-connector skeleton over kv_keys (not wired; see its docstring)
+  kv_keys      session KV: block names and block layout shared with the torch engine (pure)
+  kv_pages     vLLM's CPU KV pages <-> stored blocks (torch)
+  connector_config  what the KV connector is told, and whether to configure it (pure)
+  connector_plan    the connector's scheduler-side bookkeeping: loads and saves per step (pure)
+  store_link   blocking cache-service calls from inside vLLM's processes
+  connector    BallastKVConnector, the KV connector vLLM loads
 
-Nothing here but `processors` (which only vLLM's engine process loads) imports vLLM at module
-level: vLLM comes with the `vllm` or `gpu` extra, and the pure parts are tested without it.
+Nothing here but `processors` and `connector` (which only vLLM's engine processes load)
+imports vLLM at module level: vLLM comes with the `vllm` or `gpu` extra, and the pure parts are tested without it.
 """
 
 from services.worker.vllm.api import VllmApi, VllmNotInstalled, detect_vllm_api

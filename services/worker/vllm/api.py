@@ -52,6 +52,11 @@ class VllmApi:
     platform: str = "cuda"
     # The engine argument class that picks the structured-output backend; None: vLLM's default.
     structured_config_class: Any = None
+    # KVTransferConfig (configures a KV connector); None where this vLLM has none.
+    kv_transfer_config_class: Any = None
+    # On CPUs: vLLM's choice of attention kernel, (dtype, block_size, head_size, kv_cache_dtype)
+    # -> "vec", "amx", ...; it decides how keys are packed in a page (`kv_pages`).
+    cpu_attention_isa: Callable[..., str] | None = None
 
     @property
     def error_types(self) -> VllmErrorTypes:
@@ -138,6 +143,9 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
     is_cpu = getattr(current, "is_cpu", None)
     platform = "cpu" if callable(is_cpu) and is_cpu() else "cuda"
 
+    kv_transfer = _find(importer, (("vllm.config.kv_transfer", "KVTransferConfig"),
+                                   ("vllm.config", "KVTransferConfig")))
+    cpu_isa = _find(importer, (("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa"),)) if platform == "cpu" else None
     stat_logger_base = None
     if kind == "AsyncLLM":
         stat_logger_base = _find(importer, (("vllm.v1.metrics.loggers", "StatLoggerBase"),
@@ -163,4 +171,6 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
         client_errors=tuple(client),
         platform=platform,
         structured_config_class=structured_config,
+        kv_transfer_config_class=kv_transfer,
+        cpu_attention_isa=cpu_isa,
     )

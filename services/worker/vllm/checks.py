@@ -72,6 +72,9 @@ class VllmSettings:
     reserve_bytes: int = 0  # GPU memory to assume for activations and CUDA graphs
     cpu_kv_cache_bytes: int = 1 * GIB  # on CPUs: host memory for the KV cache
     cpu_threads_bind: str = "auto"  # on CPUs: cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)
+    # Session KV persistence through the cache service (connector_config.StoreSettings);
+    # None: worker.cache_address unset or worker.kv_restore_policy "never".
+    store: Any = None
 
     @classmethod
     def from_worker_config(cls, worker: Any) -> "VllmSettings":
@@ -87,7 +90,16 @@ class VllmSettings:
             max_waiting=worker.max_queue,
             cpu_kv_cache_bytes=int(worker.vllm_cpu_kv_cache_gib * GIB),
             cpu_threads_bind=worker.vllm_cpu_threads_bind,
+            store=_store_settings(worker),
         )
+
+
+def _store_settings(worker: Any) -> Any:
+    if not worker.cache_address or worker.kv_restore_policy == "never":
+        return None
+    from services.worker.vllm.connector_config import StoreSettings
+
+    return StoreSettings.from_worker_config(worker)
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,8 @@ class EnginePlan:
     kv_budget_bytes: int | None
     kv_capacity_tokens: int | None
     platform: str = "cuda"  # "cuda" or "cpu" (vLLM's CPU build: KV in host memory)
+    # Session KV through the cache service (connector_config.ConnectorSetup); None: off.
+    connector: Any = None
 
 
 def normalise_dtype(name: Any) -> str:

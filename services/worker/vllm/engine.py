@@ -18,9 +18,12 @@ by itself. EOS tokens are never emitted (as on the torch engine). Closing or can
 stream aborts the vLLM request (in a finally), and vLLM errors become typed errors
 (`errors`).
 
-Session KV on this path is vLLM's own prefix cache (per tenant, through `cache_salt`);
-persistence through the cache service needs the KV connector, which is not wired yet (see
-`connector`).
+Session KV: vLLM's own prefix cache (per tenant, through `cache_salt`), and, with
+`worker.cache_address` set, persistence through the cache service by Ballast's KV connector
+(`connector`), configured at start when vLLM's page layout here is one Ballast writes
+(`connector_config.plan_connector`; otherwise session prefixes are recomputed and every
+session request counts the reason in `ballast_worker_kv_decisions`). Session requests carry
+their tenant to the connector; its counts come back with vLLM's stats as the KV metrics.
 
 Stats: running, waiting and KV-cache use come from vLLM's scheduler stats (`stats`).
 """
@@ -42,6 +45,13 @@ from services.worker.engine import EngineRequest, EngineStats, FinishReason, Mod
 from services.worker.guided import GuideCompiler, GuideMismatch
 from services.worker.model_files import describe_model
 from services.worker.vllm.api import VllmApi, detect_vllm_api
+from services.worker.vllm.connector_config import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    ConnectorSetup,
+    plan_connector,
+    session_params,
+)
 from services.worker.vllm.checks import (
     EnginePlan,
     VllmSettings,
@@ -112,6 +122,13 @@ def engine_args(model_dir: Path, model_name: str, settings: VllmSettings, plan: 
         args["kv_cache_memory_bytes"] = plan.kv_budget_bytes
     else:
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    setup: ConnectorSetup | None = plan.connector
+    if setup is not None and api is not None:
+        # A page is a stored block, so a block never straddles pages of two requests.
+        args["block_size"] = setup.store.block_tokens
+        args["kv_transfer_config"] = api.kv_transfer_config_class(
+            kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
+            kv_load_failure_policy="recompute", kv_connector_extra_config=setup.extra_config())
     if api is not None and api.structured_config_class is not None:
         # llguidance with compact JSON: the grammar Ballast's own guide (resumed streams, the
         # torch engine) uses, so a stream guided here and resumed elsewhere stays consistent.
@@ -126,6 +143,10 @@ class AsyncLLMClient:
     def __init__(self, engine: Any, sink: SchedulerStatsSink) -> None:
         self._engine = engine
         self._sink = sink
+
+    def watch_connector(self, callback: Callable[[dict[str, float]], None]) -> None:
+        """Calls `callback` with the KV connector's counts each time vLLM reports them."""
+        self._sink.connector_callback = callback
 
     def generate(self, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[Any]:
         return self._engine.generate(prompt, sampling_params, request_id)
@@ -233,6 +254,10 @@ class VllmEngine:
         self._guide_compiler: GuideCompiler | None = None
         self._sleeping = False
         self._sleep_lock = asyncio.Lock()
+        # Session KV through the cache service: the connector, or why there is none.
+        self._connector: ConnectorSetup | None = None
+        self._connector_off = "no_cache"
+        self._kv_metrics: Any = None
 
     # --- lifecycle ------------------------------------------------------------------
     @property
@@ -261,6 +286,16 @@ class VllmEngine:
         log.info("vLLM %s (%s): dtype %s, KV %s (%d bytes/token), max_model_len %d, estimated KV "
                  "capacity %s tokens", api.version, api.engine_kind, plan.dtype, plan.kv_cache_dtype,
                  plan.kv_bytes_per_token, plan.max_model_len, plan.kv_capacity_tokens)
+        self._connector, self._connector_off = plan_connector(
+            self._settings.store, self._description.version, self._facts, plan, api.platform,
+            api.cpu_attention_isa)
+        if self._connector is not None:
+            plan = replace(plan, connector=self._connector)
+            log.info("session KV through the cache service at %s (blocks of %d tokens)",
+                     self._connector.store.address, self._connector.store.block_tokens)
+        elif self._settings.store is not None:
+            log.warning("session KV persistence is off on vLLM here (%s): session prefixes are "
+                        "recomputed", self._connector_off)
         client = self._factory(api, self._dir, self._description.name, self._settings, plan)
         if inspect.isawaitable(client):
             client = await client
@@ -272,6 +307,48 @@ class VllmEngine:
         elif self._settings.sleep_on_standby:
             log.info("vLLM on %s has no sleep mode: a standby stays loaded (not routable until promoted)",
                      api.platform)
+
+    def attach_kv(self, metrics: Any, session_kv: Any = None) -> bool:
+        """Reports session KV through `metrics` (services.worker.kv.KVMetrics); with a
+        `session_kv` (services.worker.kv.SessionKV) its probe reports the cache's health
+        while the connector moves the blocks. Call after start(). False when sessions are
+        not persisted here (the reason was logged at start)."""
+        self._kv_metrics = metrics
+        watch = getattr(self._client, "watch_connector", None)
+        if watch is not None:
+            watch(self._record_connector)
+        if session_kv is None:
+            return True
+        if self._connector is None:
+            return False
+        session_kv.bind(self._description.version, self._connector.layout)
+        return True
+
+    def _record_connector(self, counts: dict[str, float]) -> None:
+        metrics = self._kv_metrics
+        if metrics is None or self._connector is None:
+            return
+        block = self._connector.store.block_tokens
+        for name, value in counts.items():
+            kind, _, detail = name.partition(".")
+            if not value:
+                continue
+            if kind == "lookups":
+                metrics.lookups.add(value, {"result": detail})
+            elif kind == "restore_failures":
+                metrics.restore_failures.add(value, {"reason": detail})
+            elif kind == "saves":
+                metrics.saves.add(value, {"outcome": detail})
+            elif kind == "saved_blocks":
+                metrics.saved_blocks.add(value)
+            elif kind == "restored_blocks":
+                metrics.prefix_tokens.add(value * block, {"source": "cache"})
+        restores = counts.get("restores", 0)
+        if restores:
+            metrics.restore_ms.record(counts.get("restore_ms", 0.0) / restores)
+        saves = counts.get("saves.saved", 0)
+        if saves:
+            metrics.save_ms.record(counts.get("save_ms", 0.0) / saves)
 
     async def stop(self) -> None:
         """Shuts vLLM down; streams still open fail Unavailable and resume elsewhere."""
@@ -453,6 +530,11 @@ class VllmEngine:
                 log.warning("vLLM %s has no guided decoding: response_format is only validated "
                             "after generation", api.version)
             kwargs.update(api.structured(plan.schema))
+        if request.session_id:
+            if self._connector is not None:
+                kwargs["extra_args"] = {**(kwargs.get("extra_args") or {}), **session_params(request.tenant)}
+            elif self._kv_metrics is not None and self._settings.store is not None:
+                self._kv_metrics.decisions.add(1, {"choice": "recompute", "reason": self._connector_off})
         try:
             return api.sampling_params(**kwargs)
         except Exception as exc:  # vLLM validates its parameters on construction

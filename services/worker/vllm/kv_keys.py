@@ -1,4 +1,4 @@
-"""Session KV on the vLLM path: block names and block bytes shared with the torch engine.
+"""Session KV on the vLLM path: block names shared with the torch engine.
 
 The cache service stores a session's KV in blocks of `worker.kv_block_tokens` tokens, named
 by chained hashes over (model version, tenant, block size, tokens) (`services.cache.blocks`)
@@ -7,27 +7,21 @@ dtype (`services.worker.kv.tensors`). A vLLM worker that names and lays out its 
 same way shares them with torch workers of the same model version: a session can fail over
 between the two engines and still restore its prefix.
 
-vLLM keeps KV in pages of `block_size` tokens (16 by default) scattered over one paged
-tensor per layer. This module maps between the two:
-  * `ConnectorKeys`: a stored block is `block_tokens / block_size` whole pages, so the
-    stored block size must be a multiple of vLLM's page size; names come from the same
-    `chain_hashes`, with the tenant carried to vLLM as the request's `cache_salt`.
-  * `gather_block` / `scatter_block`: one stored block out of (into) the pages that hold it,
-    for the paged layouts (2, pages, page_tokens, kv_heads, head_dim) (FlashAttention) and
-    (pages, 2, page_tokens, kv_heads, head_dim) (FlashInfer), keys after RoPE as both
-    engines keep them.
+vLLM keeps KV in pages of `block_size` tokens scattered over one paged tensor per layer.
+`ConnectorKeys` maps a request to stored blocks: a stored block is `block_tokens /
+block_size` whole pages, so the stored block size must be a multiple of vLLM's page size;
+names come from the same `chain_hashes`, the tenant being the one the worker authenticated.
+The bytes of a block move between pages and the store in `kv_pages`.
 
 Not covered, and refused by `stored_layout` (None): fp8 KV (the store holds 16/32-bit
 blocks only, and fp8 needs its scales), multi-head latent attention, and sliding-window or
-hybrid models. The tensor functions are checked on CPU against the torch engine's encoder;
-the connector that would call them from inside vLLM is a skeleton (`connector`).
+hybrid models.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from services.cache.blocks import chain_hashes
 from services.cache.types import DTYPE_SIZES, KVLayout, KVScope
@@ -88,49 +82,3 @@ class ConnectorKeys:
             raise ValueError(f"block {block_index} needs pages {first}..{first + self.pages_per_block - 1}; "
                              f"the request has {len(page_ids)}")
         return pages
-
-
-def paged_view(layer_cache: Any, kv_first: bool = True) -> Any:
-    """A layer's paged KV as (2, pages, page_tokens, kv_heads, head_dim). FlashAttention's
-    layout is already that; FlashInfer's puts pages first."""
-    return layer_cache if kv_first else layer_cache.transpose(0, 1)
-
-
-def gather_block(layer_caches: Sequence[Any], page_ids: Sequence[int], layout: KVLayout,
-                 kv_first: bool = True) -> Any:
-    """One stored block [layers, 2, kv_heads, block_tokens, head_dim] copied out of the
-    pages `page_ids` (in token order) of every layer's paged KV."""
-    import torch
-
-    layers, two, heads, block, head_dim = layout.shape
-    out = torch.empty(layout.shape, dtype=paged_view(layer_caches[0], kv_first).dtype,
-                      device=layer_caches[0].device)
-    index = torch.as_tensor(list(page_ids), device=layer_caches[0].device)
-    for layer, cache in enumerate(layer_caches):
-        pages = paged_view(cache, kv_first).index_select(1, index)  # (2, n, page, heads, dim)
-        tokens = pages.reshape(two, block, heads, head_dim)
-        out[layer].copy_(tokens.permute(0, 2, 1, 3))
-    return out
-
-
-def scatter_block(block: Any, layer_caches: Sequence[Any], page_ids: Sequence[int], layout: KVLayout,
-                  kv_first: bool = True) -> None:
-    """Writes a stored block back into the pages `page_ids` of every layer's paged KV."""
-    import torch
-
-    layers, two, heads, tokens, head_dim = layout.shape
-    page_tokens = tokens // len(page_ids)
-    index = torch.as_tensor(list(page_ids), device=layer_caches[0].device)
-    for layer, cache in enumerate(layer_caches):
-        view = paged_view(cache, kv_first)
-        source = block[layer].to(device=view.device, dtype=view.dtype).permute(0, 2, 1, 3)
-        view.index_copy_(1, index, source.reshape(two, len(page_ids), page_tokens, heads, head_dim))
-
-
-def block_payload(block: Any) -> tuple[memoryview, int]:
-    """A gathered block as the cache service stores it: its bytes (CPU) and their CRC-32."""
-    import torch
-
-    flat = block.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-    view = memoryview(flat.numpy()).cast("B")
-    return view, zlib.crc32(view)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from services.worker.engine import EngineStats
 
@@ -44,10 +44,16 @@ class SchedulerStatsSink:
 
     def __init__(self) -> None:
         self.latest: SchedulerSnapshot | None = None
+        # Receives the KV connector's counts (a dict) whenever a step reports some.
+        self.connector_callback: Callable[[dict[str, float]], None] | None = None
 
     def record(self, scheduler_stats: Any) -> None:
-        if scheduler_stats is not None:
-            self.latest = snapshot_of(scheduler_stats)
+        if scheduler_stats is None:
+            return
+        self.latest = snapshot_of(scheduler_stats)
+        counts = getattr(scheduler_stats, "kv_connector_stats", None)
+        if counts and self.connector_callback is not None:
+            self.connector_callback(dict(counts))
 
     def logger_class(self, base: type) -> type:
         """A StatLoggerBase subclass writing into this sink. vLLM calls a logger factory with
