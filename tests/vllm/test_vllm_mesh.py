@@ -7,7 +7,8 @@ vLLM's engine process) while greedy and seeded sampled streams are in flight: ev
 must equal its uninterrupted reference token for token, and none may be a degraded answer.
 A JSON-Schema request is answered VALID through vLLM's guided decoding, and a request whose
 deadline passes mid-stream leaves nothing running on the workers. A vLLM warm standby is
-loaded and unroutable until promoted, then serves.
+loaded and unroutable until promoted, then serves. A session whose worker is killed between
+turns continues on the other vLLM worker from the prefix the first one saved in the cache.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec  # noqa: E402
 from services.cli.etcd_view import list_workers  # noqa: E402
 from services.common.membership import make_client  # noqa: E402
 from services.common.worker_roles import SERVING, request_role  # noqa: E402
-from tests.integration.test_mesh import etcd_config, metric_value, scrape  # noqa: E402
+from tests.integration.test_mesh import etcd_config, metric_value, registered_ids, scrape  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
@@ -100,6 +101,56 @@ async def test_a_deadline_ends_the_stream_and_frees_the_vllm_request(mesh, route
     while any((loads := await worker_loads(mesh)).values()):
         assert loop.time() < deadline, f"streams still in flight after the deadline: {loads}"
         await asyncio.sleep(0.1)
+
+
+async def worker_metric(worker, name: str, **labels) -> float:
+    return metric_value(await scrape(worker.metrics_port), name, **labels)
+
+
+def conversation(turns: list[tuple[str, str]], session_id: str):
+    message = chat_request("", max_tokens=24, session_id=session_id, allow_degraded=False)
+    del message.conversation.messages[:]
+    for role, content in turns:
+        message.conversation.messages.add(role=role, content=content)
+    return message
+
+
+async def test_a_session_whose_vllm_worker_died_continues_on_the_other_from_the_stored_prefix(mesh, router):
+    question = ("I ordered a blue kettle two weeks ago, order 5120, and the tracking page still says "
+                "that the label was created but nothing has been shipped. What happened to it?")
+    first = await collect(router, conversation([("user", question)], "vllm-session"), LOCAL_API_KEY, timeout=120)
+    assert_full_answer(first)
+    # The worker that served the turn saved the session's blocks through the KV connector.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:
+        saved = {w.name: await worker_metric(w, "ballast_worker_kv_saved_blocks_total") for w in mesh.workers()}
+        if any(saved.values()):
+            break
+        assert loop.time() < deadline, "no worker saved the session's blocks"
+        await asyncio.sleep(0.2)
+    victim = next(w for w in mesh.workers() if saved[w.name])
+    survivor = next(w for w in mesh.workers() if w is not victim)
+    victim.process.kill()
+    try:
+        turns = [("user", question), ("assistant", first.text), ("user", "Can you refund it instead?")]
+        restored_before = await worker_metric(survivor, "ballast_worker_kv_prefix_tokens_total", source="cache")
+        second = await collect(router, conversation(turns, "vllm-session"), LOCAL_API_KEY, timeout=120)
+        assert_full_answer(second)
+        deadline = loop.time() + 15
+        while await worker_metric(survivor, "ballast_worker_kv_prefix_tokens_total", source="cache") <= restored_before:
+            assert loop.time() < deadline, "the surviving worker restored nothing from the cache"
+            await asyncio.sleep(0.2)
+        # The same turn recomputed (no session: no restore) gives the same answer.
+        reference = await collect(router, conversation(turns, ""), LOCAL_API_KEY, timeout=120)
+        assert_full_answer(reference)
+        assert second.token_ids == reference.token_ids
+    finally:
+        await asyncio.to_thread(mesh.restart_service, victim)
+    deadline = loop.time() + 60
+    while victim.name not in await registered_ids(mesh):
+        assert loop.time() < deadline, "the restarted worker did not register"
+        await asyncio.sleep(0.2)
 
 
 async def test_kill9_mid_stream_greedy_and_seeded_streams_equal_their_references(mesh, router):
