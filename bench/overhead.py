@@ -4,9 +4,11 @@ One run starts a local mesh with one worker, then sends N requests alternating b
 the two paths (direct, routed, direct, ...) so both see the same machine state. The direct
 client sends prompt token ids it prepared beforehand; the routed client sends text, so the
 router's authentication, validation, tokenization, balancing and relaying all count as
-overhead. Prints a table and writes bench/results/overhead.json.
+overhead. The measurement is repeated (`--reps`, on the same mesh): added latencies and the
+relay ratio are judged on the median of the repetitions, their range reported beside it.
+Prints a table and writes bench/results/overhead.json; exits 1 when a goal is missed.
 
-    python -m bench.overhead [--requests 200] [--max-tokens 32] [--preset tiny]
+    python -m bench.overhead [--requests 200] [--reps 3] [--max-tokens 32] [--preset tiny]
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ import time
 from pathlib import Path
 
 from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
+from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.router.tokenization import ModelTokenizer
+
+GOALS = (
+    Goal("added TTFT p50 through the router", "added_ttft_p50_ms", 0.5, LOWER, " ms"),
+    Goal("added TTFT p99 through the router", "added_ttft_p99_ms", 3.0, LOWER, " ms"),
+    Goal("router tokens/s over direct tokens/s", "relay_ratio", 0.9, HIGHER),
+)
+REPEATED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_e2e_p50_ms", "added_e2e_p99_ms", "relay_ratio")
 
 PROMPTS = [
     "Where is my order? I paid for a blue phone case yesterday.",
@@ -101,38 +111,45 @@ def _summarise(samples: dict) -> dict:
 
 
 def run_benchmark(requests: int = 200, max_tokens: int = 32, preset: str = "tiny",
-                  out: Path = Path("bench/results/overhead.json")) -> int:
+                  out: Path = Path("bench/results/overhead.json"), reps: int = 3) -> int:
     model_dir = model_dir_for(preset)
+    runs = []
     with tempfile.TemporaryDirectory(prefix="ballast-bench-") as state:
         mesh = Mesh(MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=1))
         mesh.start()
         try:
-            samples = asyncio.run(_measure(mesh, requests, max_tokens))
+            for _ in range(reps):
+                runs.append(_summarise(asyncio.run(_measure(mesh, requests, max_tokens))))
         finally:
             mesh.stop()
-    result = _summarise(samples)
-    result.update({"requests": requests, "max_tokens": max_tokens, "preset": preset,
-                   "goal": {"added_ttft_p50_ms": 0.5, "added_ttft_p99_ms": 3.0, "relay_ratio": 0.9}})
+    # The run whose added TTFT p99 is the median stands for the table; every run is kept.
+    runs_by_p99 = sorted(runs, key=lambda r: r["added_ttft_p99_ms"])
+    result = dict(runs_by_p99[len(runs_by_p99) // 2])
+    measured = {key: [run[key] for run in runs] for key in REPEATED}
+    result.update({"requests": requests, "reps": reps, "max_tokens": max_tokens, "preset": preset,
+                   "engine": "torch", "runs": runs, **judge(GOALS, measured)})
     rows = []
     for metric in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "tokens_per_s"):
         d, r = result["direct"][metric], result["router"][metric]
         rows.append([metric, d, r, r - d])
-    print(f"\nrouter overhead: {requests} requests per path, {max_tokens} tokens each, {preset} model")
+    print(f"\nrouter overhead: {reps} x {requests} requests per path, {max_tokens} tokens each, {preset} model "
+          "(the median run)")
     print_table(["metric", "direct", "router", "added"], rows)
-    print(f"relay ratio (router tokens/s / direct tokens/s): {result['relay_ratio']:.3f}")
+    print_goals(result)
     print(f"wrote {write_result(out, result)}")
-    return 0
+    return 0 if result["met"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=3, help="repetitions; noisy metrics are judged on the median")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
     parser.add_argument("--out", type=Path, default=Path("bench/results/overhead.json"))
     args = parser.parse_args(argv)
     stop_on_sigterm()
-    return run_benchmark(args.requests, args.max_tokens, args.preset, args.out)
+    return run_benchmark(args.requests, args.max_tokens, args.preset, args.out, args.reps)
 
 
 if __name__ == "__main__":

@@ -182,22 +182,17 @@ def cmd_chat(args) -> int:
     return asyncio.run(run())
 
 
-def cmd_bench_overhead(args) -> int:
-    from bench.overhead import run_benchmark
+def cmd_bench(args) -> int:
+    """`ballast bench NAME [options]`: runs bench.NAME's own command line."""
+    import importlib
 
-    return run_benchmark(requests=args.requests, max_tokens=args.max_tokens, preset=args.preset, out=args.out)
+    from bench.all import BENCHMARKS
 
-
-def cmd_bench_tiers(args) -> int:
-    from bench.tiers import run_benchmark
-
-    return run_benchmark(seconds=args.seconds, preset=args.preset, out=args.out)
-
-
-def cmd_bench_failover(args) -> int:
-    from bench.failover import run_benchmark
-
-    return run_benchmark(kills=args.kills, interval=args.interval, clients=args.clients, out=args.out)
+    known = ["all", "report", *(b.name for b in BENCHMARKS)]
+    if args.name not in known:
+        print(f"error: unknown benchmark {args.name!r}; known: {', '.join(known)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(f"bench.{args.name}").main(args.args)
 
 
 def _rollout_call(args, make) -> int:

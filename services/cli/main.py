@@ -4,7 +4,7 @@
   ballast chat "text"              stream an answer through the router
   ballast rollout start|status|promote|abort   canary / blue-green rollouts of a model version
   ballast model build-tiny DIR     build the small CPU model
-  ballast bench overhead           measure what the router adds
+  ballast bench all [--quick]      run every benchmark, then write bench/results/REPORT.md
 """
 
 from __future__ import annotations
@@ -98,25 +98,12 @@ def _add_model(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (each prints a table and writes bench/results/<name>.json)")
-    bsub = p.add_subparsers(dest="bench_command", required=True)
-    o = bsub.add_parser("overhead", help="router overhead vs direct worker calls")
-    o.add_argument("--requests", type=int, default=200)
-    o.add_argument("--max-tokens", type=int, default=32)
-    o.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
-    o.add_argument("--out", type=Path, default=Path("bench/results/overhead.json"))
-    o.set_defaults(handler="services.cli.commands:cmd_bench_overhead")
-    t = bsub.add_parser("tiers", help="S-tier TTFT under a B flood: tiered vs FIFO")
-    t.add_argument("--seconds", type=float, default=20.0)
-    t.add_argument("--preset", choices=["tiny", "bench"], default="bench")
-    t.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
-    t.set_defaults(handler="services.cli.commands:cmd_bench_tiers")
-    f = bsub.add_parser("failover", help="streams under repeated worker kills: router vs direct")
-    f.add_argument("--kills", type=int, default=100)
-    f.add_argument("--interval", type=float, default=2.5)
-    f.add_argument("--clients", type=int, default=8)
-    f.add_argument("--out", type=Path, default=Path("bench/results/failover.json"))
-    f.set_defaults(handler="services.cli.commands:cmd_bench_failover")
+    p = sub.add_parser("bench", help="benchmarks: `all [--quick]` runs every one and writes the report; "
+                                     "each writes bench/results/<name>.json")
+    p.add_argument("name", help="all, report, or one benchmark: overhead, tiers, failover, scale, kv_restore, "
+                                "structured, context, degrade_handoff, backfill, engines")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (--help lists them)")
+    p.set_defaults(handler="services.cli.commands:cmd_bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

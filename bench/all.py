@@ -1,0 +1,79 @@
+"""Every benchmark on the checked-out code, one after another, then the report.
+
+    python -m bench.all [--quick] [--only overhead,tiers] [--skip engines]
+    make bench            (the full run; make bench QUICK=1 for a few minutes per benchmark)
+
+Each benchmark runs as its own process (`python -m bench.<name>`), so one that crashes or
+misses its goals does not stop the others; its exit status is recorded (0: goals met, 1: a
+goal missed, other: it failed). `--quick` shrinks each benchmark's load to check that the
+whole set runs and to get indicative numbers; the full run is what the README quotes. Nothing
+else should run on the machine meanwhile: the benchmarks measure a shared 2-core machine.
+Afterwards `bench.report` rewrites bench/results/REPORT.md from the result files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from bench.common import stop_on_sigterm
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    quick: tuple[str, ...] = ()
+    full: tuple[str, ...] = ()
+
+
+BENCHMARKS = (
+    Benchmark("overhead", quick=("--requests", "60", "--reps", "3")),
+    Benchmark("tiers", quick=("--seconds", "8", "--reps", "3")),
+    Benchmark("failover", quick=("--kills", "12", "--interval", "2.0")),
+    Benchmark("scale"),
+    Benchmark("kv_restore", quick=("--contexts", "256,1024", "--reps", "3")),
+    Benchmark("structured", quick=("--quick",)),
+    Benchmark("context", quick=("--conversations", "100")),
+    Benchmark("degrade_handoff", quick=("--handoffs", "500")),
+    Benchmark("backfill", quick=("--requests", "200", "--sessions", "20")),
+    Benchmark("engines", quick=("--rounds", "1", "--trials", "20")),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small loads: minutes per benchmark")
+    parser.add_argument("--only", default="", help="comma-separated benchmark names")
+    parser.add_argument("--skip", default="", help="comma-separated benchmark names")
+    args = parser.parse_args(argv)
+    stop_on_sigterm()
+    names = {b.name for b in BENCHMARKS}
+    only = {n for n in args.only.split(",") if n}
+    skip = {n for n in args.skip.split(",") if n}
+    unknown = (only | skip) - names
+    if unknown:
+        parser.error(f"unknown benchmarks {sorted(unknown)}; known: {sorted(names)}")
+    outcomes = []
+    for bench in BENCHMARKS:
+        if (only and bench.name not in only) or bench.name in skip:
+            continue
+        extra = bench.quick if args.quick else bench.full
+        print(f"\n=== bench.{bench.name} {' '.join(extra)}", flush=True)
+        started = time.monotonic()
+        code = subprocess.call([sys.executable, "-m", f"bench.{bench.name}", *extra])
+        outcomes.append((bench.name, code, time.monotonic() - started))
+    print("\nbenchmark         exit  minutes")
+    for name, code, seconds in outcomes:
+        verdict = {0: "goals met", 1: "a goal missed"}.get(code, "FAILED")
+        print(f"{name:<17} {code:>4}  {seconds / 60:6.1f}  {verdict}")
+    from bench.report import write_report
+
+    print(f"wrote {write_report()}")
+    return 0 if all(code in (0, 1) for _, code, _ in outcomes) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
