@@ -36,7 +36,7 @@ BENCHMARKS = (
     Benchmark("scale"),
     Benchmark("kv_restore", quick=("--contexts", "256,1024", "--reps", "3")),
     Benchmark("structured", quick=("--quick",)),
-    Benchmark("context", quick=("--conversations", "100")),
+    Benchmark("context"),
     Benchmark("degrade_handoff", quick=("--handoffs", "500")),
     Benchmark("backfill", quick=("--requests", "200", "--sessions", "20")),
     Benchmark("engines", quick=("--rounds", "1", "--trials", "20")),

@@ -34,6 +34,7 @@ from pathlib import Path
 import grpc
 
 from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
+from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from ballast.v1 import backfill_pb2, common_pb2, inference_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
@@ -43,6 +44,12 @@ from services.common.config import load_config
 METADATA = (("x-api-key", LOCAL_API_KEY),)
 MAX_TOKENS = 16
 LAG_GOAL_S = 10.0
+GOALS = (
+    Goal("degraded requests answered exactly once after recovery", "replayed_once_share", 1.0, HIGHER),
+    Goal("push lag p99 after recovery", "lag_p99_s", LAG_GOAL_S, LOWER, " s"),
+    Goal("answers pushed twice", "duplicates", 0, LOWER),
+    Goal("answers lost", "lost", 0, LOWER),
+)
 QUESTIONS = [
     "Where is my order {n}? I paid for a blue phone case yesterday.",
     "I want a refund for the broken charger of order {n}.",
@@ -264,8 +271,9 @@ def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency:
             mesh.stop()
     result["replay_concurrency"] = replay_concurrency
     result["worker_capacity"] = worker_capacity
-    result["goal"] = {"replayed_once": "100 %", "lag_p99_s": LAG_GOAL_S,
-                      "met": result["replayed_once"] == result["degraded"] and result["lag_p99_s"] <= LAG_GOAL_S}
+    result["engine"] = "torch"
+    result["replayed_once_share"] = result["replayed_once"] / max(1, result["degraded"])
+    result.update(judge(GOALS, result))
     latency = result["latency_ms"]
     base = latency["primary_baseline"]["p50"]
     print_table(["request path", "p50 ms", "p99 ms", "p50 x baseline"], [
@@ -286,11 +294,11 @@ def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency:
         ["replays pushed per second", result["replays_per_s"]],
         ["ready lag p99 (s)", result["ready_lag_p99_s"]],
         ["outbox drain after broker back (s)", result["outbox_drain_s"]],
-        [f"goal met (100 % once, p99 <= {LAG_GOAL_S:.0f} s)", str(result["goal"]["met"])],
     ])
+    print_goals(result)
     path = write_result(Path(out), result)
     print(f"\nwrote {path}")
-    return 0
+    return 0 if result["met"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,11 @@ starts cold: one always restores, one never does (the recompute baseline), one d
 measured cost (adaptive). For each context length, a first turn saves the session's KV;
 then the next turn (the whole context but its last token as prompt, one new token) runs on
 each engine in turn, interleaved, and TTFT is measured from the call to the first token.
-Greedy first tokens are checked equal across the three. Prints a table and writes
-bench/results/kv_restore.json.
+Greedy first tokens are checked equal across the three. Goals, judged in code: the same
+first token on every path at every length; restoring at least 2x faster than recomputing at
+the longest context; the adaptive engine never more than 1.3x slower than the faster of the
+two (each time the median of `--reps` runs). Prints a table, writes
+bench/results/kv_restore.json, exits 1 when a goal is missed.
 
     python -m bench.kv_restore [--preset bench] [--contexts 256,512,...,8192] [--reps 3]
 
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, model_dir_for, print_table, write_result
+from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from services.common.config import TelemetryConfig, load_config
 from services.common.localservers import RedisServer
 from services.common.processes import ManagedProcess, free_port, wait_port_open
@@ -160,6 +164,13 @@ async def run(args) -> dict:
     return {"rows": rows, "adaptive_estimates_1024_ms": estimates}
 
 
+GOALS = (
+    Goal("contexts where the paths' first tokens differ", "first_token_mismatches", 0, LOWER),
+    Goal("recompute TTFT over restore TTFT at the longest context", "restore_speedup_longest", 2.0, HIGHER, "x"),
+    Goal("adaptive TTFT over the faster path, worst context", "adaptive_over_best_worst", 1.3, LOWER, "x"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bench")
@@ -175,15 +186,27 @@ def main(argv: list[str] | None = None) -> int:
         ["context", "restored", "restore ms", "recompute ms", "adaptive ms", "adaptive chose", "speedup", "same token"],
         [[r["context_tokens"], r["restored_tokens"], r["restore_ttft_ms"], r["recompute_ttft_ms"],
           r["adaptive_ttft_ms"], r["adaptive_choice"], r["speedup"], r["same_first_token"]] for r in rows])
+    longest = max(rows, key=lambda r: r["context_tokens"])
+    measured = {
+        "first_token_mismatches": sum(not r["same_first_token"] for r in rows),
+        "restore_speedup_longest": longest["speedup"],
+        "adaptive_over_best_worst": max(r["adaptive_ttft_ms"] / min(r["restore_ttft_ms"], r["recompute_ttft_ms"])
+                                        for r in rows),
+    }
+    judged = judge(GOALS, measured)
+    print_goals(judged)
     path = write_result(Path(args.out), {
         "benchmark": "kv_restore",
         "preset": args.preset,
         "block_tokens": BLOCK_TOKENS,
         "reps": args.reps,
+        "engine": "torch",
         **result,
+        **measured,
+        **judged,
     })
     print(f"\nwrote {path}")
-    return 0
+    return 0 if judged["met"] else 1
 
 
 if __name__ == "__main__":
