@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, model_dir_for, print_table, write_result
-from services.common.config import TelemetryConfig, load_config
+from services.common.config import TelemetryConfig
+from services.config import load_config
 from services.common.localservers import RedisServer
 from services.common.processes import ManagedProcess, free_port, wait_port_open
 from services.common.telemetry import Telemetry

@@ -31,9 +31,9 @@ from services.backfill.pool_watch import PrimaryPoolWatch
 from services.backfill.replay import Replayer, ReplayError, ReplayErrorKind
 from services.backfill.settings import BackfillSettings
 from services.backfill.store import AnswerStore
-from services.degrade.codec import InvalidDegradedRequest, backfilled_answer_pb, decode_degraded, seconds
-from services.degrade.kafka import AsyncProducer, DeliveryFailed
-from services.degrade.topics import (
+from services.common.degraded.codec import InvalidDegradedRequest, backfilled_answer_pb, decode_degraded, seconds
+from services.common.kafka import AsyncProducer, DeliveryFailed
+from services.common.degraded.topics import (
     BACKFILLED_CONTENT_TYPE,
     CONTENT_TYPE_HEADER,
     DLQ_ATTEMPTS_HEADER,

@@ -16,8 +16,8 @@ import grpc
 from ballast.v1 import backfill_pb2, inference_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.grpc_tracing import client_interceptors
-from services.degrade.codec import ReplayResult, replay_request
-from services.degrade.ladder import NO_LIVE_WORKER
+from services.common.degraded.codec import ReplayResult, replay_request
+from services.router.degrade.ladder import NO_LIVE_WORKER
 
 
 class ReplayErrorKind(str, enum.Enum):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ballast.v1 import backfill_pb2
 from services.common.errors import InvalidArgument
-from services.degrade.codec import valid_ticket
+from services.common.degraded.codec import valid_ticket
 
 MAX_SESSION_CHARS = 128
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from ballast.v1 import inference_pb2, inference_pb2_grpc
-from services.common.config import BallastConfig
+from services.config import BallastConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.etcd_watch import KeyWatcher
 from services.common.membership import MembershipWatcher

@@ -21,7 +21,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.backfill.replay import retry_after_hint
 from services.backfill.targets import check_ticket, subscription_target
-from services.common.config import BallastConfig
+from services.config import BallastConfig
 from services.common.errors import (
     BallastError,
     Cancelled,

@@ -24,7 +24,7 @@ from opentelemetry import trace
 
 from ballast.v1 import common_pb2, inference_pb2, worker_pb2
 from services.common import tracing
-from services.common.config import RouterConfig
+from services.router.settings import RouterConfig
 from services.common.errors import (
     BallastError,
     DeadlineExceeded,

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from ballast.v1 import common_pb2, inference_pb2
-from services.common.config import RouterConfig
+from services.router.settings import RouterConfig
 from services.common.errors import InvalidArgument
 from services.common.generation import Sampling
 from services.common.sampling_pb import sampling_from_pb

@@ -17,10 +17,10 @@ import grpc
 from opentelemetry import trace
 
 from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.common.config import BallastConfig
+from services.config import BallastConfig
 from services.common.errors import BallastError, NotFound, Unavailable
 from services.common.membership import MembershipWatcher
-from services.degrade.router_hooks import Degrader
+from services.router.degrade.degrader import Degrader
 from services.router.auth import Authenticator
 from services.router.backfill_proxy import BackfillProxy
 from services.router.context.live_eval import publish_retention

@@ -15,11 +15,13 @@ from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.common.generation import Sampling
 from services.common.localservers import KafkaBroker
-from services.degrade.codec import decode_degraded, make_ticket
-from services.degrade.handoff import HandOff, HandOffSettings
-from services.degrade.ladder import Level, Reason
-from services.degrade.outbox import OutboxFull
-from services.degrade.router_hooks import Degrader, DegradeConfig
+from services.common.degraded.codec import decode_degraded, make_ticket
+from services.router.degrade.handoff import HandOff, HandOffSettings
+from services.common.degraded.codec import Level
+from services.router.degrade.ladder import Reason
+from services.router.degrade.outbox import OutboxFull
+from services.router.degrade.config import DegradeConfig
+from services.router.degrade.degrader import Degrader
 from services.router.requests import InferenceRequest, Message
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -266,7 +268,7 @@ async def test_broker_down_fills_the_outbox_and_back_drains_in_order(tmp_path, t
 
 
 async def test_outbox_left_by_a_crash_is_drained_by_the_next_start(tmp_path, kafka_broker, topic):
-    from services.degrade.outbox import Outbox
+    from services.router.degrade.outbox import Outbox
 
     path = tmp_path / "outbox.sqlite"
     with Outbox(path) as outbox:  # what a router that crashed before draining left behind

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from ballast.v1 import backfill_pb2
 from services.backfill.store import AnswerStore, Notices
-from services.degrade.codec import make_ticket, timestamp
+from services.common.degraded.codec import make_ticket, timestamp
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -20,7 +20,7 @@ from services.cache.blocks import chain_hashes
 from services.cache.client import KVCacheClient, PutBlock
 from services.cache.records import record_key
 from services.cache.types import KVLayout, KVScope
-from services.common.config import load_config
+from services.config import load_config
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.localservers import RedisServer

@@ -16,7 +16,7 @@ from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from tests.integration.test_mesh import metric_value, scrape
-from services.common.config import load_config
+from services.config import load_config
 from services.common.processes import free_port
 from services.router.tokenization import ModelTokenizer
 

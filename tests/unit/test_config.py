@@ -2,7 +2,8 @@
 
 import pytest
 
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError
+from services.config import load_config
 
 
 def test_defaults_are_valid():

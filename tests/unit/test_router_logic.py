@@ -5,7 +5,8 @@ import random
 import pytest
 
 from ballast.v1 import common_pb2, inference_pb2
-from services.common.config import AuthConfig, RouterConfig
+from services.common.config import AuthConfig
+from services.router.settings import RouterConfig
 from services.common.errors import InvalidArgument, Unauthenticated
 from services.common.membership import WorkerRecord
 from services.router.auth import Authenticator

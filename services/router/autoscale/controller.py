@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 import aetcd
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from services.common.config import BallastConfig
+from services.config import BallastConfig
 from services.common.leader import LeaderLock
 from services.common.membership import ETCD_ERRORS, MembershipWatcher, close_client, make_client
 from services.common.tasks import stop_task

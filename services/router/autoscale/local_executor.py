@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 
 import yaml
 
-from services.common.config import BallastConfig
+from services.config import BallastConfig
 from services.common.membership import WorkerRecord
 from services.common.processes import ManagedProcess
 from services.common.tasks import stop_task

@@ -9,7 +9,7 @@ import os
 import socket
 from typing import Any
 
-from services.common.config import BallastConfig
+from services.config import BallastConfig
 from services.common.membership import MembershipWatcher
 from services.common.telemetry import Telemetry
 from services.router.autoscale.controller import AutoscalerController

@@ -24,8 +24,9 @@ from types import TracebackType
 from typing import Callable, Iterable
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from services.common.config import Section
 from services.common.errors import BallastError
 
 Clock = Callable[[], float]
@@ -35,10 +36,7 @@ Clock = Callable[[], float]
 MAX_BUCKETS = 3600
 
 
-class BreakerConfig(BaseModel):
-    # services.common.config.Section's rules, restated so that module can nest this class.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class BreakerConfig(Section):
     error_rate: float = Field(
         0.05, gt=0, lt=1, description="Fault share of a worker's calls in the window above which its breaker opens."
     )

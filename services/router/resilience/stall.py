@@ -13,8 +13,9 @@ import logging
 import time
 from typing import AsyncIterable, AsyncIterator, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from services.common.config import Section
 from services.common.errors import Unavailable
 from services.router.resilience.breaker import Clock
 
@@ -23,10 +24,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class StallConfig(BaseModel):
-    # services.common.config.Section's rules, restated so that module can nest this class.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class StallConfig(Section):
     s_timeout_s: float = Field(2.0, gt=0, description="Longest silence between tokens of a tier-S stream.")
     a_timeout_s: float = Field(5.0, gt=0, description="Longest silence between tokens of a tier-A stream.")
     b_timeout_s: float = Field(15.0, gt=0, description="Longest silence between tokens of a tier-B stream.")

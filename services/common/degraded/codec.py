@@ -7,6 +7,7 @@ the wire format has one definition.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import re
 import time
@@ -18,7 +19,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
 from services.common.sampling_pb import sampling_to_pb
-from services.degrade.ladder import Level
+
+
+class Level(str, enum.Enum):
+    """How far down the ladder a degraded answer came from."""
+
+    LIGHT_MODEL = "light_model"
+    RULES = "rules"
+
 
 TICKET_PREFIX = "bf1-"
 _TICKET = re.compile(r"^bf1-[0-9a-f]{32}$")

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from services.common.degraded.codec import Level
 from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
 # The rung name of the rule engine in a path; every other name is a light model.
@@ -20,11 +21,6 @@ RULES = "rules"
 # The router's message when a pool has no routable worker (GenerationRunner.run). Matched by
 # prefix because that error has no class of its own.
 NO_LIVE_WORKER = "no live worker"
-
-
-class Level(str, enum.Enum):
-    LIGHT_MODEL = "light_model"
-    RULES = "rules"
 
 
 class Reason(str, enum.Enum):
