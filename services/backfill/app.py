@@ -37,7 +37,7 @@ from services.common.membership import MembershipWatcher
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
 from services.common.kafka import AsyncProducer, ensure_topics
-from services.router.auth import Authenticator
+from services.common.auth import Authenticator
 
 log = logging.getLogger(__name__)
 

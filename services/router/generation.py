@@ -28,10 +28,14 @@ from services.router.settings import RouterConfig
 from services.common.errors import (
     BallastError,
     DeadlineExceeded,
+    Fault,
     InvalidArgument,
+    NoLiveWorker,
     ResourceExhausted,
+    RetryBudgetExhausted,
     Unavailable,
 )
+from services.common.faults import classify
 from services.common.membership import MembershipWatcher, WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
 from services.router.affinity import SessionAffinity
@@ -40,10 +44,10 @@ from services.router.structured.repair import Status, repair
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
-from services.router.resilience.breaker import Outcome, classify_exception, is_connection_lost
+from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.resume import plan_resume
-from services.router.resilience.retry_budget import Refusal, RetryBudget, RetryBudgetExhausted
+from services.router.resilience.retry_budget import Refusal, RetryBudget
 from services.router.rollout.controller import RolloutController
 from services.router.rollout.mirror import Answer, MirrorHandle
 from services.router.rollout.split import Role, Route
@@ -112,7 +116,8 @@ def _resume_reason(error: BaseException) -> str:
         return "stalled"
     if isinstance(error, WorkerLeaseLost):
         return "lease_lost"
-    if isinstance(error, grpc.aio.AioRpcError) and "drain" in (error.details() or ""):
+    failure = classify(error)
+    if failure is not None and failure.fault is Fault.DRAINING:
         return "drained"
     return "worker_lost"
 
@@ -248,7 +253,7 @@ class GenerationRunner:
         stall_s = self.config.stall.timeout_for(tier)
         gate = self.pools.gate(request.model, version)
         if not self.pools.has_capacity(request.model, version=version):
-            raise Unavailable(f"no live worker for {_pool_words(request.model, version)}")
+            raise NoLiveWorker(f"no live worker for {_pool_words(request.model, version)}")
         ticket = gate.scheduler.new_ticket(
             request.request_id, request.tenant, tier, weight=weight, client_deadline=deadline,
             prefer=self.pools.key_for(self.affinity.preferred(request.tenant, request.session_id)),
@@ -291,7 +296,7 @@ class GenerationRunner:
                     if state.sent_ids:
                         yield self._resumed(state, "preempted")
                 except (grpc.aio.AioRpcError, Unavailable) as error:
-                    outcome = classify_exception(error)
+                    outcome = outcome_of(error)
                     lost = worker_gone(error)
                     # A worker that is gone is not judged by its breaker: the breaker is per
                     # worker id and would keep the restarted process (a new lease, back in
@@ -331,7 +336,7 @@ class GenerationRunner:
         for: then fail fast."""
         avoid = grant.ticket.avoid | {grant.worker_id}
         if not self.pools.has_capacity(request.model, excluding=avoid, version=version):
-            raise Unavailable(f"no live worker for {_pool_words(request.model, version)} left to try")
+            raise NoLiveWorker(f"no live worker for {_pool_words(request.model, version)} left to try")
         with TRACER.start_as_current_span("router.admission", attributes={"ballast.admission": "retry"}):
             await grant.retry_elsewhere()
 

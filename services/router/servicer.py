@@ -21,7 +21,7 @@ from services.config import BallastConfig
 from services.common.errors import BallastError, NotFound, Unavailable
 from services.common.membership import MembershipWatcher
 from services.router.degrade.degrader import Degrader
-from services.router.auth import Authenticator
+from services.common.auth import Authenticator
 from services.router.backfill_proxy import BackfillProxy
 from services.router.context.live_eval import publish_retention
 from services.router.generation import GenerationRunner

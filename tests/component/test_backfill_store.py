@@ -116,7 +116,7 @@ def subscription_servicer(store: AnswerStore, redis_server):
     from services.backfill.servicer import BackfillServicer
     from services.backfill.settings import BackfillSettings
     from services.common.config import AuthConfig
-    from services.router.auth import Authenticator
+    from services.common.auth import Authenticator
 
     notices = Notices(aioredis.Redis.from_url(redis_server.url), store.channel)
     auth = Authenticator(AuthConfig(enabled=True, api_keys={"acme-key": TENANT}))

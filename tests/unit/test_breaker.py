@@ -14,8 +14,8 @@ from services.router.resilience.breaker import (
     CircuitBreaker,
     Outcome,
     SlidingCounts,
-    classify,
-    classify_exception,
+    outcome,
+    outcome_of,
 )
 from services.router.resilience.stall import StreamStalled
 
@@ -53,7 +53,7 @@ def open_breaker(breaker: CircuitBreaker) -> None:
 class TestClassify:
     @pytest.mark.parametrize("code", [None, S.OK])
     def test_success(self, code):
-        assert classify(code) is Outcome.SUCCESS
+        assert outcome(code) is Outcome.SUCCESS
 
     @pytest.mark.parametrize(
         "code",
@@ -61,27 +61,27 @@ class TestClassify:
          S.CANCELLED, S.DEADLINE_EXCEEDED],
     )
     def test_not_the_workers_fault(self, code):
-        assert classify(code) is Outcome.IGNORE
+        assert outcome(code) is Outcome.IGNORE
 
     @pytest.mark.parametrize("code", [S.UNAVAILABLE, S.INTERNAL, S.UNKNOWN, S.DATA_LOSS, S.UNIMPLEMENTED])
     def test_worker_faults(self, code):
-        assert classify(code) is Outcome.FAULT
+        assert outcome(code) is Outcome.FAULT
 
     @pytest.mark.parametrize("code", [None, S.UNAVAILABLE, S.CANCELLED, S.INTERNAL])
     def test_client_cancellation_never_counts(self, code):
-        assert classify(code, client_cancelled=True) is Outcome.IGNORE
+        assert outcome(code, client_cancelled=True) is Outcome.IGNORE
 
     def test_exceptions(self):
         rpc_error = grpc.aio.AioRpcError(S.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
-        assert classify_exception(rpc_error) is Outcome.FAULT
-        assert classify_exception(rpc_error, client_cancelled=True) is Outcome.IGNORE
-        assert classify_exception(StreamStalled(2.0, 3)) is Outcome.FAULT
-        assert classify_exception(Unavailable("ended without finishing")) is Outcome.FAULT
-        assert classify_exception(InvalidArgument("bad")) is Outcome.IGNORE
-        assert classify_exception(ResourceExhausted("full")) is Outcome.IGNORE
-        assert classify_exception(asyncio.CancelledError()) is Outcome.IGNORE
-        assert classify_exception(KeyError("router bug")) is Outcome.IGNORE
-        assert classify_exception(None) is Outcome.SUCCESS
+        assert outcome_of(rpc_error) is Outcome.FAULT
+        assert outcome_of(rpc_error, client_cancelled=True) is Outcome.IGNORE
+        assert outcome_of(StreamStalled(2.0, 3)) is Outcome.FAULT
+        assert outcome_of(Unavailable("ended without finishing")) is Outcome.FAULT
+        assert outcome_of(InvalidArgument("bad")) is Outcome.IGNORE
+        assert outcome_of(ResourceExhausted("full")) is Outcome.IGNORE
+        assert outcome_of(asyncio.CancelledError()) is Outcome.IGNORE
+        assert outcome_of(KeyError("router bug")) is Outcome.IGNORE
+        assert outcome_of(None) is Outcome.SUCCESS
 
 
 class TestOpening:

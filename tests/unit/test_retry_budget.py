@@ -3,12 +3,11 @@
 import pytest
 from pydantic import ValidationError
 
-from services.common.errors import Unavailable
+from services.common.errors import RetryBudgetExhausted, Unavailable
 from services.router.resilience.retry_budget import (
     Refusal,
     RetryBudget,
     RetryBudgetConfig,
-    RetryBudgetExhausted,
 )
 
 

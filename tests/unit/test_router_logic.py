@@ -9,7 +9,7 @@ from services.common.config import AuthConfig
 from services.router.settings import RouterConfig
 from services.common.errors import InvalidArgument, Unauthenticated
 from services.common.membership import WorkerRecord
-from services.router.auth import Authenticator
+from services.common.auth import Authenticator
 from services.router.balancer import pick_worker
 from services.router.requests import request_from_pb
 

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pydantic import Field, model_validator
 
 from services.common.config import Section
-from services.common.errors import Unavailable
 from services.router.resilience.breaker import MAX_BUCKETS, Clock, SlidingCounts
 
 REQUESTS, RETRIES = 0, 1
@@ -39,10 +38,6 @@ class RetryBudgetConfig(Section):
         if self.window_s / self.bucket_s > MAX_BUCKETS:
             raise ValueError(f"window_s / bucket_s must be at most {MAX_BUCKETS}")
         return self
-
-
-class RetryBudgetExhausted(Unavailable):
-    """No retry allowed now: the budget is spent or the request used its attempts."""
 
 
 class Refusal(str, enum.Enum):
