@@ -27,9 +27,9 @@ from bench.common import percentile, print_table, write_result
 from services.common.errors import ResourceExhausted
 from services.common.generation import Sampling
 from services.common.localservers import KafkaBroker
-from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.config import DegradeConfig
 from services.router.degrade.degrader import Degrader
+from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.rules import RuleEngine
 from services.router.requests import InferenceRequest, Message
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from services.backfill.app import create_server
-from services.config import BallastConfig
 from services.common.lifecycle import serve_until_signal
+from services.config import BallastConfig
 from services.entrypoint import run_main
 
 

@@ -14,11 +14,11 @@ from typing import Protocol
 import grpc
 
 from ballast.v1 import backfill_pb2, inference_pb2_grpc
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.degraded.codec import ReplayResult, replay_request
 from services.common.errors import Fault
 from services.common.faults import classify, retry_after_hint
+from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.grpc_tracing import client_interceptors
-from services.common.degraded.codec import ReplayResult, replay_request
 
 
 class ReplayErrorKind(str, enum.Enum):

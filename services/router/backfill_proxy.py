@@ -31,11 +31,11 @@ from services.common.errors import (
     Unauthenticated,
     Unavailable,
 )
+from services.common.auth import API_KEY_HEADER, Authenticator
 from services.common.faults import retry_after_hint
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.probes import DependencyProbe
 from services.common.telemetry import DependencyStatus, Telemetry
-from services.common.auth import API_KEY_HEADER, Authenticator
 
 log = logging.getLogger(__name__)
 

@@ -40,20 +40,20 @@ from services.common.membership import MembershipWatcher, WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
 from services.router.affinity import SessionAffinity
 from services.router.context.window import fit_request
-from services.router.structured.repair import Status, repair
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
+from services.router.pools import PoolGates, slot_key, worker_id_of
 from services.router.requests import InferenceRequest
 from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import Refusal, RetryBudget
+from services.router.resilience.stall import StreamStalled, with_stall_timeout
 from services.router.rollout.controller import RolloutController
 from services.router.rollout.mirror import Answer, MirrorHandle
 from services.router.rollout.split import Role, Route
-from services.router.resilience.stall import StreamStalled, with_stall_timeout
-from services.router.pools import PoolGates, slot_key, worker_id_of
 from services.router.scheduling.async_gate import Grant
+from services.router.structured.repair import Status, repair
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)

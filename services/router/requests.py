@@ -7,12 +7,12 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from ballast.v1 import common_pb2, inference_pb2
-from services.router.settings import RouterConfig
 from services.common.errors import InvalidArgument
 from services.common.generation import Sampling
 from services.common.sampling_pb import sampling_from_pb
 from services.common.streams import MAX_FLUSH_INTERVAL_MS
 from services.router.context.window import ContextPolicy
+from services.router.settings import RouterConfig
 from services.router.structured.schema import Schema, check_schema
 
 TIER_NAMES = {

@@ -12,16 +12,16 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
+from services.common.degraded.codec import decode_degraded, make_ticket
+from services.common.degraded.codec import Level
 from services.common.errors import InvalidArgument, NoLiveWorker, ResourceExhausted, RetryBudgetExhausted, Unavailable
 from services.common.generation import Sampling
 from services.common.localservers import KafkaBroker
-from services.common.degraded.codec import decode_degraded, make_ticket
-from services.router.degrade.handoff import HandOff, HandOffSettings
-from services.common.degraded.codec import Level
-from services.router.degrade.ladder import Reason
-from services.router.degrade.outbox import OutboxFull
 from services.router.degrade.config import DegradeConfig
 from services.router.degrade.degrader import Degrader
+from services.router.degrade.handoff import HandOff, HandOffSettings
+from services.router.degrade.ladder import Reason
+from services.router.degrade.outbox import OutboxFull
 from services.router.requests import InferenceRequest, Message
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

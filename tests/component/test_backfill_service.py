@@ -16,13 +16,13 @@ from ballast.v1 import backfill_pb2, backfill_pb2_grpc, common_pb2
 from services.backfill.app import create_server as create_backfill
 from services.backfill.settings import BackfillSettings
 from services.cli.client import chat_request, collect
-from services.config import load_config
-from services.common.generation import Sampling
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.degraded.codec import degraded_request_pb, kafka_key, make_ticket
-from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.common.degraded.codec import Level
 from services.common.degraded.topics import DLQ_ATTEMPTS_HEADER, DLQ_ERROR_HEADER
+from services.common.generation import Sampling
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.config import load_config
+from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.requests import InferenceRequest, Message
 from tests.component.conftest import API_KEY, TENANT
 from tests.component.test_backfill_handoff import read_topic

@@ -28,9 +28,9 @@ from services.cache.app import create_server as create_cache
 from services.cli.client import chat_request, collect
 from services.common import tracing
 from services.common.config import TracingConfig
-from services.config import load_config
 from services.common.grpc_server import CHANNEL_OPTIONS, new_server
 from services.common.grpc_tracing import client_interceptors
+from services.config import load_config
 from services.router.app import create_server as create_router
 from services.worker.app import create_server as create_worker
 from tests.component.conftest import API_KEY, make_config
