@@ -38,6 +38,7 @@ from services.common.errors import (
 from services.common.faults import classify
 from services.common.membership import MembershipWatcher, WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
+from services.common.tier_pb import TIER_TO_PB
 from services.router.affinity import SessionAffinity
 from services.router.context.window import fit_request
 from services.router.metrics import RouterMetrics
@@ -59,7 +60,6 @@ from services.router.worker_clients import WorkerClients
 log = logging.getLogger(__name__)
 TRACER = tracing.tracer("router")
 
-TIER_TO_PB = {"S": common_pb2.TIER_S, "A": common_pb2.TIER_A, "B": common_pb2.TIER_B}
 STRUCTURED_STATUS = {
     Status.VALID: common_pb2.STRUCTURED_VALID,
     Status.REPAIRED: common_pb2.STRUCTURED_REPAIRED,

@@ -25,8 +25,9 @@ from typing import Any, AsyncIterator, Callable, Iterable
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from ballast.v1 import common_pb2, inference_pb2
-from services.common.degraded.codec import LEVEL_TO_PB, TIER_TO_PB, Level, degraded_request_pb, kafka_key, make_ticket
+from services.common.degraded.codec import LEVEL_TO_PB, Level, degraded_request_pb, kafka_key, make_ticket
 from services.common.errors import BallastError
+from services.common.tier_pb import TIER_TO_PB
 from services.router.degrade.config import DegradeConfig
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.ladder import RULES, Decision, Ladder, Rung, decide
