@@ -18,19 +18,9 @@ from services.router.resilience.breaker import (
     outcome_of,
 )
 from services.router.resilience.stall import StreamStalled
+from tests.unit.fake_clock import FakeClock
 
 S = grpc.StatusCode
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def make(clock: FakeClock, **overrides) -> CircuitBreaker:
@@ -86,7 +76,7 @@ class TestClassify:
 
 class TestOpening:
     def test_needs_min_requests(self):
-        breaker = make(FakeClock())
+        breaker = make(FakeClock(1000.0))
         run(breaker, faults=19)
         assert breaker.state is BreakerState.CLOSED
         run(breaker, faults=1)
@@ -95,14 +85,14 @@ class TestOpening:
         assert not breaker.available()
 
     def test_opens_only_above_the_rate(self):
-        breaker = make(FakeClock())
+        breaker = make(FakeClock(1000.0))
         run(breaker, successes=19, faults=1)  # exactly 5 %: not over
         assert breaker.state is BreakerState.CLOSED
         run(breaker, faults=1)  # 2 / 21
         assert breaker.state is BreakerState.OPEN
 
     def test_ignored_outcomes_do_not_count(self):
-        breaker = make(FakeClock())
+        breaker = make(FakeClock(1000.0))
         for _ in range(100):
             breaker.try_acquire().record(Outcome.IGNORE)
         run(breaker, successes=19, faults=1)
@@ -110,7 +100,7 @@ class TestOpening:
         assert (snap.state, snap.requests, snap.faults) == (BreakerState.CLOSED, 20, 1)
 
     def test_old_faults_slide_out_of_the_window(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock)
         run(breaker, faults=15)
         clock.advance(31)
@@ -121,7 +111,7 @@ class TestOpening:
 
 class TestHalfOpen:
     def test_cooldown_then_probes_close_it(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, cooldown_s=5, half_open_probes=2)
         open_breaker(breaker)
         clock.advance(3)
@@ -139,7 +129,7 @@ class TestHalfOpen:
         assert breaker.snapshot().requests == 0  # a fresh window after closing
 
     def test_ignored_probe_frees_its_slot(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, half_open_probes=1)
         open_breaker(breaker)
         clock.advance(5)
@@ -149,7 +139,7 @@ class TestHalfOpen:
         assert breaker.state is BreakerState.CLOSED
 
     def test_failed_probe_reopens_with_growing_capped_cooldown(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, cooldown_s=5, max_cooldown_s=12, half_open_probes=1)
         open_breaker(breaker)
         seen = []
@@ -163,7 +153,7 @@ class TestHalfOpen:
         assert breaker.snapshot().opens == 4
 
     def test_reopening_soon_after_closing_backs_off_and_calm_resets(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, cooldown_s=5, half_open_probes=1)
         open_breaker(breaker)
         clock.advance(5)
@@ -178,7 +168,7 @@ class TestHalfOpen:
         assert breaker.snapshot().cooldown_s == 5
 
     def test_outcomes_of_calls_admitted_before_opening_are_ignored(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, half_open_probes=1)
         long_stream = breaker.try_acquire()
         open_breaker(breaker)
@@ -194,7 +184,7 @@ class TestHalfOpen:
 
 class TestPermit:
     def test_context_manager_records_what_ended_the_block(self):
-        breaker = make(FakeClock(), min_requests=2)
+        breaker = make(FakeClock(1000.0), min_requests=2)
         with breaker.try_acquire():
             pass
         assert (breaker.snapshot().requests, breaker.snapshot().faults) == (1, 0)
@@ -206,7 +196,7 @@ class TestPermit:
         assert breaker.snapshot().opens == 1
 
     def test_explicit_record_wins_over_exit(self):
-        breaker = make(FakeClock())
+        breaker = make(FakeClock(1000.0))
         with pytest.raises(KeyError):
             with breaker.try_acquire() as permit:
                 permit.record(Outcome.FAULT)
@@ -214,7 +204,7 @@ class TestPermit:
         assert breaker.snapshot().faults == 1
 
     def test_release_frees_a_probe(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, half_open_probes=1)
         open_breaker(breaker)
         clock.advance(5)
@@ -224,7 +214,7 @@ class TestPermit:
 
 class TestBoard:
     def test_snapshot_transitions_and_retain(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         transitions = []
         board = BreakerBoard(BreakerConfig(), clock, lambda w, old, new: transitions.append((w, old, new)))
         assert board.available("w1") and board.state("w1") is BreakerState.CLOSED and len(board) == 0

@@ -5,15 +5,8 @@ import grpc
 import pytest
 
 from services.backfill.replay import ReplayErrorKind, replay_error
-from services.common.errors import (
-    Draining,
-    Fault,
-    InvalidArgument,
-    NoLiveWorker,
-    ResourceExhausted,
-    RetryBudgetExhausted,
-    Unavailable,
-)
+from services.common import errors
+from services.common.errors import Draining, Fault, NoLiveWorker, RetryBudgetExhausted, Unavailable
 from services.common.faults import REASON_KEY, Failure, classify, retry_after_hint, status_trailers
 from services.common.grpc_server import bind, new_server
 from services.router.degrade.ladder import Reason, degrade_reason
@@ -36,7 +29,7 @@ def test_local_errors_classify_by_type():
     assert classify(Draining("x")) == Failure(S.UNAVAILABLE, Fault.DRAINING)
     assert classify(NoLiveWorker("x")) == Failure(S.UNAVAILABLE, Fault.NO_LIVE_WORKER)
     assert classify(RetryBudgetExhausted("x")) == Failure(S.UNAVAILABLE, Fault.RETRY_BUDGET_EXHAUSTED)
-    assert classify(InvalidArgument("x")) == Failure(S.INVALID_ARGUMENT, Fault.INVALID_ARGUMENT)
+    assert classify(errors.InvalidArgument("x")) == Failure(S.INVALID_ARGUMENT, Fault.INVALID_ARGUMENT)
     assert classify(KeyError("bug")) is None and classify(None) is None
 
 
@@ -51,7 +44,7 @@ def test_remote_errors_classify_by_the_fault_they_carry_whatever_the_text():
 
 
 def test_retry_hint_travels_with_overload():
-    error = answer(ResourceExhausted("full", retry_after_s=0.25))
+    error = answer(errors.ResourceExhausted("full", retry_after_s=0.25))
     assert retry_after_hint(error) == 0.25
     assert classify(error).fault is Fault.OVERLOADED
     assert retry_after_hint(answer(Unavailable("x"))) is None
@@ -64,14 +57,14 @@ def test_every_consumer_reads_the_same_faults():
     assert degrade_reason(NoLiveWorker("x")) is Reason.NO_WORKER
     assert degrade_reason(RetryBudgetExhausted("x")) is Reason.RETRY_BUDGET
     assert degrade_reason(Draining("x")) is Reason.WORKER_FAILED
-    assert degrade_reason(InvalidArgument("x")) is None
+    assert degrade_reason(errors.InvalidArgument("x")) is None
     assert replay_error(answer(NoLiveWorker("x"))).kind is ReplayErrorKind.UNHEALTHY
     assert replay_error(unreachable).kind is ReplayErrorKind.UNHEALTHY
     assert replay_error(answer(RetryBudgetExhausted("x"))).kind is ReplayErrorKind.FAILED
-    assert replay_error(answer(ResourceExhausted("x"))).kind is ReplayErrorKind.BUSY
+    assert replay_error(answer(errors.ResourceExhausted("x"))).kind is ReplayErrorKind.BUSY
 
 
-@pytest.mark.parametrize("error", [Draining("worker is draining"), ResourceExhausted("full", 0.5)])
+@pytest.mark.parametrize("error", [Draining("worker is draining"), errors.ResourceExhausted("full", 0.5)])
 async def test_a_real_server_sends_the_fault(error):
     async def fail(request, context):
         raise error
