@@ -39,7 +39,7 @@ from ballast.v1 import backfill_pb2, common_pb2, inference_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
-from services.common.config import load_config
+from services.config import load_config
 
 METADATA = (("x-api-key", LOCAL_API_KEY),)
 MAX_TOKENS = 16

@@ -27,9 +27,10 @@ from bench.common import percentile, print_table, write_result
 from services.common.errors import ResourceExhausted
 from services.common.generation import Sampling
 from services.common.localservers import KafkaBroker
-from services.degrade.handoff import HandOff, HandOffSettings
-from services.degrade.router_hooks import Degrader, DegradeConfig
-from services.degrade.rules import RuleEngine
+from services.router.degrade.config import DegradeConfig
+from services.router.degrade.degrader import Degrader
+from services.router.degrade.handoff import HandOff, HandOffSettings
+from services.router.degrade.rules import RuleEngine
 from services.router.requests import InferenceRequest, Message
 
 QUESTIONS = [

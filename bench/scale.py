@@ -35,9 +35,9 @@ from bench.load_step import (
 from ballast.v1 import inference_pb2_grpc
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
-from services.common.config import load_config
 from services.common.membership import MembershipWatcher, make_client
 from services.common.telemetry import DependencyStatus
+from services.config import load_config
 from services.router.autoscale.controller import decision_key
 
 PROMPT = "Customer asks where order 7041 is and when it ships, and whether it can be gift wrapped."

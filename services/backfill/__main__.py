@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 
 from services.backfill.app import create_server
-from services.common.config import BallastConfig
-from services.common.lifecycle import run_main, serve_until_signal
+from services.common.lifecycle import serve_until_signal
+from services.config import BallastConfig
+from services.entrypoint import run_main
 
 
 async def serve(config: BallastConfig) -> None:

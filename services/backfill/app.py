@@ -31,13 +31,13 @@ from services.backfill.replay import Replayer, RouterReplayer
 from services.backfill.servicer import BackfillServicer
 from services.backfill.settings import BackfillSettings, ReplayTargetError, replay_target, resolve_settings
 from services.backfill.store import AnswerStore, Notices
-from services.common.config import BallastConfig
+from services.common.auth import Authenticator
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.kafka import AsyncProducer, ensure_topics
 from services.common.membership import MembershipWatcher
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
-from services.degrade.kafka import AsyncProducer, ensure_topics
-from services.router.auth import Authenticator
+from services.config import BallastConfig
 
 log = logging.getLogger(__name__)
 

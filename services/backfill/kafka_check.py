@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 
 from confluent_kafka.admin import AdminClient
 
-from services.degrade.kafka import AsyncProducer
+from services.common.kafka import AsyncProducer
 
 # The metadata call's timeout while the producer reports every broker lost: short, so an
 # outage of a few seconds shows in health and metrics.

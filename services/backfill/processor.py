@@ -25,15 +25,15 @@ from redis.exceptions import RedisError
 
 from ballast.v1 import backfill_pb2
 from services.backfill.consumer import Record
-from services.common import tracing
 from services.backfill.metrics import BackfillMetrics
 from services.backfill.pool_watch import PrimaryPoolWatch
 from services.backfill.replay import Replayer, ReplayError, ReplayErrorKind
 from services.backfill.settings import BackfillSettings
 from services.backfill.store import AnswerStore
-from services.degrade.codec import InvalidDegradedRequest, backfilled_answer_pb, decode_degraded, seconds
-from services.degrade.kafka import AsyncProducer, DeliveryFailed
-from services.degrade.topics import (
+from services.common import tracing
+from services.common.degraded.codec import InvalidDegradedRequest, backfilled_answer_pb, decode_degraded, seconds
+from services.common.kafka import AsyncProducer, DeliveryFailed
+from services.common.degraded.topics import (
     BACKFILLED_CONTENT_TYPE,
     CONTENT_TYPE_HEADER,
     DLQ_ATTEMPTS_HEADER,

@@ -14,10 +14,11 @@ from typing import Protocol
 import grpc
 
 from ballast.v1 import backfill_pb2, inference_pb2_grpc
+from services.common.degraded.codec import ReplayResult, replay_request
+from services.common.errors import Fault
+from services.common.faults import classify, retry_after_hint
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.grpc_tracing import client_interceptors
-from services.degrade.codec import ReplayResult, replay_request
-from services.degrade.ladder import NO_LIVE_WORKER
 
 
 class ReplayErrorKind(str, enum.Enum):
@@ -40,24 +41,19 @@ class Replayer(Protocol):
     async def close(self) -> None: ...
 
 
-def retry_after_hint(error: grpc.aio.AioRpcError) -> float | None:
-    for key, value in error.trailing_metadata() or ():
-        if key == "retry-after-ms":
-            try:
-                return max(0.0, int(value) / 1000)
-            except ValueError:
-                return None
-    return None
+# Router answers that mean the full model cannot run now, not that this request failed.
+_UNHEALTHY = frozenset({Fault.NO_LIVE_WORKER, Fault.UNREACHABLE})
 
 
-def classify(error: grpc.aio.AioRpcError) -> ReplayError:
-    code, details = error.code(), error.details() or ""
-    message = f"{code.name}: {details}"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+def replay_error(error: grpc.aio.AioRpcError) -> ReplayError:
+    """What a failed replay means for the record: wait (busy, unhealthy, config) or count it."""
+    failure = classify(error)
+    message = f"{failure.code.name}: {error.details() or ''}"
+    if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ReplayError(ReplayErrorKind.BUSY, message, retry_after_hint(error))
-    if code == grpc.StatusCode.UNAVAILABLE and (details.startswith(NO_LIVE_WORKER) or "failed to connect" in details.lower()):
+    if failure.code == grpc.StatusCode.UNAVAILABLE and failure.fault in _UNHEALTHY:
         return ReplayError(ReplayErrorKind.UNHEALTHY, message)
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+    if failure.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return ReplayError(ReplayErrorKind.CONFIG, message)
     return ReplayError(ReplayErrorKind.FAILED, message)
 
@@ -108,7 +104,7 @@ class RouterReplayer:
                         model=model or request.model, model_version=model_version,
                     )
         except grpc.aio.AioRpcError as error:
-            raise classify(error) from None
+            raise replay_error(error) from None
         raise ReplayError(ReplayErrorKind.FAILED, "the router ended the stream without finishing")
 
     async def close(self) -> None:

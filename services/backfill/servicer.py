@@ -22,9 +22,9 @@ from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.backfill.metrics import BackfillMetrics
 from services.backfill.settings import BackfillSettings
 from services.backfill.store import AnswerStore, Notices
-from services.backfill.targets import check_ticket, subscription_target
+from services.common.auth import Authenticator
+from services.common.degraded.targets import check_ticket, subscription_target
 from services.common.errors import NotFound, ResourceExhausted, Unavailable
-from services.router.auth import Authenticator
 
 log = logging.getLogger(__name__)
 # Answers one wake of a session subscription claims at most; it reads again at once for more.

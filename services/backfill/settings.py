@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from services.degrade.topics import BACKFILLED_TOPIC, DEADLETTER_TOPIC, DEGRADED_TOPIC
+from services.common.config import Section
+from services.common.degraded.topics import BACKFILLED_TOPIC, DEADLETTER_TOPIC, DEGRADED_TOPIC
 
 
-class BackfillSettings(BaseModel):
-    # services.common.config.Section's rules, restated so that module can nest this class.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class BackfillSettings(Section):
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(50071, ge=0, le=65535, description="Port; 0 picks one.")
     # Kafka.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from services.common.config import BallastConfig
-from services.common.lifecycle import run_main, serve_until_signal
 from services.cache.app import create_server
+from services.common.lifecycle import serve_until_signal
+from services.config import BallastConfig
+from services.entrypoint import run_main
 
 
 async def serve(config: BallastConfig) -> None:

@@ -23,10 +23,10 @@ from ballast.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.cache.metrics import CacheMetrics
 from services.cache.servicer import KVCacheServicer
 from services.cache.store import RedisKVStore, StoreLimits
-from services.common.config import BallastConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
+from services.config import BallastConfig
 
 log = logging.getLogger(__name__)
 

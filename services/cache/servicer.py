@@ -22,9 +22,10 @@ from ballast.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.cache.framing import Packer, Unpacker
 from services.cache.metrics import CacheMetrics
 from services.cache.records import encode_record
+from services.cache.settings import CacheConfig
 from services.cache.store import PutOutcome, RedisKVStore
 from services.cache.types import BlockHeader, KVLayout, KVScope, check_block_hashes
-from services.common.config import CacheConfig, RedisConfig
+from services.common.config import RedisConfig
 from services.common.errors import BallastError, InvalidArgument
 from services.common.grpc_server import abort_with
 

@@ -8,8 +8,7 @@ import grpc
 
 from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
-
-TIERS = {"AUTO": common_pb2.TIER_AUTO, "S": common_pb2.TIER_S, "A": common_pb2.TIER_A, "B": common_pb2.TIER_B}
+from services.common.tier_pb import TIER_TO_PB
 
 
 @dataclass
@@ -32,7 +31,7 @@ def chat_request(text: str, model: str = "tiny", max_tokens: int = 32, temperatu
     if seed is not None:
         sampling.seed = seed
     request = inference_pb2.GenerateRequest(
-        request_id=request_id, session_id=session_id, model=model, sampling=sampling, tier=TIERS[tier]
+        request_id=request_id, session_id=session_id, model=model, sampling=sampling, tier=TIER_TO_PB[tier]
     )
     if allow_degraded is not None:
         request.allow_degraded = allow_degraded

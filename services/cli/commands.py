@@ -74,7 +74,7 @@ def cmd_down(args) -> int:
 
 
 def _local_config(args):
-    from services.common.config import load_config
+    from services.config import load_config
 
     path = getattr(args, "config", None) or (Path(args.state_dir) / CONFIG_FILE)
     return load_config(path)

@@ -273,7 +273,7 @@ class Mesh:
         import asyncio
 
         from services.cli.etcd_view import list_workers
-        from services.common.config import load_config
+        from services.config import load_config
 
         config = load_config(self.config_path, environ={})
         deadline = time.monotonic() + timeout

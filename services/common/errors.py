@@ -1,18 +1,41 @@
 """Typed domain errors. Core code raises these; one interceptor per server maps them to gRPC.
 
 Each error says whether retrying elsewhere can help (`retriable`), which drives failover
-and breakers: client errors are never retriable and never count as worker faults.
+and breakers: client errors are never retriable and never count as worker faults. Each also
+names its `Fault`, which travels with the status (see `services.common.faults`), so a caller
+in another process tells a draining worker from a pool without workers by type, not by text.
 """
 
 from __future__ import annotations
 
+import enum
+
 import grpc
+
+
+class Fault(str, enum.Enum):
+    """Why a call failed; the value is what a server sends in its status's trailing metadata."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    UNAUTHENTICATED = "unauthenticated"
+    NOT_FOUND = "not_found"
+    OVERLOADED = "overloaded"
+    UNAVAILABLE = "unavailable"
+    NO_LIVE_WORKER = "no_live_worker"
+    RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"
+    DRAINING = "draining"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+    # Never sent: the call failed before a Ballast server answered (refused, reset, closed).
+    UNREACHABLE = "unreachable"
 
 
 class BallastError(Exception):
     """Base of every error Ballast means to send to a caller."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    fault: Fault = Fault.INTERNAL
     retriable: bool = False
 
     def __init__(self, message: str) -> None:
@@ -24,24 +47,28 @@ class InvalidArgument(BallastError):
     """The request is malformed; the same request will always fail."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+    fault = Fault.INVALID_ARGUMENT
 
 
 class Unauthenticated(BallastError):
     """No API key, or one Ballast does not know."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+    fault = Fault.UNAUTHENTICATED
 
 
 class NotFound(BallastError):
     """The named model (or other resource) does not exist."""
 
     code = grpc.StatusCode.NOT_FOUND
+    fault = Fault.NOT_FOUND
 
 
 class ResourceExhausted(BallastError):
     """Overload: backpressure, not a fault. Carries a hint of when to retry."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    fault = Fault.OVERLOADED
     retriable = True
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
@@ -53,16 +80,37 @@ class Unavailable(BallastError):
     """No replica can serve right now; another one (or a later try) may."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    fault = Fault.UNAVAILABLE
     retriable = True
+
+
+class NoLiveWorker(Unavailable):
+    """The pool has no routable worker (none registered, or all out: breakers, heat, draining)."""
+
+    fault = Fault.NO_LIVE_WORKER
+
+
+class RetryBudgetExhausted(Unavailable):
+    """No retry allowed now: the budget is spent or the request used its attempts."""
+
+    fault = Fault.RETRY_BUDGET_EXHAUSTED
+
+
+class Draining(Unavailable):
+    """The worker is draining (stopping): it takes no new work and hands open streams back."""
+
+    fault = Fault.DRAINING
 
 
 class DeadlineExceeded(BallastError):
     """The caller's deadline passed before the work finished."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    fault = Fault.DEADLINE_EXCEEDED
 
 
 class Cancelled(BallastError):
     """The work was cancelled (caller went away, or the server is shutting down)."""
 
     code = grpc.StatusCode.CANCELLED
+    fault = Fault.CANCELLED

@@ -21,7 +21,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import BallastError, ResourceExhausted
+from services.common.errors import BallastError
+from services.common.faults import status_trailers
 from services.common.grpc_tracing import TracingServerInterceptor
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,8 @@ CHANNEL_OPTIONS = [
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: BallastError) -> None:
-    if isinstance(error, ResourceExhausted):
-        # A retry hint any client can read, whatever its language.
-        context.set_trailing_metadata((("retry-after-ms", str(int(error.retry_after_s * 1000))),))
+    """Ends the call with the error's status, its fault and any retry hint in the trailers."""
+    context.set_trailing_metadata(status_trailers(error))
     await context.abort(error.code, error.message)
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
 import os
 import signal
-import sys
 from typing import Any, Awaitable, Callable
 
 
@@ -58,26 +56,3 @@ async def serve_until_signal(
     signal_name = await wait_for_stop_signal()
     logging.getLogger(f"ballast.{name}").info("%s received, shutting down", signal_name)
     await app.shutdown()
-
-
-def run_main(
-    prog: str, description: str | None, serve: Callable[[Any], Awaitable[None]], argv: list[str] | None,
-    launch: Callable[[Any], int] | None = None,
-) -> int:
-    """The shared `main()`: parse args, load typed config (fail fast naming the field), serve.
-    `launch(config)`, when given, runs the service instead of `serve` on a fresh event loop."""
-    from services.common.config import ConfigError, load_config
-
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", help="ballast.yaml (default: $BALLAST_CONFIG)")
-    args = parser.parse_args(argv)
-    setup_logging(prog.removeprefix("ballast-"))
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
-    if launch is not None:
-        return launch(config)
-    asyncio.run(serve(config))
-    return 0

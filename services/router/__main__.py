@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from services.common.config import BallastConfig
-from services.common.lifecycle import run_main, serve_until_signal
+from services.common.lifecycle import serve_until_signal
+from services.config import BallastConfig
+from services.entrypoint import run_main
 from services.router.app import create_server
 
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import grpc
 
 from ballast.v1 import inference_pb2, inference_pb2_grpc
-from services.common.config import BallastConfig
-from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.etcd_watch import KeyWatcher
+from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.membership import MembershipWatcher
 from services.common.telemetry import Telemetry
-from services.router.backfill_proxy import BackfillProxy
+from services.config import BallastConfig
 from services.router.autoscale.controller import AutoscalerController
 from services.router.autoscale.runtime import router_identity, start_autoscaler
+from services.router.backfill_proxy import BackfillProxy
 from services.router.metrics import RouterMetrics
 from services.router.scheduling.tagging import TIERING_KEY
 from services.router.servicer import InferenceServicer

@@ -19,9 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from ballast.v1 import backfill_pb2, backfill_pb2_grpc
-from services.backfill.replay import retry_after_hint
-from services.backfill.targets import check_ticket, subscription_target
-from services.common.config import BallastConfig
+from services.common.degraded.targets import check_ticket, subscription_target
+from services.config import BallastConfig
 from services.common.errors import (
     BallastError,
     Cancelled,
@@ -32,10 +31,11 @@ from services.common.errors import (
     Unauthenticated,
     Unavailable,
 )
+from services.common.auth import API_KEY_HEADER, Authenticator
+from services.common.faults import retry_after_hint
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.probes import DependencyProbe
 from services.common.telemetry import DependencyStatus, Telemetry
-from services.router.auth import API_KEY_HEADER, Authenticator
 
 log = logging.getLogger(__name__)
 

@@ -24,38 +24,42 @@ from opentelemetry import trace
 
 from ballast.v1 import common_pb2, inference_pb2, worker_pb2
 from services.common import tracing
-from services.common.config import RouterConfig
+from services.router.settings import RouterConfig
 from services.common.errors import (
     BallastError,
     DeadlineExceeded,
+    Fault,
     InvalidArgument,
+    NoLiveWorker,
     ResourceExhausted,
+    RetryBudgetExhausted,
     Unavailable,
 )
+from services.common.faults import classify
 from services.common.membership import MembershipWatcher, WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
+from services.common.tier_pb import TIER_TO_PB
 from services.router.affinity import SessionAffinity
 from services.router.context.window import fit_request
-from services.router.structured.repair import Status, repair
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
+from services.router.pools import PoolGates, slot_key, worker_id_of
 from services.router.requests import InferenceRequest
-from services.router.resilience.breaker import Outcome, classify_exception, is_connection_lost
+from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.resume import plan_resume
-from services.router.resilience.retry_budget import Refusal, RetryBudget, RetryBudgetExhausted
+from services.router.resilience.retry_budget import Refusal, RetryBudget
+from services.router.resilience.stall import StreamStalled, with_stall_timeout
 from services.router.rollout.controller import RolloutController
 from services.router.rollout.mirror import Answer, MirrorHandle
 from services.router.rollout.split import Role, Route
-from services.router.resilience.stall import StreamStalled, with_stall_timeout
-from services.router.pools import PoolGates, slot_key, worker_id_of
 from services.router.scheduling.async_gate import Grant
+from services.router.structured.repair import Status, repair
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
 TRACER = tracing.tracer("router")
 
-TIER_TO_PB = {"S": common_pb2.TIER_S, "A": common_pb2.TIER_A, "B": common_pb2.TIER_B}
 STRUCTURED_STATUS = {
     Status.VALID: common_pb2.STRUCTURED_VALID,
     Status.REPAIRED: common_pb2.STRUCTURED_REPAIRED,
@@ -112,7 +116,8 @@ def _resume_reason(error: BaseException) -> str:
         return "stalled"
     if isinstance(error, WorkerLeaseLost):
         return "lease_lost"
-    if isinstance(error, grpc.aio.AioRpcError) and "drain" in (error.details() or ""):
+    failure = classify(error)
+    if failure is not None and failure.fault is Fault.DRAINING:
         return "drained"
     return "worker_lost"
 
@@ -248,7 +253,7 @@ class GenerationRunner:
         stall_s = self.config.stall.timeout_for(tier)
         gate = self.pools.gate(request.model, version)
         if not self.pools.has_capacity(request.model, version=version):
-            raise Unavailable(f"no live worker for {_pool_words(request.model, version)}")
+            raise NoLiveWorker(f"no live worker for {_pool_words(request.model, version)}")
         ticket = gate.scheduler.new_ticket(
             request.request_id, request.tenant, tier, weight=weight, client_deadline=deadline,
             prefer=self.pools.key_for(self.affinity.preferred(request.tenant, request.session_id)),
@@ -291,7 +296,7 @@ class GenerationRunner:
                     if state.sent_ids:
                         yield self._resumed(state, "preempted")
                 except (grpc.aio.AioRpcError, Unavailable) as error:
-                    outcome = classify_exception(error)
+                    outcome = outcome_of(error)
                     lost = worker_gone(error)
                     # A worker that is gone is not judged by its breaker: the breaker is per
                     # worker id and would keep the restarted process (a new lease, back in
@@ -331,7 +336,7 @@ class GenerationRunner:
         for: then fail fast."""
         avoid = grant.ticket.avoid | {grant.worker_id}
         if not self.pools.has_capacity(request.model, excluding=avoid, version=version):
-            raise Unavailable(f"no live worker for {_pool_words(request.model, version)} left to try")
+            raise NoLiveWorker(f"no live worker for {_pool_words(request.model, version)} left to try")
         with TRACER.start_as_current_span("router.admission", attributes={"ballast.admission": "retry"}):
             await grant.retry_elsewhere()
 

@@ -14,13 +14,12 @@ import logging
 from typing import Mapping
 
 from services.common.membership import MembershipWatcher
+from services.common.membership import WorkerRecord
+from services.common.tasks import stop_task
 from services.router.resilience.health_view import Unroutable, WorkerHealthView
 from services.router.scheduling.async_gate import AsyncGate
-from services.router.scheduling.clock import MonotonicClock
-from services.common.membership import WorkerRecord
 from services.router.scheduling.scheduler import PoolScheduler, SchedulerObserver, WorkerSlots
 from services.router.scheduling.tiers import TierPolicy
-from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class PoolGates:
         name = pool_name(model, version)
         gate = self._gates.get(name)
         if gate is None:
-            scheduler = PoolScheduler(self.policy, MonotonicClock(), pool=name, observer=self.observer)
+            scheduler = PoolScheduler(self.policy, pool=name, observer=self.observer)
             gate = self._gates[name] = AsyncGate(scheduler, lambda: self._slots(model, version))
         return gate
 

@@ -6,21 +6,16 @@ import hashlib
 import uuid
 from dataclasses import dataclass, field, replace
 
-from ballast.v1 import common_pb2, inference_pb2
-from services.common.config import RouterConfig
+from ballast.v1 import inference_pb2
 from services.common.errors import InvalidArgument
 from services.common.generation import Sampling
 from services.common.sampling_pb import sampling_from_pb
 from services.common.streams import MAX_FLUSH_INTERVAL_MS
+from services.common.tier_pb import TIER_NAMES
 from services.router.context.window import ContextPolicy
+from services.router.settings import RouterConfig
 from services.router.structured.schema import Schema, check_schema
 
-TIER_NAMES = {
-    common_pb2.TIER_AUTO: "AUTO",
-    common_pb2.TIER_S: "S",
-    common_pb2.TIER_A: "A",
-    common_pb2.TIER_B: "B",
-}
 ROLES = frozenset({"system", "user", "assistant"})
 MAX_ID_CHARS = 128
 MAX_SCHEMA_CHARS = 64 * 1024

@@ -17,19 +17,18 @@ import grpc
 from opentelemetry import trace
 
 from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.common.config import BallastConfig
+from services.common.auth import Authenticator
 from services.common.errors import BallastError, NotFound, Unavailable
 from services.common.membership import MembershipWatcher
-from services.degrade.router_hooks import Degrader
-from services.router.auth import Authenticator
+from services.config import BallastConfig
 from services.router.backfill_proxy import BackfillProxy
 from services.router.context.live_eval import publish_retention
+from services.router.degrade.degrader import Degrader
 from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
-from services.router.pools import PoolGates
 from services.router.model_registry import ModelRegistry
+from services.router.pools import PoolGates
 from services.router.requests import InferenceRequest, request_from_pb
-from services.router.turns import classify_turn
 from services.router.resilience.breaker import BreakerBoard
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.retry_budget import RetryBudget
@@ -37,6 +36,7 @@ from services.router.resilience.temperature import TemperatureGate
 from services.router.rollout.controller import RolloutController
 from services.router.scheduling.tagging import RuleError, TagInput, TierClassifier, default_rules, load_rules
 from services.router.scheduling.tiers import TierPolicy
+from services.router.turns import classify_turn
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)

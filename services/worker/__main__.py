@@ -9,8 +9,9 @@ import asyncio
 import sys
 from typing import Callable
 
-from services.common.config import BallastConfig
-from services.common.lifecycle import run_main, serve_until_signal
+from services.config import BallastConfig
+from services.common.lifecycle import serve_until_signal
+from services.entrypoint import run_main
 from services.worker.app import create_server
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from ballast.v1 import worker_pb2, worker_pb2_grpc
-from services.common.config import BallastConfig
+from services.config import BallastConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.membership import WorkerRecord, WorkerRegistration
 from services.common.telemetry import Telemetry

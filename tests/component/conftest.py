@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 
 from ballast.v1 import inference_pb2_grpc, worker_pb2_grpc
-from services.common.config import load_config
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.config import load_config
 from services.router.app import create_server as create_router
 from services.worker.app import create_server as create_worker
 

@@ -12,14 +12,16 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
-from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.degraded.codec import decode_degraded, make_ticket
+from services.common.degraded.codec import Level
+from services.common.errors import InvalidArgument, NoLiveWorker, ResourceExhausted, RetryBudgetExhausted, Unavailable
 from services.common.generation import Sampling
 from services.common.localservers import KafkaBroker
-from services.degrade.codec import decode_degraded, make_ticket
-from services.degrade.handoff import HandOff, HandOffSettings
-from services.degrade.ladder import Level, Reason
-from services.degrade.outbox import OutboxFull
-from services.degrade.router_hooks import Degrader, DegradeConfig
+from services.router.degrade.config import DegradeConfig
+from services.router.degrade.degrader import Degrader
+from services.router.degrade.handoff import HandOff, HandOffSettings
+from services.router.degrade.ladder import Reason
+from services.router.degrade.outbox import OutboxFull
 from services.router.requests import InferenceRequest, Message
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -118,15 +120,13 @@ async def test_decide_is_a_pure_function_of_error_request_and_position():
     request = make_request()
     light = degrader.decide(ResourceExhausted("queue full"), request)
     assert (light.reason, light.rung.level, light.rung.model, light.index) == (Reason.ADMISSION, Level.LIGHT_MODEL, "small", 0)
-    rules = degrader.decide(Unavailable("no live worker for model 'small'"), request, after=0)
+    rules = degrader.decide(NoLiveWorker("no live worker for model 'small'"), request, after=0)
     assert (rules.reason, rules.rung.level) == (Reason.NO_WORKER, Level.RULES)
     assert degrader.decide(Unavailable("x"), request, after=1) is None  # nothing below rules
     assert degrader.decide(InvalidArgument("bad"), request) is None  # client errors never degrade
     assert degrader.decide(ResourceExhausted("full"), replace(request, allow_degraded=False)) is None
     # Too little time left for the light model: straight to the rules.
     assert degrader.decide(ResourceExhausted("full"), request, remaining_s=0.2).rung.level is Level.RULES
-    from services.router.resilience.retry_budget import RetryBudgetExhausted
-
     assert degrader.decide(RetryBudgetExhausted("spent"), request).reason is Reason.RETRY_BUDGET
     assert degrader.decide(Unavailable("worker w1 failed: INTERNAL"), request).reason is Reason.WORKER_FAILED
     off = Degrader(DegradeConfig(enabled=False, handoff=False), "unused:1")
@@ -150,7 +150,7 @@ async def test_primary_success_passes_through_untouched(degrader):
 
 async def test_light_model_answers_marked_with_a_ticket(degrader, kafka_broker, topic):
     # The primary got as far as Started, then failed before any token: its Started is dropped.
-    primary = [model_events("big", "", [])[0], Unavailable("no live worker for model 'big'")]
+    primary = [model_events("big", "", [])[0], NoLiveWorker("no live worker for model 'big'")]
     pools = FakePools({"big": primary, "small": model_events("small", "light answer", [5, 6, 7])})
     request = make_request(session="s-light")
     events = await run_all(degrader, pools, request)
@@ -173,7 +173,7 @@ async def test_light_model_answers_marked_with_a_ticket(degrader, kafka_broker, 
 
 
 async def test_rules_answer_after_both_pools_fail(degrader, kafka_broker, topic):
-    pools = FakePools({"big": ResourceExhausted("queue full"), "small": Unavailable("no live worker for model 'small'")})
+    pools = FakePools({"big": ResourceExhausted("queue full"), "small": NoLiveWorker("no live worker for model 'small'")})
     request = make_request("我的手机壳有货吗？", session="s-rules")
     events = await run_all(degrader, pools, request)
     kinds = [e.WhichOneof("event") for e in events]
@@ -219,7 +219,7 @@ def small_tokenizer():
 async def test_rules_tokens_use_the_models_tokenizer_when_given(degrader):
     tokenizer = small_tokenizer()
     degrader.encoder_for = lambda model: tokenizer if model == "big" else None
-    pools = FakePools({"big": Unavailable("no live worker for model 'big'"), "small": Unavailable("no live worker")})
+    pools = FakePools({"big": NoLiveWorker("no live worker for model 'big'"), "small": NoLiveWorker("no live worker")})
     events = await run_all(degrader, pools, make_request("How much is the charger?"))
     tokens = [e.tokens for e in events if e.HasField("tokens")]
     ids = [i for t in tokens for i in t.token_ids]
@@ -266,7 +266,7 @@ async def test_broker_down_fills_the_outbox_and_back_drains_in_order(tmp_path, t
 
 
 async def test_outbox_left_by_a_crash_is_drained_by_the_next_start(tmp_path, kafka_broker, topic):
-    from services.degrade.outbox import Outbox
+    from services.router.degrade.outbox import Outbox
 
     path = tmp_path / "outbox.sqlite"
     with Outbox(path) as outbox:  # what a router that crashed before draining left behind

@@ -9,8 +9,8 @@ import pytest
 from confluent_kafka import KafkaException
 
 from services.backfill.kafka_check import KafkaCheck, admin_client
+from services.common.kafka import AsyncProducer, Delivered
 from services.common.localservers import KafkaBroker
-from services.degrade.kafka import AsyncProducer, Delivered
 from tests.component.test_kafka_producer import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -16,10 +16,10 @@ from ballast.v1 import backfill_pb2, inference_pb2_grpc
 from services.backfill.app import create_server as create_backfill
 from services.backfill.settings import BackfillSettings
 from services.cli.client import chat_request, collect
-from services.common.config import load_config
+from services.common.degraded.codec import make_ticket
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.processes import free_port
-from services.degrade.codec import make_ticket
+from services.config import load_config
 from services.router.app import create_server as create_router
 from tests.component.conftest import API_KEY, TENANT, make_config
 # handoff: the same fixture, on this module's topic (names).

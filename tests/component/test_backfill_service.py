@@ -16,13 +16,13 @@ from ballast.v1 import backfill_pb2, backfill_pb2_grpc, common_pb2
 from services.backfill.app import create_server as create_backfill
 from services.backfill.settings import BackfillSettings
 from services.cli.client import chat_request, collect
-from services.common.config import load_config
+from services.common.degraded.codec import degraded_request_pb, kafka_key, make_ticket
+from services.common.degraded.codec import Level
+from services.common.degraded.topics import DLQ_ATTEMPTS_HEADER, DLQ_ERROR_HEADER
 from services.common.generation import Sampling
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.degrade.codec import degraded_request_pb, kafka_key, make_ticket
-from services.degrade.handoff import HandOff, HandOffSettings
-from services.degrade.ladder import Level
-from services.degrade.topics import DLQ_ATTEMPTS_HEADER, DLQ_ERROR_HEADER
+from services.config import load_config
+from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.requests import InferenceRequest, Message
 from tests.component.conftest import API_KEY, TENANT
 from tests.component.test_backfill_handoff import read_topic
@@ -238,7 +238,7 @@ class ScriptedReplayer:
         self.calls = 0
 
     async def replay(self, record):
-        from services.degrade.codec import ReplayResult
+        from services.common.degraded.codec import ReplayResult
 
         self.calls += 1
         if self.script:
@@ -312,8 +312,9 @@ async def test_replay_waiting_for_a_down_pool_wakes_when_etcd_shows_it_back(back
 
 async def test_router_wired_with_the_degrader(router_app, router_stub, kafka_broker, tmp_path):
     """The wiring the router adopts: Generate runs `degrader.run(pool_stream, ...)` around the runner."""
-    from services.degrade.codec import decode_degraded
-    from services.degrade.router_hooks import Degrader, DegradeConfig
+    from services.common.degraded.codec import decode_degraded
+    from services.router.degrade.config import DegradeConfig
+    from services.router.degrade.degrader import Degrader
 
     topic = f"wired-{uuid.uuid4().hex[:8]}"
     config = DegradeConfig(ladders={"tiny-unserved": ["tiny", "rules"], "tiny": ["missing-light", "rules"]},

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from ballast.v1 import backfill_pb2
 from services.backfill.store import AnswerStore, Notices
-from services.degrade.codec import make_ticket, timestamp
+from services.common.degraded.codec import make_ticket, timestamp
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -116,7 +116,7 @@ def subscription_servicer(store: AnswerStore, redis_server):
     from services.backfill.servicer import BackfillServicer
     from services.backfill.settings import BackfillSettings
     from services.common.config import AuthConfig
-    from services.router.auth import Authenticator
+    from services.common.auth import Authenticator
 
     notices = Notices(aioredis.Redis.from_url(redis_server.url), store.channel)
     auth = Authenticator(AuthConfig(enabled=True, api_keys={"acme-key": TENANT}))

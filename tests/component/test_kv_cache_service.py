@@ -20,10 +20,10 @@ from services.cache.blocks import chain_hashes
 from services.cache.client import KVCacheClient, PutBlock
 from services.cache.records import record_key
 from services.cache.types import KVLayout, KVScope
-from services.common.config import load_config
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.localservers import RedisServer
+from services.config import load_config
 
 SCOPE = KVScope("modelv1", "acme")
 # 2 layers x 2 x 2 heads x 16 tokens x 16 dims x 4 bytes = 8 KiB: two chunks of 4 KiB each.

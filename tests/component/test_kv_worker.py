@@ -21,9 +21,9 @@ from services.cache.app import create_server as create_cache
 from services.cache.blocks import chain_hashes
 from services.cache.records import record_key
 from services.cache.types import KVScope
-from services.common.config import load_config
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.localservers import RedisServer
+from services.config import load_config
 from services.worker.app import create_server as create_worker
 from services.worker.tiny_model import render_chat
 

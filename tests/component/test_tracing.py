@@ -27,9 +27,10 @@ from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_gr
 from services.cache.app import create_server as create_cache
 from services.cli.client import chat_request, collect
 from services.common import tracing
-from services.common.config import TracingConfig, load_config
+from services.common.config import TracingConfig
 from services.common.grpc_server import CHANNEL_OPTIONS, new_server
 from services.common.grpc_tracing import client_interceptors
+from services.config import load_config
 from services.router.app import create_server as create_router
 from services.worker.app import create_server as create_worker
 from tests.component.conftest import API_KEY, make_config

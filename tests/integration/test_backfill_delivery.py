@@ -18,11 +18,11 @@ import pytest_asyncio
 from ballast.v1 import backfill_pb2, common_pb2
 from services.cli.client import chat_request, collect
 from services.cli.mesh import BACKFILL_API_KEY, LOCAL_API_KEY, Mesh, MeshSpec
+from services.common.degraded.codec import degraded_request_pb, kafka_key, make_ticket
+from services.common.degraded.codec import Level
+from services.common.degraded.topics import DEADLETTER_TOPIC, DLQ_ERROR_HEADER
 from services.common.generation import Sampling
-from services.degrade.codec import degraded_request_pb, kafka_key, make_ticket
-from services.degrade.handoff import HandOff, HandOffSettings
-from services.degrade.ladder import Level
-from services.degrade.topics import DEADLETTER_TOPIC, DLQ_ERROR_HEADER
+from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.requests import InferenceRequest
 from tests.component.test_backfill_handoff import read_topic
 from tests.integration.test_mesh import metric_value, registered_ids, scrape

@@ -19,11 +19,11 @@ import pytest
 from ballast.v1 import backfill_pb2, common_pb2
 from services.cli.client import chat_request, collect
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
-from services.common.config import BallastConfig
+from services.common.degraded.codec import degraded_request_pb, kafka_key, make_ticket
+from services.common.degraded.codec import Level
 from services.common.generation import Sampling
-from services.degrade.codec import degraded_request_pb, kafka_key, make_ticket
-from services.degrade.handoff import HandOff, HandOffSettings
-from services.degrade.ladder import Level
+from services.config import BallastConfig
+from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.requests import InferenceRequest
 from tests.integration.test_mesh import registered_ids
 

@@ -15,10 +15,10 @@ from ballast.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
-from tests.integration.test_mesh import metric_value, scrape
-from services.common.config import load_config
 from services.common.processes import free_port
+from services.config import load_config
 from services.router.tokenization import ModelTokenizer
+from tests.integration.test_mesh import metric_value, scrape
 
 # Five worker restarts on a busy machine take a while.
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]

@@ -16,7 +16,7 @@ from ballast.v1 import worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
-from services.common.config import load_config
+from services.config import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from services.common.errors import DeadlineExceeded, ResourceExhausted
 from services.router.scheduling.async_gate import AsyncGate, Grant
-from services.router.scheduling.clock import FakeClock, MonotonicClock
 from services.router.scheduling.scheduler import PoolScheduler, TicketState
 from services.router.scheduling.tiers import TierPolicy
+from tests.unit.fake_clock import FakeClock
 
 
 def make_gate(workers=None, clock=None, **overrides) -> tuple[AsyncGate, FakeClock, dict]:
@@ -215,7 +216,7 @@ async def test_client_deadline_passing_while_queued_is_deadline_exceeded():
     gate, clock, _ = make_gate()
     scheduler = gate.scheduler
     async with gate.slot(scheduler.new_ticket("hold", "t", "A")):
-        ticket = scheduler.new_ticket("late", "t", "A", client_deadline=clock.now() + 0.5)
+        ticket = scheduler.new_ticket("late", "t", "A", client_deadline=clock() + 0.5)
         waiter = asyncio.create_task(use(gate, ticket))
         await settle()
         clock.advance(0.5)
@@ -227,7 +228,7 @@ async def test_client_deadline_passing_while_queued_is_deadline_exceeded():
 
 async def test_wait_is_bounded_in_real_time_too():
     # With the real clock nobody needs to pump: the waiter's own timeout ends the wait.
-    gate, _, _ = make_gate(clock=MonotonicClock(), tiers={"A": {"max_wait_s": 0.02}})
+    gate, _, _ = make_gate(clock=time.monotonic, tiers={"A": {"max_wait_s": 0.02}})
     scheduler = gate.scheduler
     async with gate.slot(scheduler.new_ticket("hold", "t", "A")):
         with pytest.raises(ResourceExhausted):

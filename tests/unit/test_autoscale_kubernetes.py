@@ -13,10 +13,11 @@ import urllib3
 
 from kubernetes import client as k8s  # the `kubernetes` extra, part of `dev`
 
-from services.common.config import AutoscalerKubernetesConfig, ConfigError, EtcdConfig
+from services.common.config import ConfigError, EtcdConfig
 from services.common.membership import WorkerRecord
 from services.router.autoscale.decision import Action, PoolSignals, Replicas, ScaleDecision
 from services.router.autoscale.kubernetes_executor import KubernetesExecutor
+from services.router.autoscale.settings import AutoscalerKubernetesConfig
 
 FIXTURES = json.loads((Path(__file__).parents[1] / "fixtures" / "kubernetes" / "deployment_scale.json").read_text())
 HOST = "https://kubernetes.test"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.backfill.processor import Processor
 from services.backfill.settings import BackfillSettings
-from services.degrade.kafka import DeliveryFailed
+from services.common.kafka import DeliveryFailed
 
 
 class Producer:

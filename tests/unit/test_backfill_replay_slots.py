@@ -9,7 +9,7 @@ from ballast.v1 import backfill_pb2, inference_pb2
 from services.backfill.consumer import Record
 from services.backfill.processor import Processor
 from services.backfill.settings import BackfillSettings
-from services.degrade.codec import ReplayResult, make_ticket, timestamp
+from services.common.degraded.codec import ReplayResult, make_ticket, timestamp
 
 SLOTS = 3
 RECORDS = 12

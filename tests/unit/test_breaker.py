@@ -14,23 +14,13 @@ from services.router.resilience.breaker import (
     CircuitBreaker,
     Outcome,
     SlidingCounts,
-    classify,
-    classify_exception,
+    outcome,
+    outcome_of,
 )
 from services.router.resilience.stall import StreamStalled
+from tests.unit.fake_clock import FakeClock
 
 S = grpc.StatusCode
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def make(clock: FakeClock, **overrides) -> CircuitBreaker:
@@ -53,7 +43,7 @@ def open_breaker(breaker: CircuitBreaker) -> None:
 class TestClassify:
     @pytest.mark.parametrize("code", [None, S.OK])
     def test_success(self, code):
-        assert classify(code) is Outcome.SUCCESS
+        assert outcome(code) is Outcome.SUCCESS
 
     @pytest.mark.parametrize(
         "code",
@@ -61,32 +51,32 @@ class TestClassify:
          S.CANCELLED, S.DEADLINE_EXCEEDED],
     )
     def test_not_the_workers_fault(self, code):
-        assert classify(code) is Outcome.IGNORE
+        assert outcome(code) is Outcome.IGNORE
 
     @pytest.mark.parametrize("code", [S.UNAVAILABLE, S.INTERNAL, S.UNKNOWN, S.DATA_LOSS, S.UNIMPLEMENTED])
     def test_worker_faults(self, code):
-        assert classify(code) is Outcome.FAULT
+        assert outcome(code) is Outcome.FAULT
 
     @pytest.mark.parametrize("code", [None, S.UNAVAILABLE, S.CANCELLED, S.INTERNAL])
     def test_client_cancellation_never_counts(self, code):
-        assert classify(code, client_cancelled=True) is Outcome.IGNORE
+        assert outcome(code, client_cancelled=True) is Outcome.IGNORE
 
     def test_exceptions(self):
         rpc_error = grpc.aio.AioRpcError(S.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
-        assert classify_exception(rpc_error) is Outcome.FAULT
-        assert classify_exception(rpc_error, client_cancelled=True) is Outcome.IGNORE
-        assert classify_exception(StreamStalled(2.0, 3)) is Outcome.FAULT
-        assert classify_exception(Unavailable("ended without finishing")) is Outcome.FAULT
-        assert classify_exception(InvalidArgument("bad")) is Outcome.IGNORE
-        assert classify_exception(ResourceExhausted("full")) is Outcome.IGNORE
-        assert classify_exception(asyncio.CancelledError()) is Outcome.IGNORE
-        assert classify_exception(KeyError("router bug")) is Outcome.IGNORE
-        assert classify_exception(None) is Outcome.SUCCESS
+        assert outcome_of(rpc_error) is Outcome.FAULT
+        assert outcome_of(rpc_error, client_cancelled=True) is Outcome.IGNORE
+        assert outcome_of(StreamStalled(2.0, 3)) is Outcome.FAULT
+        assert outcome_of(Unavailable("ended without finishing")) is Outcome.FAULT
+        assert outcome_of(InvalidArgument("bad")) is Outcome.IGNORE
+        assert outcome_of(ResourceExhausted("full")) is Outcome.IGNORE
+        assert outcome_of(asyncio.CancelledError()) is Outcome.IGNORE
+        assert outcome_of(KeyError("router bug")) is Outcome.IGNORE
+        assert outcome_of(None) is Outcome.SUCCESS
 
 
 class TestOpening:
     def test_needs_min_requests(self):
-        breaker = make(FakeClock())
+        breaker = make(FakeClock(1000.0))
         run(breaker, faults=19)
         assert breaker.state is BreakerState.CLOSED
         run(breaker, faults=1)
@@ -95,14 +85,14 @@ class TestOpening:
         assert not breaker.available()
 
     def test_opens_only_above_the_rate(self):
-        breaker = make(FakeClock())
+        breaker = make(FakeClock(1000.0))
         run(breaker, successes=19, faults=1)  # exactly 5 %: not over
         assert breaker.state is BreakerState.CLOSED
         run(breaker, faults=1)  # 2 / 21
         assert breaker.state is BreakerState.OPEN
 
     def test_ignored_outcomes_do_not_count(self):
-        breaker = make(FakeClock())
+        breaker = make(FakeClock(1000.0))
         for _ in range(100):
             breaker.try_acquire().record(Outcome.IGNORE)
         run(breaker, successes=19, faults=1)
@@ -110,7 +100,7 @@ class TestOpening:
         assert (snap.state, snap.requests, snap.faults) == (BreakerState.CLOSED, 20, 1)
 
     def test_old_faults_slide_out_of_the_window(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock)
         run(breaker, faults=15)
         clock.advance(31)
@@ -121,7 +111,7 @@ class TestOpening:
 
 class TestHalfOpen:
     def test_cooldown_then_probes_close_it(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, cooldown_s=5, half_open_probes=2)
         open_breaker(breaker)
         clock.advance(3)
@@ -139,7 +129,7 @@ class TestHalfOpen:
         assert breaker.snapshot().requests == 0  # a fresh window after closing
 
     def test_ignored_probe_frees_its_slot(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, half_open_probes=1)
         open_breaker(breaker)
         clock.advance(5)
@@ -149,7 +139,7 @@ class TestHalfOpen:
         assert breaker.state is BreakerState.CLOSED
 
     def test_failed_probe_reopens_with_growing_capped_cooldown(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, cooldown_s=5, max_cooldown_s=12, half_open_probes=1)
         open_breaker(breaker)
         seen = []
@@ -163,7 +153,7 @@ class TestHalfOpen:
         assert breaker.snapshot().opens == 4
 
     def test_reopening_soon_after_closing_backs_off_and_calm_resets(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, cooldown_s=5, half_open_probes=1)
         open_breaker(breaker)
         clock.advance(5)
@@ -178,7 +168,7 @@ class TestHalfOpen:
         assert breaker.snapshot().cooldown_s == 5
 
     def test_outcomes_of_calls_admitted_before_opening_are_ignored(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, half_open_probes=1)
         long_stream = breaker.try_acquire()
         open_breaker(breaker)
@@ -194,7 +184,7 @@ class TestHalfOpen:
 
 class TestPermit:
     def test_context_manager_records_what_ended_the_block(self):
-        breaker = make(FakeClock(), min_requests=2)
+        breaker = make(FakeClock(1000.0), min_requests=2)
         with breaker.try_acquire():
             pass
         assert (breaker.snapshot().requests, breaker.snapshot().faults) == (1, 0)
@@ -206,7 +196,7 @@ class TestPermit:
         assert breaker.snapshot().opens == 1
 
     def test_explicit_record_wins_over_exit(self):
-        breaker = make(FakeClock())
+        breaker = make(FakeClock(1000.0))
         with pytest.raises(KeyError):
             with breaker.try_acquire() as permit:
                 permit.record(Outcome.FAULT)
@@ -214,7 +204,7 @@ class TestPermit:
         assert breaker.snapshot().faults == 1
 
     def test_release_frees_a_probe(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         breaker = make(clock, half_open_probes=1)
         open_breaker(breaker)
         clock.advance(5)
@@ -224,7 +214,7 @@ class TestPermit:
 
 class TestBoard:
     def test_snapshot_transitions_and_retain(self):
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         transitions = []
         board = BreakerBoard(BreakerConfig(), clock, lambda w, old, new: transitions.append((w, old, new)))
         assert board.available("w1") and board.state("w1") is BreakerState.CLOSED and len(board) == 0

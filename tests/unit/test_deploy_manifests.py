@@ -31,7 +31,7 @@ import yaml
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 promql_parser = pytest.importorskip("promql_parser")
 
-from services.common.config import BallastConfig, load_config  # noqa: E402
+from services.config import BallastConfig, load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from services.degrade.outbox import Outbox, OutboxError, OutboxFull
+from services.router.degrade.outbox import Outbox, OutboxError, OutboxFull
 
 
 def test_rows_come_back_in_order_and_leave_when_deleted(tmp_path):
@@ -64,7 +64,7 @@ def test_committed_rows_survive_a_killed_process(tmp_path):
     path = tmp_path / "o.sqlite"
     script = textwrap.dedent(f"""
         import os
-        from services.degrade.outbox import Outbox
+        from services.router.degrade.outbox import Outbox
         outbox = Outbox({str(path)!r})
         outbox.append([(b"k", b"%d" % i) for i in range(50)])
         os._exit(9)  # no close, no checkpoint: as if the process crashed

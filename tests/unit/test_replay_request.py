@@ -4,7 +4,7 @@ again, without the session (it runs under the backfill's own tenant)."""
 from __future__ import annotations
 
 from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
-from services.degrade.codec import REPLAY_ID_PREFIX, replay_request
+from services.common.degraded.codec import REPLAY_ID_PREFIX, replay_request
 
 
 def degraded_record() -> backfill_pb2.DegradedRequest:

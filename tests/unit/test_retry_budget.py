@@ -3,24 +3,13 @@
 import pytest
 from pydantic import ValidationError
 
-from services.common.errors import Unavailable
+from services.common.errors import RetryBudgetExhausted, Unavailable
 from services.router.resilience.retry_budget import (
     Refusal,
     RetryBudget,
     RetryBudgetConfig,
-    RetryBudgetExhausted,
 )
-
-
-class FakeClock:
-    def __init__(self, now: float = 500.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.unit.fake_clock import FakeClock
 
 
 def drain(budget: RetryBudget) -> int:
@@ -32,12 +21,12 @@ def drain(budget: RetryBudget) -> int:
 
 
 def test_quiet_router_gets_the_minimum_allowance():
-    budget = RetryBudget(RetryBudgetConfig(min_retries_per_s=0.5, window_s=10), FakeClock())
+    budget = RetryBudget(RetryBudgetConfig(min_retries_per_s=0.5, window_s=10), FakeClock(500.0))
     assert drain(budget) == 5
 
 
 def test_allowance_grows_with_requests():
-    budget = RetryBudget(RetryBudgetConfig(ratio=0.2, min_retries_per_s=0), FakeClock())
+    budget = RetryBudget(RetryBudgetConfig(ratio=0.2, min_retries_per_s=0), FakeClock(500.0))
     for _ in range(100):
         budget.record_request()
     assert drain(budget) == 20
@@ -46,7 +35,7 @@ def test_allowance_grows_with_requests():
 
 
 def test_spent_budget_refills_as_the_window_slides():
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     budget = RetryBudget(RetryBudgetConfig(ratio=0.2, min_retries_per_s=0, window_s=10), clock)
     for _ in range(50):
         budget.record_request()
@@ -63,14 +52,14 @@ def test_spent_budget_refills_as_the_window_slides():
 
 
 def test_refusal_takes_nothing():
-    budget = RetryBudget(RetryBudgetConfig(ratio=0, min_retries_per_s=0.1, window_s=10), FakeClock())
+    budget = RetryBudget(RetryBudgetConfig(ratio=0, min_retries_per_s=0.1, window_s=10), FakeClock(500.0))
     assert budget.try_acquire()
     assert not budget.try_acquire()
     assert budget.snapshot().retries == 1
 
 
 def test_attempts_per_request_are_capped():
-    budget = RetryBudget(RetryBudgetConfig(max_attempts=3, min_retries_per_s=100), FakeClock())
+    budget = RetryBudget(RetryBudgetConfig(max_attempts=3, min_retries_per_s=100), FakeClock(500.0))
     attempts = budget.start()
     assert budget.snapshot().requests == 1
     assert attempts.try_again() and attempts.try_again()
@@ -81,7 +70,7 @@ def test_attempts_per_request_are_capped():
 
 
 def test_attempts_refused_by_the_budget():
-    budget = RetryBudget(RetryBudgetConfig(ratio=0, min_retries_per_s=0), FakeClock())
+    budget = RetryBudget(RetryBudgetConfig(ratio=0, min_retries_per_s=0), FakeClock(500.0))
     attempts = budget.start()
     assert not attempts.try_again()
     assert attempts.refusal is Refusal.BUDGET

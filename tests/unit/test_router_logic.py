@@ -1,16 +1,22 @@
 """Pure router logic: auth, request validation, worker choice."""
 
-import random
+import itertools
 
 import pytest
 
 from ballast.v1 import common_pb2, inference_pb2
-from services.common.config import AuthConfig, RouterConfig
+from services.common.auth import Authenticator
+from services.common.config import AuthConfig
 from services.common.errors import InvalidArgument, Unauthenticated
 from services.common.membership import WorkerRecord
-from services.router.auth import Authenticator
-from services.router.balancer import pick_worker
+from services.router.pools import PoolGates, slot_key
 from services.router.requests import request_from_pb
+from services.router.resilience.breaker import BreakerBoard, BreakerConfig
+from services.router.resilience.health_view import WorkerHealthView
+from services.router.resilience.temperature import TemperatureConfig, TemperatureGate
+from services.router.scheduling.scheduler import PoolScheduler, WorkerSlots
+from services.router.scheduling.tiers import TierPolicy
+from services.router.settings import RouterConfig
 
 
 def make_request(**fields) -> inference_pb2.GenerateRequest:
@@ -88,24 +94,54 @@ def worker(id, in_flight=0, capacity=4, model="tiny", healthy=True, draining=Fal
                         capacity=capacity, in_flight=in_flight, healthy=healthy, draining=draining)
 
 
-class TestBalancer:
+REQUEST_IDS = itertools.count()
+
+
+class Members:
+    """The membership the pool gates read: the workers etcd lists now."""
+
+    def __init__(self, workers) -> None:
+        self._workers = {w.id: w for w in workers}
+
+    def workers(self) -> dict[str, WorkerRecord]:
+        return dict(self._workers)
+
+
+def gates_over(workers) -> PoolGates:
+    health = WorkerHealthView(BreakerBoard(BreakerConfig()), TemperatureGate(TemperatureConfig()))
+    return PoolGates(TierPolicy(), Members(workers), health)
+
+
+def dispatch(scheduler: PoolScheduler, workers, **ticket_fields) -> str:
+    """Submits one request and returns the worker the scheduler gives it."""
+    ticket = scheduler.new_ticket(f"r{next(REQUEST_IDS)}", "t", "A", **ticket_fields)
+    assert scheduler.submit(ticket, workers).admitted
+    (started,) = scheduler.dispatch(workers).started
+    return started[1]
+
+
+class TestWorkerChoice:
+    """Which worker a request goes to: routable workers of its model (pools.py), the least
+    loaded first (scheduling/scheduler.py)."""
+
     def test_fewest_in_flight_wins(self):
-        chosen = pick_worker([worker("1", 3), worker("2", 1), worker("3", 2)], "tiny", {})
-        assert chosen.id == "2"
+        workers = {"1": WorkerSlots(4, 3), "2": WorkerSlots(4, 1), "3": WorkerSlots(4, 2)}
+        assert dispatch(PoolScheduler(TierPolicy()), workers) == "2"
 
     def test_local_count_overrides_stale_published_count(self):
-        chosen = pick_worker([worker("1", 0), worker("2", 1)], "tiny", {"1": 3})
-        assert chosen.id == "2"
+        scheduler = PoolScheduler(TierPolicy())
+        workers = {"1": WorkerSlots(4, 0), "2": WorkerSlots(4, 1)}
+        for _ in range(3):  # ours, not in worker 1's published count yet
+            assert dispatch(scheduler, workers, prefer="1") == "1"
+        assert dispatch(scheduler, workers) == "2"
 
     def test_skips_draining_unhealthy_other_model_and_excluded(self):
         workers = [worker("1", draining=True), worker("2", healthy=False), worker("3", model="big"), worker("4", 3), worker("5")]
-        assert pick_worker(workers, "tiny", {}, exclude=frozenset({"5"})).id == "4"
-        assert pick_worker(workers[:3], "tiny", {}) is None
-
-    def test_ties_spread(self):
-        rng = random.Random(1)
-        picks = {pick_worker([worker("1"), worker("2")], "tiny", {}, rng=rng).id for _ in range(20)}
-        assert picks == {"1", "2"}
+        gates = gates_over(workers)
+        assert gates.idle_worker("tiny", "v").id == "5"
+        assert gates.has_capacity("tiny", excluding={slot_key(workers[4])})  # worker 4 is left
+        assert not gates.has_capacity("tiny", excluding={slot_key(workers[3]), slot_key(workers[4])})
+        assert not gates_over(workers[:3]).has_capacity("tiny")
 
 
 class TestIdempotentSampling:

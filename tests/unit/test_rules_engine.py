@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from services.degrade.rules import RuleEngine, RulesError, request_text, split_pieces, stream_text
+from services.router.degrade.rules import RuleEngine, RulesError, request_text, split_pieces, stream_text
 from services.router.requests import Message
 
 MINIMAL = textwrap.dedent("""\

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from services.router.scheduling.clock import FakeClock
 from services.router.scheduling.scheduler import PoolScheduler, Ticket, TicketState, WorkerSlots, slots_from_records
 from services.router.scheduling.tiers import AdaptiveShares, TierPolicy, TierSpec
+from tests.unit.fake_clock import FakeClock
 
 # A quick prior, so admission does not get in the way of tests about order.
 FAST = dict(initial_hold_s=0.01, initial_first_token_s=0.001)
@@ -67,7 +67,7 @@ class TestOrder:
         workers = {"w1": (1, 0)}
         busy = occupy(s, workers)
         submit(s, "first", "A")
-        submit(s, "tight", "A", client_deadline=clock.now() + 0.5)
+        submit(s, "tight", "A", client_deadline=clock() + 0.5)
         s.on_finished(busy)
         assert drain_one_at_a_time(s, workers, clock, 2) == ["tight", "first"]
 
@@ -456,7 +456,7 @@ class TestPreemption:
     def test_requeued_ticket_expires_at_its_client_deadline(self):
         s, clock = make()
         workers = {"w1": (1, 0)}
-        b = submit(s, "b", "B", client_deadline=clock.now() + 1.0)
+        b = submit(s, "b", "B", client_deadline=clock() + 1.0)
         s.dispatch(workers)
         clock.advance(1.0)
         assert not s.requeue_preempted(b)
@@ -516,7 +516,7 @@ class TestPolicy:
 
 
 def test_idle_workers_share_sequential_requests():
-    from services.router.scheduling.clock import FakeClock
+    from tests.unit.fake_clock import FakeClock
     from services.router.scheduling.scheduler import PoolScheduler, WorkerSlots
     from services.router.scheduling.tiers import TierPolicy
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from services.router.scheduling.clock import FakeClock
 from services.router.scheduling.tagging import RuleError, TagInput, TierClassifier, default_rules, load_rules
+from tests.unit.fake_clock import FakeClock
 
 
 def make(rules=None) -> tuple[TierClassifier, FakeClock]:

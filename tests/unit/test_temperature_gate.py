@@ -4,7 +4,6 @@ import pytest
 from pydantic import ValidationError
 
 from services.common.membership import WorkerRecord
-from services.router.balancer import pick_worker
 from services.router.resilience.breaker import BreakerBoard, BreakerConfig, Outcome
 from services.router.resilience.health_view import Unroutable, WorkerHealthView
 from services.router.resilience.temperature import TemperatureConfig, TemperatureGate
@@ -85,8 +84,6 @@ class TestHealthView:
             "broken": Unroutable.BREAKER_OPEN,
         }
         assert [w.id for w in view.routable(workers.values())] == ["ok"]
-        chosen = pick_worker(view.routable(workers.values()), "tiny", {})
-        assert chosen is not None and chosen.id == "ok"
         status = view.snapshot(workers)
         assert status["broken"].as_dict()["breaker"]["state"] == "open"
         assert status["hot"].as_dict()["reason"] == "hot" and status["hot"].hot

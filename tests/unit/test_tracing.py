@@ -15,7 +15,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from services.common import tracing
-from services.common.config import ConfigError, TracingConfig, load_config
+from services.common.config import ConfigError, TracingConfig
+from services.config import load_config
 
 
 @pytest.fixture

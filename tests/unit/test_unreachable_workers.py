@@ -5,7 +5,8 @@ breaker), not the worker's own error answers."""
 import grpc
 import pytest
 
-from services.common.errors import Unavailable
+from services.common.errors import BallastError, Draining, ResourceExhausted, Unavailable
+from services.common.faults import status_trailers
 from services.common.membership import WorkerRecord
 from services.router.generation import WorkerLeaseLost, worker_gone
 from services.router.resilience.breaker import BreakerBoard, BreakerConfig, is_connection_lost
@@ -66,8 +67,13 @@ def test_leaving_membership_forgets_the_mark_and_success_clears_it():
     assert health.is_routable(dead)
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(code: grpc.StatusCode, details: str, trailers: tuple = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details)
+
+
+def worker_answer(error: BallastError) -> grpc.aio.AioRpcError:
+    """The status a worker sends for `error`, trailers included."""
+    return rpc_error(error.code, error.message, status_trailers(error))
 
 
 @pytest.mark.parametrize("details", [
@@ -81,15 +87,15 @@ def test_connection_failures_count(details):
     assert worker_gone(rpc_error(grpc.StatusCode.UNAVAILABLE, details))
 
 
-@pytest.mark.parametrize("code, details", [
-    (grpc.StatusCode.UNAVAILABLE, "worker is draining"),
-    (grpc.StatusCode.UNAVAILABLE, "torch engine is stopping"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "worker full: 4 in flight, capacity 4"),
-    (grpc.StatusCode.INTERNAL, "Socket closed"),
+@pytest.mark.parametrize("error", [
+    worker_answer(Draining("worker is draining")),
+    worker_answer(Unavailable("torch engine is stopping")),
+    worker_answer(ResourceExhausted("worker full: 4 in flight, capacity 4")),
+    rpc_error(grpc.StatusCode.INTERNAL, "Socket closed"),
 ])
-def test_answers_from_the_worker_do_not(code, details):
-    assert not is_connection_lost(rpc_error(code, details))
-    assert not worker_gone(rpc_error(code, details))
+def test_answers_from_the_worker_do_not(error):
+    assert not is_connection_lost(error)
+    assert not worker_gone(error)
 
 
 def test_a_lost_lease_means_the_worker_is_gone():

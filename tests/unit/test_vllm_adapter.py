@@ -446,7 +446,7 @@ def test_reads_model_facts_from_config_json(tmp_path):
 
 
 def test_worker_config_fields_and_engine_args(model_dir):
-    from services.common.config import load_config
+    from services.config import load_config
 
     config = load_config(environ={"BALLAST__WORKER__ENGINE": "vllm", "BALLAST__WORKER__KV_CACHE_DTYPE": "fp8",
                                   "BALLAST__WORKER__MAX_MODEL_LEN": "256"})

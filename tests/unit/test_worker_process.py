@@ -6,7 +6,7 @@ import pytest
 
 
 def test_a_worker_process_takes_its_gil_switch_interval_from_config():
-    from services.common.config import BallastConfig
+    from services.config import BallastConfig
     from services.worker.__main__ import tune_process
 
     before = sys.getswitchinterval()

@@ -24,10 +24,10 @@ from typing import Callable, Iterable
 import aetcd
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from services.common.config import BallastConfig
 from services.common.leader import LeaderLock
 from services.common.membership import ETCD_ERRORS, MembershipWatcher, close_client, make_client
 from services.common.tasks import stop_task
+from services.config import BallastConfig
 from services.router.autoscale.board import ReportBoard
 from services.router.autoscale.decision import Autoscaler, ScaleDecision
 from services.router.autoscale.executor import RoleExecutor

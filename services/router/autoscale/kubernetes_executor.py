@@ -18,10 +18,11 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-from services.common.config import AutoscalerKubernetesConfig, ConfigError, EtcdConfig
+from services.common.config import ConfigError, EtcdConfig
 from services.common.membership import WorkerRecord
 from services.router.autoscale.decision import ScaleDecision
 from services.router.autoscale.executor import PoolMembers, RoleExecutor, RolePlan
+from services.router.autoscale.settings import AutoscalerKubernetesConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from typing import Callable, Mapping
 
 import yaml
 
-from services.common.config import BallastConfig
 from services.common.membership import WorkerRecord
 from services.common.processes import ManagedProcess
 from services.common.tasks import stop_task
 from services.common.worker_roles import SERVING, STANDBY
+from services.config import BallastConfig
 from services.router.autoscale.decision import ScaleDecision
 from services.router.autoscale.executor import PoolMembers, RoleExecutor, RolePlan
 

@@ -9,9 +9,9 @@ import os
 import socket
 from typing import Any
 
-from services.common.config import BallastConfig
 from services.common.membership import MembershipWatcher
 from services.common.telemetry import Telemetry
+from services.config import BallastConfig
 from services.router.autoscale.controller import AutoscalerController
 from services.router.autoscale.executor import RoleExecutor
 from services.router.autoscale.observer import QueueWaitTap, RouterObservations, pool_of_model, tap_runner

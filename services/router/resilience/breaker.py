@@ -6,7 +6,7 @@ OPENS: the worker gets no traffic for a cool-down. Then it turns HALF_OPEN and l
 probe requests through; if they all succeed it CLOSES, and one probe fault reopens it with
 a longer cool-down (exponential, capped).
 
-Only worker faults count. `classify` maps a call's gRPC status to SUCCESS, FAULT or IGNORE:
+Only worker faults count. `outcome` maps a call's gRPC status to SUCCESS, FAULT or IGNORE:
 client errors and client cancellations say nothing about the worker, and overload
 (RESOURCE_EXHAUSTED) is backpressure the balancer already reacts to.
 
@@ -24,9 +24,11 @@ from types import TracebackType
 from typing import Callable, Iterable
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from services.common.errors import BallastError
+from services.common.config import Section
+from services.common.errors import Fault
+from services.common.faults import classify
 
 Clock = Callable[[], float]
 """Returns monotonic seconds; injectable so tests run on simulated time."""
@@ -35,10 +37,7 @@ Clock = Callable[[], float]
 MAX_BUCKETS = 3600
 
 
-class BreakerConfig(BaseModel):
-    # services.common.config.Section's rules, restated so that module can nest this class.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class BreakerConfig(Section):
     error_rate: float = Field(
         0.05, gt=0, lt=1, description="Fault share of a worker's calls in the window above which its breaker opens."
     )
@@ -136,8 +135,8 @@ NOT_WORKER_FAULTS = frozenset(
 )
 
 
-def classify(code: grpc.StatusCode | None, *, client_cancelled: bool = False) -> Outcome:
-    """What a finished worker call says about the worker. `None` means no error."""
+def outcome(code: grpc.StatusCode | None, *, client_cancelled: bool = False) -> Outcome:
+    """What a finished worker call's status code says about the worker. `None` means no error."""
     if client_cancelled:
         # Whatever status the call ended with, it ended because the client left.
         return Outcome.IGNORE
@@ -148,18 +147,17 @@ def classify(code: grpc.StatusCode | None, *, client_cancelled: bool = False) ->
     return Outcome.FAULT
 
 
-def classify_exception(error: BaseException | None, *, client_cancelled: bool = False) -> Outcome:
-    """`classify` for whatever ended a call: a gRPC error, a Ballast error, or anything else."""
+def outcome_of(error: BaseException | None, *, client_cancelled: bool = False) -> Outcome:
+    """`outcome` for whatever ended a call: a gRPC error, a Ballast error, or anything else."""
     if error is None:
-        return classify(None, client_cancelled=client_cancelled)
-    if isinstance(error, grpc.aio.AioRpcError):
-        return classify(error.code(), client_cancelled=client_cancelled)
-    if isinstance(error, BallastError):
-        # Covers StreamStalled and "stream ended without finishing" (both UNAVAILABLE).
-        return classify(error.code, client_cancelled=client_cancelled)
-    # Task cancellation (client gone), generator close, or a bug in the router itself:
-    # none of them is evidence against the worker.
-    return Outcome.IGNORE
+        return outcome(None, client_cancelled=client_cancelled)
+    failure = classify(error)
+    if failure is None:
+        # Task cancellation (client gone), generator close, or a bug in the router itself:
+        # none of them is evidence against the worker.
+        return Outcome.IGNORE
+    # A Ballast error covers StreamStalled and "stream ended without finishing" (both UNAVAILABLE).
+    return outcome(failure.code, client_cancelled=client_cancelled)
 
 
 @dataclass(frozen=True)
@@ -222,7 +220,7 @@ class Permit:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.record(classify_exception(exc))
+        self.record(outcome_of(exc))
 
 
 class CircuitBreaker:
@@ -400,18 +398,8 @@ class BreakerBoard:
         return len(self._breakers)
 
 
-# What gRPC says when the connection itself failed, not the worker's own answer: refused
-# connects, resets, a socket closed under a stream (a killed process), a peer going away.
-_CONNECTION_LOST_MARKERS = (
-    "failed to connect", "connection refused", "connection reset", "socket closed", "stream removed",
-    "broken pipe", "goaway", "connections to all backends failing", "endpoint closing",
-)
-
-
 def is_connection_lost(error: BaseException) -> bool:
     """True when a call to a worker failed because the router could not reach it (as opposed
     to the worker answering with an error, such as "draining" or "full")."""
-    if not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    details = (error.details() or "").lower()
-    return any(marker in details for marker in _CONNECTION_LOST_MARKERS)
+    failure = classify(error)
+    return failure is not None and failure.fault is Fault.UNREACHABLE

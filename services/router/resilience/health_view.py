@@ -9,8 +9,8 @@ A router that just failed to connect to it (or lost a stream to a reset) stops s
 new work at once instead of letting every request in those seconds find out on its own. The
 mark is per incarnation (id + lease): the same worker restarted, with a new lease, is
 routable at once; and it lapses after `hold_s`, so a worker behind a passing network fault is
-tried again. The balancer filters its candidates through `routable` before scoring them;
-the caller then takes a breaker permit for the worker it picked.
+tried again. The pool gates offer the scheduler only workers that pass `routable`; the
+caller then takes a breaker permit for the worker it was given.
 """
 
 from __future__ import annotations

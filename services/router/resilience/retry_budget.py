@@ -13,18 +13,15 @@ import enum
 import time
 from dataclasses import asdict, dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from services.common.errors import Unavailable
+from services.common.config import Section
 from services.router.resilience.breaker import MAX_BUCKETS, Clock, SlidingCounts
 
 REQUESTS, RETRIES = 0, 1
 
 
-class RetryBudgetConfig(BaseModel):
-    # services.common.config.Section's rules, restated so that module can nest this class.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class RetryBudgetConfig(Section):
     ratio: float = Field(0.2, ge=0, description="Retries allowed as a share of requests in the window.")
     window_s: float = Field(10.0, gt=0, description="Sliding window of the budget.")
     bucket_s: float = Field(1.0, gt=0, description="Granularity of the sliding window.")
@@ -41,10 +38,6 @@ class RetryBudgetConfig(BaseModel):
         if self.window_s / self.bucket_s > MAX_BUCKETS:
             raise ValueError(f"window_s / bucket_s must be at most {MAX_BUCKETS}")
         return self
-
-
-class RetryBudgetExhausted(Unavailable):
-    """No retry allowed now: the budget is spent or the request used its attempts."""
 
 
 class Refusal(str, enum.Enum):

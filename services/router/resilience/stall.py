@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import AsyncIterable, AsyncIterator, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from services.common.config import Section
 from services.common.errors import Unavailable
-from services.router.resilience.breaker import Clock
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class StallConfig(BaseModel):
-    # services.common.config.Section's rules, restated so that module can nest this class.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class StallConfig(Section):
     s_timeout_s: float = Field(2.0, gt=0, description="Longest silence between tokens of a tier-S stream.")
     a_timeout_s: float = Field(5.0, gt=0, description="Longest silence between tokens of a tier-A stream.")
     b_timeout_s: float = Field(15.0, gt=0, description="Longest silence between tokens of a tier-B stream.")
@@ -47,35 +43,6 @@ class StreamStalled(Unavailable):
         super().__init__(f"stream stalled: nothing for {timeout_s:g}s after {items} items")
         self.timeout_s = timeout_s
         self.items = items
-
-
-def next_token_deadline(last_token_at: float, timeout_s: float) -> float:
-    """When the stream counts as stalled if no token arrives first (same clock as the input)."""
-    return last_token_at + timeout_s
-
-
-class StallTimer:
-    """Tracks the last progress of one stream on an injectable clock."""
-
-    def __init__(self, timeout_s: float, clock: Clock = time.monotonic) -> None:
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be > 0")
-        self.timeout_s = timeout_s
-        self._clock = clock
-        self.last_progress_at = clock()
-
-    def progress(self) -> None:
-        self.last_progress_at = self._clock()
-
-    @property
-    def deadline(self) -> float:
-        return next_token_deadline(self.last_progress_at, self.timeout_s)
-
-    def remaining(self) -> float:
-        return max(0.0, self.deadline - self._clock())
-
-    def stalled(self) -> bool:
-        return self._clock() >= self.deadline
 
 
 class _Watchdog:

@@ -11,14 +11,12 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from services.common.config import Section
 
 
-
-class TemperatureConfig(BaseModel):
-    # services.common.config.Section's rules, restated so that module can nest this class.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class TemperatureConfig(Section):
     limit_c: float = Field(78.0, description="GPU temperature (C) at which a worker stops taking new requests.")
     resume_below_c: float = Field(
         75.0, description="Temperature (C) a hot worker must drop below to take requests again."

@@ -25,7 +25,7 @@ from services.common.sampling_pb import sampling_to_pb
 from services.router.context.window import fit_request
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
-from services.router.resilience.breaker import Outcome, classify_exception
+from services.router.resilience.breaker import Outcome, outcome_of
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,6 @@ class MirrorRunner:
             answer.fault = True
         except (grpc.aio.AioRpcError, BallastError) as error:
             answer.error = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error.code.name
-            answer.fault = classify_exception(error) is Outcome.FAULT
+            answer.fault = outcome_of(error) is Outcome.FAULT
         return answer
 

@@ -160,7 +160,7 @@ class AsyncGate:
             if future.done():
                 future.result()
                 return
-            timeout = ticket.expires_at - self.scheduler.clock.now()
+            timeout = ticket.expires_at - self.scheduler.clock()
             try:
                 # Not asyncio.wait_for: it can swallow a cancellation that lands just as the
                 # future completes, and a cancelled waiter must never go on to hold a slot.
@@ -175,7 +175,7 @@ class AsyncGate:
             self._waiters.pop(ticket, None)
 
     def _expired_error(self, ticket: Ticket) -> BallastError:
-        now = self.scheduler.clock.now()
+        now = self.scheduler.clock()
         if ticket.client_deadline is not None and now >= ticket.client_deadline:
             return DeadlineExceeded("deadline exceeded while waiting for a worker slot")
         policy = self.scheduler.policy

@@ -1,8 +1,8 @@
 """One model pool's scheduler: tiered queues, admission, dispatch to worker slots, preemption.
 
-Pure and synchronous: no I/O, no tasks, time from an injected Clock. The caller hands in a
-snapshot of the pool's workers (advertised capacity and published in-flight) and gets back
-which queued ticket goes to which worker; `AsyncGate` wraps this for coroutines.
+Pure and synchronous: no I/O, no tasks, time from an injected clock (monotonic seconds). The
+caller hands in a snapshot of the pool's workers (advertised capacity and published
+in-flight) and gets back which queued ticket goes to which worker; `AsyncGate` wraps this for coroutines.
 
 Order of service (tiered mode):
 - S is strict priority. When S waits and no slot is free, the youngest running B stream that
@@ -28,11 +28,11 @@ import enum
 import heapq
 import itertools
 import math
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, NamedTuple, Protocol
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol
 
-from services.router.scheduling.clock import Clock, MonotonicClock
 from services.router.scheduling.tiers import TIERS, TierPolicy
 
 # Share of its free slots a worker that just joined gets at first (slow start).
@@ -288,12 +288,12 @@ class PoolScheduler:
     def __init__(
         self,
         policy: TierPolicy,
-        clock: Clock | None = None,
+        clock: Callable[[], float] = time.monotonic,
         pool: str = "primary",
         observer: SchedulerObserver | None = None,
     ) -> None:
         self.policy = policy
-        self.clock = clock or MonotonicClock()
+        self.clock = clock
         self.pool = pool
         self.observer = observer or SchedulerObserver()
         self.counters = SchedulerCounters()
@@ -336,7 +336,7 @@ class PoolScheduler:
         spec = self.policy.spec(tier)
         if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"weight must be a finite number > 0 (got {weight!r})")
-        now = self.clock.now()
+        now = self.clock()
         deadline = now + spec.budget_s / weight
         expires_at = now + spec.wait_limit_s if self._tiered else math.inf
         if client_deadline is not None:
@@ -360,7 +360,7 @@ class PoolScheduler:
         """Replaces the capacity snapshot (eligible workers of this pool only)."""
         fresh = {wid: WorkerSlots(*slots) for wid, slots in workers.items()}
         first_snapshot = not self._joined_at
-        now = self.clock.now()
+        now = self.clock()
         for wid in fresh:
             # Workers there when the router started are not new to the pool: full share.
             self._joined_at.setdefault(wid, None if first_snapshot else now)
@@ -434,7 +434,7 @@ class PoolScheduler:
         tier = ticket.tier
         spec = self.policy.spec(tier)
         self.counters.submitted[tier] += 1
-        now = self.clock.now()
+        now = self.clock()
         if ticket.expires_at <= now:
             return self._refuse(ticket, "deadline", 0.0, self.policy.min_retry_after_s)
         wait = self.estimated_wait(tier, ticket.tenant)
@@ -536,7 +536,7 @@ class PoolScheduler:
 
     def expire(self, now: float | None = None) -> list[Ticket]:
         """Removes queued tickets past their wait limit; the caller refuses them."""
-        now = self.clock.now() if now is None else now
+        now = self.clock() if now is None else now
         expired: list[Ticket] = []
         while self._expiry and self._expiry[0][0] <= now:
             ticket = heapq.heappop(self._expiry)[2]
@@ -553,7 +553,7 @@ class PoolScheduler:
         """Assigns queued tickets to free worker slots; each started ticket holds one slot."""
         if workers is not None:
             self.observe_workers(workers)
-        now = self.clock.now()
+        now = self.clock()
         expired = self.expire(now)
         started: list[tuple[Ticket, str]] = []
         free = self._free_slots()
@@ -617,7 +617,7 @@ class PoolScheduler:
         window = self.policy.slow_start_s
         if joined is None or window <= 0:
             return 1.0
-        return min(1.0, max(_SLOW_START_FLOOR, (self.clock.now() - joined) / window))
+        return min(1.0, max(_SLOW_START_FLOOR, (self.clock() - joined) / window))
 
     def _start(self, ticket: Ticket, worker: str, now: float) -> None:
         ticket.state = TicketState.RUNNING
@@ -637,7 +637,7 @@ class PoolScheduler:
     def on_first_token(self, ticket: Ticket) -> None:
         """Records dispatch-to-first-token once per dispatch (feeds the admission estimate)."""
         if ticket.state is TicketState.RUNNING and ticket.first_token_at is None and ticket.dispatched_at is not None:
-            ticket.first_token_at = self.clock.now()
+            ticket.first_token_at = self.clock()
             self._first_token.add(ticket.first_token_at - ticket.dispatched_at)
 
     def on_finished(self, ticket: Ticket) -> bool:
@@ -645,7 +645,7 @@ class PoolScheduler:
         if ticket.state is not TicketState.RUNNING:
             return False
         if ticket.dispatched_at is not None:
-            self._hold.add(self.clock.now() - ticket.dispatched_at)
+            self._hold.add(self.clock() - ticket.dispatched_at)
         self._release(ticket)
         ticket.state = TicketState.DONE
         self.counters.finished[ticket.tier] += 1
@@ -740,7 +740,7 @@ class PoolScheduler:
         return self._requeue(ticket)
 
     def _requeue(self, ticket: Ticket) -> bool:
-        now = self.clock.now()
+        now = self.clock()
         self.counters.requeued[ticket.tier] += 1
         # A requeued ticket was admitted and its client may be mid-stream: refusing it now
         # would break that stream, so it waits as long as its client deadline allows.
@@ -760,7 +760,7 @@ class PoolScheduler:
     # ----- metrics ------------------------------------------------------------------------
 
     def snapshot(self) -> PoolSnapshot:
-        now = self.clock.now()
+        now = self.clock()
         tiers: dict[str, TierSnapshot] = {}
         for tier in TIERS:
             queued = [t for t in self._queue_for(tier).tickets() if t.tier == tier]

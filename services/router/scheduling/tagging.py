@@ -28,14 +28,14 @@ keeps its previous rules in that case.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, TYPE_CHECKING
 
 import yaml
 
-from services.router.scheduling.clock import Clock, MonotonicClock
 from services.router.scheduling.tiers import TIERS
 
 if TYPE_CHECKING:
@@ -329,11 +329,11 @@ class TierClassifier:
     def __init__(
         self,
         rules: RuleSet | None = None,
-        clock: Clock | None = None,
+        clock: Callable[[], float] = time.monotonic,
         on_hit: Callable[[str], None] | None = None,
     ) -> None:
         self.rules = rules if rules is not None else default_rules()
-        self.clock = clock or MonotonicClock()
+        self.clock = clock
         # Matches per rule name (and "default"); only names of the current rules are kept.
         self.rule_hits: dict[str, int] = {}
         self.on_hit = on_hit
@@ -362,7 +362,7 @@ class TierClassifier:
 
     def classify(self, request: TagInput) -> Classification:
         rules = self.rules
-        now = self.clock.now()
+        now = self.clock()
         session = self._sessions.touch(request.session_id, now, rules) if request.session_id else None
         regenerates = 0
         if session is not None:

@@ -13,18 +13,14 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+import grpc
+
+from services.common.degraded.codec import Level
+from services.common.errors import Fault
+from services.common.faults import classify
 
 # The rung name of the rule engine in a path; every other name is a light model.
 RULES = "rules"
-# The router's message when a pool has no routable worker (GenerationRunner.run). Matched by
-# prefix because that error has no class of its own.
-NO_LIVE_WORKER = "no live worker"
-
-
-class Level(str, enum.Enum):
-    LIGHT_MODEL = "light_model"
-    RULES = "rules"
 
 
 class Reason(str, enum.Enum):
@@ -94,24 +90,27 @@ class Ladder:
         return self._paths.get(model, self._default)
 
 
+# The failures that may degrade a request, by fault; any other UNAVAILABLE is WORKER_FAILED.
+_BY_FAULT = {
+    Fault.RETRY_BUDGET_EXHAUSTED: Reason.RETRY_BUDGET,
+    Fault.OVERLOADED: Reason.ADMISSION,
+    Fault.DEADLINE_EXCEEDED: Reason.DEADLINE,
+    Fault.NO_LIVE_WORKER: Reason.NO_WORKER,
+}
+
+
 def degrade_reason(error: BaseException) -> Reason | None:
     """The reason an error may degrade a request, or None when it must reach the client.
 
     Client errors (bad input, unknown model, auth) never degrade: a smaller model or a rule
     would only hide the mistake.
     """
-    # RetryBudgetExhausted is an Unavailable: check it first. Matched by name so the backfill
-    # service, which shares this module, need not import the router.
-    if any(cls.__name__ == "RetryBudgetExhausted" for cls in type(error).__mro__):
-        return Reason.RETRY_BUDGET
-    if isinstance(error, ResourceExhausted):
-        return Reason.ADMISSION
-    if isinstance(error, DeadlineExceeded):
-        return Reason.DEADLINE
-    if isinstance(error, Unavailable):
-        message = getattr(error, "message", str(error))
-        return Reason.NO_WORKER if message.startswith(NO_LIVE_WORKER) else Reason.WORKER_FAILED
-    return None
+    failure = classify(error)
+    if failure is None:
+        return None
+    if failure.fault in _BY_FAULT:
+        return _BY_FAULT[failure.fault]
+    return Reason.WORKER_FAILED if failure.code == grpc.StatusCode.UNAVAILABLE else None
 
 
 def decide(

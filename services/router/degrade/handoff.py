@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Sequence
 
 from services.common import tracing
-from services.degrade.kafka import AsyncProducer, Delivered, DeliveryFailed, ensure_topics
-from services.degrade.outbox import Outbox, OutboxDepth, OutboxError, OutboxFull, Synchronous
-from services.degrade.topics import CONTENT_TYPE_HEADER, DEGRADED_CONTENT_TYPE, DEGRADED_TOPIC
+from services.common.degraded.topics import CONTENT_TYPE_HEADER, DEGRADED_CONTENT_TYPE, DEGRADED_TOPIC
+from services.common.kafka import AsyncProducer, Delivered, DeliveryFailed, ensure_topics
 from services.common.tasks import stop_task
+from services.router.degrade.outbox import Outbox, OutboxDepth, OutboxError, OutboxFull, Synchronous
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
-from services.degrade.yaml_lines import LList, LMap, YamlError, line_of, load_located
+from services.router.degrade.yaml_lines import LList, LMap, YamlError, line_of, load_located
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_intents.yaml")
 # Text beyond this many characters is not matched: bounds the cost of every pattern.

@@ -7,6 +7,7 @@ the wire format has one definition.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import re
 import time
@@ -18,12 +19,19 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
 from services.common.sampling_pb import sampling_to_pb
-from services.degrade.ladder import Level
+from services.common.tier_pb import TIER_TO_PB
+
+
+class Level(str, enum.Enum):
+    """How far down the ladder a degraded answer came from."""
+
+    LIGHT_MODEL = "light_model"
+    RULES = "rules"
+
 
 TICKET_PREFIX = "bf1-"
 _TICKET = re.compile(r"^bf1-[0-9a-f]{32}$")
 LEVEL_TO_PB = {Level.LIGHT_MODEL: common_pb2.DEGRADATION_LIGHT_MODEL, Level.RULES: common_pb2.DEGRADATION_RULES}
-TIER_TO_PB = {"AUTO": common_pb2.TIER_AUTO, "S": common_pb2.TIER_S, "A": common_pb2.TIER_A, "B": common_pb2.TIER_B}
 # The replay's idempotency key: stable per ticket, so the router seeds it the same on every try.
 REPLAY_ID_PREFIX = "backfill-"
 

@@ -7,8 +7,8 @@ gets the same INVALID_ARGUMENT whichever is asked, even while the backfill is aw
 from __future__ import annotations
 
 from ballast.v1 import backfill_pb2
+from services.common.degraded.codec import valid_ticket
 from services.common.errors import InvalidArgument
-from services.degrade.codec import valid_ticket
 
 MAX_SESSION_CHARS = 128
 

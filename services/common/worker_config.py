@@ -1,0 +1,87 @@
+"""The `worker` section of ballast.yaml: one model replica's engine, capacity, KV persistence
+and process settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from services.common.config import Section
+
+
+class WorkerConfig(Section):
+    id: str = Field("", description="Worker id in etcd; empty: host-port-pid.")
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(0, ge=0, le=65535, description="Port; 0 picks one.")
+    advertise_host: str = Field("", description="Address the router dials; empty: host.")
+    engine: Literal["torch", "vllm"] = Field("torch", description="Model runtime.")
+    model_dir: str = Field(".ballast/models/tiny", description="Hugging Face model folder.")
+    model_name: str = Field("tiny", description="Logical model name clients ask for.")
+    pool: str = Field("primary", description="Pool of the model: primary or light.")
+    device: str = Field("auto", description="torch device: auto, cpu or cuda.")
+    torch_runtime: Literal["auto", "native", "transformers"] = Field(
+        "auto", description="torch engine: native batched Llama-family decoder, transformers for "
+                            "any model, or auto (native where it computes the model exactly).")
+    max_batch: int = Field(64, ge=1, description="torch engine: decode steps in one forward pass.")
+    gil_switch_ms: float = Field(
+        1.0, gt=0, le=100, description="Python's thread switch interval in the worker process: how long "
+                                       "the event loop may wait for the compute thread to yield the GIL.")
+    b_tier_flush_ms: float = Field(
+        50.0, ge=0, le=1000, description="B-tier streams: tokens leave in one message per this many ms "
+                                         "(0: every token as it comes).")
+    max_concurrency: int = Field(8, ge=1, description="Sequences generated at once (capacity).")
+    max_queue: int = Field(16, ge=0, description="Requests allowed to wait for a slot.")
+    temperature_file: str = Field(
+        "", description="File holding a GPU temperature in C, read instead of NVML (tests)."
+    )
+    drain_grace_s: float = Field(20.0, ge=0, description="Time in-flight streams get on SIGTERM.")
+    fault_file: str = Field(
+        "", description="Chaos testing: while this file says 'unavailable', Generate fails at once."
+    )
+    cache_address: str = Field("", description="KV-cache service host:port; empty: no KV persistence.")
+    kv_block_tokens: int = Field(32, ge=1, le=4096, description="Tokens per stored KV block.")
+    kv_restore_policy: Literal["adaptive", "always", "never"] = Field(
+        "adaptive", description="Restore a cached prefix by measured cost, always, or never.")
+    kv_memory_sessions: int = Field(
+        4, ge=0, description="Recent sessions whose KV the engine keeps in memory (0: none).")
+    kv_save_queue: int = Field(8, ge=1, description="Pending session saves; more are dropped.")
+    kv_timeout_s: float = Field(0.5, gt=0, description="Deadline of a KV lookup or health check.")
+    kv_restore_timeout_s: float = Field(5.0, gt=0, description="Longest a KV restore may take.")
+    kv_save_timeout_s: float = Field(10.0, gt=0, description="Longest a KV save may take.")
+    kv_ttl_s: int = Field(0, ge=0, description="TTL of saved blocks; 0: the cache's default.")
+    # vLLM engine (worker.engine = vllm). Checked against the model and the GPU at start.
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="vLLM: share of the GPU's memory for weights, activations and KV.")
+    kv_cache_dtype: Literal["", "auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32"] = Field(
+        "", description="vLLM: KV-cache dtype, required and explicit (fp8, or the weights' dtype); "
+                        "'auto' is refused.")
+    max_model_len: int = Field(
+        0, ge=0, description="vLLM: longest sequence served; 0: the model's own maximum.")
+    enable_chunked_prefill: bool = Field(True, description="vLLM: split long prefills across steps.")
+    enable_prefix_caching: bool = Field(True, description="vLLM: reuse KV of shared prompt prefixes.")
+    enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (less memory, slower decode).")
+    vllm_cpu_threads_bind: str = Field(
+        "auto", pattern=r"^(auto|nobind|[0-9,\-|]+)$",
+        description="vLLM on CPUs: cores the engine's OpenMP threads run on (VLLM_CPU_OMP_THREADS_BIND): "
+                    "auto, nobind, or a list like '0-3'. Give engines sharing a host disjoint cores.")
+    vllm_cpu_kv_cache_gib: int = Field(
+        1, ge=1, le=1024, description="vLLM on CPUs: host memory for the KV cache in GiB, in place of "
+                                      "gpu_memory_utilization (vLLM's VLLM_CPU_KVCACHE_SPACE).")
+    sleep_on_standby: bool = Field(
+        False, description="vLLM on GPUs: start asleep (weights offloaded, KV freed) and wake on the first "
+                           "request. vLLM's CPU build has no sleep mode: a CPU standby stays loaded.")
+    standby: bool = Field(
+        False, description="Start as a warm standby: model loaded, registered, not routable until promoted.")
+    respawn: bool = Field(
+        False, description="Run under a keeper that has the engine imported and starts a fresh worker "
+                           "at once when one dies (about 0.5 s instead of a cold start).")
+    respawn_max: int = Field(
+        10, ge=0, description="Crashes within respawn_window_s after which the keeper gives up (exit 1).")
+    respawn_window_s: float = Field(60.0, gt=0, description="Window of respawn_max.")
+
+    @field_validator("vllm_cpu_threads_bind", mode="before")
+    @classmethod
+    def _core_list_as_text(cls, value):
+        # A single core ("0") arrives from YAML or the environment as a number.
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value

@@ -1,0 +1,34 @@
+"""The `main()` every service shares: parse the arguments, load the root config (failing fast,
+naming the field), then serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any, Awaitable, Callable
+
+from services.common.config import ConfigError
+from services.common.lifecycle import setup_logging
+from services.config import load_config
+
+
+def run_main(
+    prog: str, description: str | None, serve: Callable[[Any], Awaitable[None]], argv: list[str] | None,
+    launch: Callable[[Any], int] | None = None,
+) -> int:
+    """The shared `main()`: parse args, load typed config (fail fast naming the field), serve.
+    `launch(config)`, when given, runs the service instead of `serve` on a fresh event loop."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help="ballast.yaml (default: $BALLAST_CONFIG)")
+    args = parser.parse_args(argv)
+    setup_logging(prog.removeprefix("ballast-"))
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    if launch is not None:
+        return launch(config)
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,77 @@
+"""The `router` section of ballast.yaml: the public API's limits and timeouts, and the
+resilience sections nested in it (breaker, retry budget, temperature, stall)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from services.common.config import Section
+from services.router.resilience.breaker import BreakerConfig
+from services.router.resilience.retry_budget import RetryBudgetConfig
+from services.router.resilience.stall import StallConfig
+from services.router.resilience.temperature import TemperatureConfig
+from services.router.scheduling.tiers import TierPolicy
+
+
+class RouterConfig(Section):
+    models: list[str] = Field(
+        default_factory=lambda: ["tiny"],
+        description="Logical models this router serves; others are NOT_FOUND.",
+    )
+    host: str = Field("127.0.0.1", description="Bind address of the public API.")
+    port: int = Field(50051, ge=0, le=65535, description="Port of the public API; 0 picks one.")
+    default_max_tokens: int = Field(128, gt=0, description="max_tokens when a request sets none.")
+    max_tokens_limit: int = Field(4096, gt=0, description="Largest max_tokens a request may ask.")
+    max_request_bytes: int = Field(
+        1 << 20, gt=0, description="Largest serialized request accepted (bytes)."
+    )
+    max_prompt_chars: int = Field(
+        200_000, gt=0, description="Longest prompt text accepted before tokenizing."
+    )
+    worker_connect_timeout_s: float = Field(
+        2.0, gt=0, description="Deadline of a worker's unary calls (model info)."
+    )
+    first_token_timeout_s: float = Field(
+        10.0, gt=0, description="Longest wait for a worker's first token (prefill and queueing) before failing over."
+    )
+    default_deadline_s: float = Field(
+        120.0, gt=0, description="Deadline applied when the client sets none."
+    )
+    unreachable_hold_s: float = Field(
+        10.0, gt=0,
+        description="After the router cannot reach a worker (refused or reset connection), how long it "
+                    "sends that incarnation no new work, unless etcd replaces or drops it sooner.",
+    )
+    shutdown_grace_s: float = Field(10.0, ge=0, description="Time streams get to finish on stop.")
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="Per-worker circuit breaker.")
+    retry: RetryBudgetConfig = Field(default_factory=RetryBudgetConfig, description="Retry and resume budget.")
+    temperature: TemperatureConfig = Field(
+        default_factory=TemperatureConfig, description="GPU temperature limit with hysteresis."
+    )
+    stall: StallConfig = Field(default_factory=StallConfig, description="Per-tier silence that counts as a stall.")
+    scheduling: dict = Field(
+        default_factory=dict,
+        description="Tier policy overrides (budgets, queues, shares, preemption; see scheduling/tiers.py).",
+    )
+    tiering_rules_file: str = Field(
+        "", description="Auto-tagging rules (YAML); empty: the bundled defaults. etcd's copy wins."
+    )
+    backfill_address: str = Field(
+        "", description="Backfill service host:port behind Subscribe and GetBackfill; empty: backfill.host:backfill.port."
+    )
+    backfill_timeout_s: float = Field(5.0, gt=0, description="Deadline of a GetBackfill call and of a backfill probe.")
+    backfill_subscribe_max_s: float = Field(
+        3600.0, gt=0, description="Longest a Subscribe stream lasts when the client sets no deadline."
+    )
+
+    @field_validator("scheduling")
+    @classmethod
+    def _valid_policy(cls, value: dict) -> dict:
+        TierPolicy.from_mapping(value)  # raises ValueError naming the field
+        return value
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> "RouterConfig":
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        return self
