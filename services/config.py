@@ -23,7 +23,7 @@ from services.common.config import (
     TelemetryConfig,
     load_sections,
 )
-from services.common.worker_config import WorkerConfig
+from services.worker.settings import WorkerConfig
 from services.router.autoscale.settings import AutoscalerSection
 from services.router.degrade.config import DegradeConfig
 from services.router.settings import RouterConfig

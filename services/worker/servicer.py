@@ -16,7 +16,7 @@ import grpc
 
 from ballast.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import tracing
-from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import Draining, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.sampling_pb import FINISH_TO_PB, sampling_from_pb
 from services.common.streams import MAX_FLUSH_INTERVAL_MS, Coalescer
 from services.worker.engine import Engine, EngineRequest, TokenDelta
@@ -55,7 +55,7 @@ class WorkerState:
 
     def admit(self) -> None:
         if self.draining:
-            raise Unavailable("worker is draining")
+            raise Draining("worker is draining")
         if self.in_flight >= self.capacity + self.max_queue:
             raise ResourceExhausted(
                 f"worker full: {self.in_flight} in flight, capacity {self.capacity}", retry_after_s=0.5
@@ -73,7 +73,7 @@ class WorkerState:
         """Ends every open stream with UNAVAILABLE; the router resumes each one elsewhere."""
         streams = list(self.streams)
         for stream in streams:
-            stream.fail(Unavailable("worker drained before the answer was complete; resume elsewhere"))
+            stream.fail(Draining("worker drained before the answer was complete; resume elsewhere"))
         return len(streams)
 
     async def wait_idle(self, timeout: float) -> bool:
