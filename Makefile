@@ -48,8 +48,8 @@ status:
 # why, without a GPU).
 test: install
 	$(PY) scripts/gen_protos.py --check
-	$(PY) -m pytest -q tests/unit
-	$(PY) -m pytest -q --durations=10 tests/component
+	$(PY) -m pytest -q -rs tests/unit
+	$(PY) -m pytest -q -rs --durations=10 tests/component
 	$(PY) -m pytest -q -rs --durations=15 tests/integration tests/gpu
 	BALLAST_REQUIRE_VLLM=1 $(PY) -m pytest -q -rs --durations=10 tests/vllm
 

@@ -7,7 +7,9 @@
    deleted on delivery, rows per second.
 3. Rule engine: time to match and render one answer (English and Chinese), and a whole rules
    stream through the Degrader (Started, pieces, Finished with its ticket committed).
-Prints a table and writes bench/results/degrade_handoff.json.
+Goals, judged in code: every row drained; group commits at least 5x the one-by-one baseline
+(FULL, 64 at once); a whole rules answer with its hand-off committed within 50 ms at p99.
+Prints a table, writes bench/results/degrade_handoff.json, exits 1 when a goal is missed.
 
     python -m bench.degrade_handoff [--handoffs 2000] [--record-bytes 1500]
 """
@@ -24,6 +26,7 @@ import uuid
 from pathlib import Path
 
 from bench.common import percentile, print_table, write_result
+from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from services.common.errors import ResourceExhausted
 from services.common.generation import Sampling
 from services.common.localservers import KafkaBroker
@@ -32,6 +35,12 @@ from services.router.degrade.degrader import Degrader
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.rules import RuleEngine
 from services.router.requests import InferenceRequest, Message
+
+GOALS = (
+    Goal("hand-offs drained to Kafka", "drained_share", 1.0, HIGHER),
+    Goal("group commit (64 at once) over one by one, synchronous FULL", "group_commit_gain", 5.0, HIGHER, "x"),
+    Goal("rules answer + hand-off p99", "rules_stream_p99_ms", 50.0, LOWER, " ms"),
+)
 
 QUESTIONS = [
     "Where is my order #40213? I paid for a blue phone case yesterday.",
@@ -165,9 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         ["rules stream + hand-off p50 (ms)", stream["p50_ms"]],
         ["rules stream + hand-off p99 (ms)", stream["p99_ms"]],
     ])
+    full = {c["concurrency"]: c["per_s"] for c in result["commit"] if c["synchronous"] == "FULL"}
+    result.update({"engine": "none (router degradation path)", "drained_share": 1.0 if drain["drained"] else 0.0,
+                   "group_commit_gain": full[64] / full[1], "rules_stream_p99_ms": stream["p99_ms"]})
+    result.update(judge(GOALS, result))
+    print_goals(result)
     path = write_result(Path(args.out), result)
     print(f"\nwrote {path}")
-    return 0
+    return 0 if result["met"] else 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from ballast.v1 import common_pb2, inference_pb2
 from services.cli.client import api_key_metadata, chat_request, collect
 from services.worker.engine import EngineRequest, Sampling
 from tests.component.conftest import API_KEY
+from tests.served import assert_served
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -43,7 +44,7 @@ async def test_greedy_stream_equals_engine_output(router_stub, worker_app, route
 
 async def test_chat_messages_use_the_chat_template(router_stub):
     result = await collect(router_stub, chat_request("hello there", max_tokens=8), API_KEY)
-    assert result.finished is not None
+    assert_served(result)
     assert result.finished.usage.prompt_tokens > len("hello there".split())
 
 
@@ -137,7 +138,7 @@ async def test_bad_input_gets_its_status_code(router_stub, request_, code, worke
     assert worker_app.state.in_flight == 0
     # The service is undisturbed: the next good request streams normally.
     ok = await collect(router_stub, chat_request(PROMPT, max_tokens=4, raw_prompt=True), API_KEY)
-    assert ok.finished is not None
+    assert_served(ok)
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key"])

@@ -17,6 +17,7 @@ from services.common.membership import make_client
 from services.router.app import create_server as create_router
 from services.worker.app import create_server as create_worker
 from tests.component.conftest import API_KEY, make_config
+from tests.served import assert_served
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -75,7 +76,7 @@ async def test_s_request_preempts_b_and_b_still_completes_exactly(mesh, stub):
     s_result = await collect(stub, chat_request(S_PROMPT, max_tokens=8, raw_prompt=True, tier="S"), API_KEY, timeout=10)
     s_elapsed = time.monotonic() - started
     b_results = await asyncio.gather(*b_streams)
-    assert s_result.finished is not None
+    assert_served(s_result)
     assert s_elapsed < 0.8  # the S budget to first token, and here to the whole answer
     preempted = [r for r in b_results if r.finished.resumes]
     assert preempted, "no B stream was preempted"

@@ -17,6 +17,7 @@ from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.config import load_config
+from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
 
@@ -104,22 +105,28 @@ async def test_stream_through_router_equals_worker_greedy_output(mesh, router):
 
 
 async def test_sigterm_drain_finishes_in_flight_streams(mesh, router):
-    # Long streams on both workers; SIGTERM one worker while they run.
+    # Long streams on both workers; SIGTERM one worker while it serves some of them.
     requests = [chat_request(f"{PROMPT} #{i}", max_tokens=1200, raw_prompt=True) for i in range(4)]
+    references = await asyncio.gather(*(collect(router, r, LOCAL_API_KEY, timeout=60) for r in requests))
     tasks = [asyncio.create_task(collect(router, r, LOCAL_API_KEY, timeout=60)) for r in requests]
     victim = mesh.workers()[0]
-    worker_metrics_before = metric_value(await scrape(victim.metrics_port), "ballast_worker_requests_total")
-    await asyncio.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while not (held := metric_value(await scrape(victim.metrics_port), "ballast_worker_in_flight")):
+        assert time.monotonic() < deadline, "the worker to drain never held a stream"
+        await asyncio.sleep(0.02)
     os.kill(victim.pid, signal.SIGTERM)
     results = await asyncio.gather(*tasks)
-    for result in results:
-        assert result.finished is not None
-        assert len(result.token_ids) == result.finished.usage.completion_tokens
+    assert held > 0
+    for result, reference in zip(results, references):
+        assert_served(reference)
+        assert_served(result)
+        # Finished where it ran, the draining worker included: no stream moved.
+        assert result.finished.resumes == 0
+        assert result.token_ids == reference.token_ids
         assert result.indices == list(range(len(result.token_ids)))
     status = await asyncio.to_thread(victim.process.wait, 30)
     assert status == 0
     assert victim.name not in await registered_ids(mesh)
-    assert worker_metrics_before >= 0
     mesh.restart_service(victim)
     assert victim.name in await registered_ids(mesh)
 
@@ -186,7 +193,7 @@ async def test_etcd_loss_keeps_serving_and_recovers(mesh, router):
         assert await _wait_metric(worker.metrics_port, "ballast_dependency_up", 0, dependency="etcd")
         # The router keeps routing on the last membership it saw.
         result = await collect(router, chat_request(PROMPT, max_tokens=8, raw_prompt=True), LOCAL_API_KEY)
-        assert result.finished is not None
+        assert_served(result)
     finally:
         await asyncio.to_thread(mesh.etcd.restart)
     assert await _wait_metric(router_service.metrics_port, "ballast_dependency_up", 1, timeout=20, dependency="etcd")
@@ -196,7 +203,7 @@ async def test_etcd_loss_keeps_serving_and_recovers(mesh, router):
         assert time.monotonic() < deadline, "workers did not re-register after etcd returned"
         await asyncio.sleep(0.2)
     result = await collect(router, chat_request(PROMPT, max_tokens=8, raw_prompt=True), LOCAL_API_KEY)
-    assert result.finished is not None
+    assert_served(result)
 
 
 @pytest.mark.parametrize("dependency, service_name", [("redis", "cache"), ("kafka", "backfill")])

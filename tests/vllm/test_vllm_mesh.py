@@ -31,6 +31,7 @@ from services.cli.etcd_view import list_workers  # noqa: E402
 from services.common.membership import make_client  # noqa: E402
 from services.common.worker_roles import SERVING, request_role  # noqa: E402
 from tests.integration.test_mesh import etcd_config, metric_value, registered_ids, scrape  # noqa: E402
+from tests.served import assert_served  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
@@ -80,10 +81,6 @@ def request(prompt: str, seeded: bool):
     return chat_request(prompt, max_tokens=STREAM_TOKENS, raw_prompt=True, allow_degraded=False, **options)
 
 
-def assert_full_answer(result) -> None:
-    assert result.finished is not None and not result.finished.degradation, "a degraded answer"
-
-
 async def worker_loads(mesh) -> dict:
     """Streams in flight per worker now (their live /metrics, not the heartbeat, which lags by
     up to a second)."""
@@ -119,7 +116,7 @@ async def test_a_session_whose_vllm_worker_died_continues_on_the_other_from_the_
     question = ("I ordered a blue kettle two weeks ago, order 5120, and the tracking page still says "
                 "that the label was created but nothing has been shipped. What happened to it?")
     first = await collect(router, conversation([("user", question)], "vllm-session"), LOCAL_API_KEY, timeout=120)
-    assert_full_answer(first)
+    assert_served(first)
     # The worker that served the turn saved the session's blocks through the KV connector.
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
@@ -136,14 +133,14 @@ async def test_a_session_whose_vllm_worker_died_continues_on_the_other_from_the_
         turns = [("user", question), ("assistant", first.text), ("user", "Can you refund it instead?")]
         restored_before = await worker_metric(survivor, "ballast_worker_kv_prefix_tokens_total", source="cache")
         second = await collect(router, conversation(turns, "vllm-session"), LOCAL_API_KEY, timeout=120)
-        assert_full_answer(second)
+        assert_served(second)
         deadline = loop.time() + 15
         while await worker_metric(survivor, "ballast_worker_kv_prefix_tokens_total", source="cache") <= restored_before:
             assert loop.time() < deadline, "the surviving worker restored nothing from the cache"
             await asyncio.sleep(0.2)
         # The same turn recomputed (no session: no restore) gives the same answer.
         reference = await collect(router, conversation(turns, ""), LOCAL_API_KEY, timeout=120)
-        assert_full_answer(reference)
+        assert_served(reference)
         assert second.token_ids == reference.token_ids
     finally:
         await asyncio.to_thread(mesh.restart_service, victim)
@@ -159,7 +156,7 @@ async def test_kill9_mid_stream_greedy_and_seeded_streams_equal_their_references
         results = await asyncio.gather(*[collect(router, request(p, seeded), LOCAL_API_KEY, timeout=120)
                                          for p in PROMPTS])
         for prompt, result in zip(PROMPTS, results):
-            assert_full_answer(result)
+            assert_served(result)
             assert len(result.token_ids) > 64, "the reference stream is too short to be cut"
             references[(prompt, seeded)] = result.token_ids
 
@@ -194,7 +191,7 @@ async def test_kill9_mid_stream_greedy_and_seeded_streams_equal_their_references
     assert unfinished_at_kill > 0, "every stream had finished before the kill"
 
     for key, result in zip(keys, results):
-        assert_full_answer(result)
+        assert_served(result)
         assert result.token_ids == references[key], key
         assert result.indices == list(range(len(result.token_ids)))
     assert sum(r.finished.resumes for r in results) >= 1, "no stream was on the killed worker"
@@ -204,7 +201,7 @@ async def test_a_json_schema_request_is_answered_valid_through_guided_decoding(r
     message = chat_request("Reply in JSON: status of order 7041?", max_tokens=48, allow_degraded=False)
     message.response_format = SCHEMA
     result = await collect(router, message, LOCAL_API_KEY, timeout=120)
-    assert_full_answer(result)
+    assert_served(result)
     assert result.finished.structured_status == common_pb2.STRUCTURED_VALID, result.finished
     jsonschema.validate(json.loads(result.finished.structured_output), json.loads(SCHEMA))
 
@@ -234,5 +231,5 @@ async def test_a_vllm_standby_is_loaded_unroutable_and_serves_once_promoted(mesh
                 LOCAL_API_KEY, timeout=120)
         for p in PROMPTS * 3])
     for result in results:
-        assert_full_answer(result)
+        assert_served(result)
     assert metric_value(await scrape(standby.metrics_port), "ballast_worker_requests_total") > before

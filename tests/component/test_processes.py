@@ -205,7 +205,8 @@ def test_wait_until_ready_returns_elapsed(procs, tmp_path):
         calls.append(1)
         return len(calls) >= 3
 
-    assert wait_until_ready(p, probe, timeout=5, interval=0.01) >= 0
+    # Two failed probes, each followed by a wait of `interval`, before the third succeeds.
+    assert wait_until_ready(p, probe, timeout=5, interval=0.01) >= 0.02
     assert len(calls) == 3
 
 
@@ -221,13 +222,15 @@ def test_port_helpers():
     srv.bind(("127.0.0.1", port))
     srv.listen()
     try:
-        assert wait_port_open("127.0.0.1", port, timeout=2) >= 0
+        wait_port_open("127.0.0.1", port, timeout=2)
+        assert port_is_open("127.0.0.1", port)
         assert not port_is_free("127.0.0.1", port)
         with pytest.raises(TimeoutError):
             wait_port_free("127.0.0.1", port, timeout=0.2)
     finally:
         srv.close()
-    assert wait_port_free("127.0.0.1", port, timeout=2) >= 0
+    wait_port_free("127.0.0.1", port, timeout=2)
+    assert port_is_free("127.0.0.1", port)
 
 
 def test_wait_port_open_fails_fast_when_process_dies(procs, tmp_path):
