@@ -29,7 +29,7 @@ from bench.common import percentile, print_table, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from services.common.errors import ResourceExhausted
 from services.common.generation import Sampling
-from services.common.localservers import KafkaBroker
+from services.cli.localservers import KafkaBroker
 from services.router.degrade.config import DegradeConfig
 from services.router.degrade.degrader import Degrader
 from services.router.degrade.handoff import HandOff, HandOffSettings

@@ -64,7 +64,7 @@ def _tree_rss_bytes() -> int:
 
 def _make_engine(kind: str, model_dir: Path, concurrency: int, cores: str = "auto"):
     if kind == "torch":
-        from services.worker.torch_engine import TorchEngine
+        from services.worker.torch.engine import TorchEngine
 
         return TorchEngine(model_dir, "bench", max_concurrency=concurrency, eos_token_ids=())
     from services.worker.vllm import VllmEngine, VllmSettings, read_model_facts

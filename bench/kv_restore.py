@@ -32,13 +32,13 @@ from pathlib import Path
 from bench.common import RESULTS_DIR, model_dir_for, print_table, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from services.common.config import TelemetryConfig
-from services.common.localservers import RedisServer
+from services.cli.localservers import RedisServer
 from services.common.processes import ManagedProcess, free_port, wait_port_open
 from services.common.telemetry import Telemetry
 from services.config import load_config
 from services.worker.engine import EngineRequest, Sampling
 from services.worker.kv import start_session_kv
-from services.worker.torch_engine import TorchEngine
+from services.worker.torch.engine import TorchEngine
 
 DEFAULT_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
 BLOCK_TOKENS = 32

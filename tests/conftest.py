@@ -11,7 +11,7 @@ import pytest_asyncio
 
 from ballast.v1 import inference_pb2_grpc
 from services.cli.client import open_channel
-from services.common.localservers import EtcdServer, KafkaBroker, RedisServer
+from services.cli.localservers import EtcdServer, KafkaBroker, RedisServer
 from tests.model_fixtures import bench_model_dir, tiny_model_dir  # noqa: F401  (re-exported fixtures)
 
 pytest_plugins = ["tests.hang_report"]

@@ -65,7 +65,7 @@ def factory_fixture(*factories: EngineFactory):
 
 def torch_factory(device: str = "auto", name: str = "torch") -> EngineFactory:
     def make(model_dir: Path, eos_token_ids: Sequence[int] | None = None, max_concurrency: int = 4) -> Engine:
-        from services.worker.torch_engine import TorchEngine
+        from services.worker.torch.engine import TorchEngine
 
         return TorchEngine(model_dir, "conformance", max_concurrency=max_concurrency, device=device,
                            eos_token_ids=eos_token_ids)

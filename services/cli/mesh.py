@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from services.common.localservers import EtcdServer, KafkaBroker, LocalServer, RedisServer
+from services.cli.localservers import EtcdServer, KafkaBroker, LocalServer, RedisServer
 from services.common.processes import ManagedProcess, ProcessStartError, free_port, stop_pid, wait_until_ready
 
 STATE_FILE = "mesh.json"

@@ -35,7 +35,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 def make_engine(config: BallastConfig) -> Engine:
     worker = config.worker
     if worker.engine == "torch":
-        from services.worker.torch_engine import TorchEngine
+        from services.worker.torch.engine import TorchEngine
 
         return TorchEngine(
             model_dir=worker.model_dir,

@@ -44,7 +44,7 @@ _READY = b"R"
 
 # What each engine's worker imports at start that is worth having before the fork.
 PRELOAD = {
-    "torch": ("torch", "services.worker.llama", "services.worker.model_runner"),
+    "torch": ("torch", "services.worker.torch.llama", "services.worker.torch.model_runner"),
     "vllm": ("torch",),
 }
 

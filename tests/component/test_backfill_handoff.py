@@ -16,7 +16,7 @@ from services.common.degraded.codec import decode_degraded, make_ticket
 from services.common.degraded.codec import Level
 from services.common.errors import InvalidArgument, NoLiveWorker, ResourceExhausted, RetryBudgetExhausted, Unavailable
 from services.common.generation import Sampling
-from services.common.localservers import KafkaBroker
+from services.cli.localservers import KafkaBroker
 from services.router.degrade.config import DegradeConfig
 from services.router.degrade.degrader import Degrader
 from services.router.degrade.handoff import HandOff, HandOffSettings

@@ -10,7 +10,7 @@ from confluent_kafka import KafkaException
 
 from services.backfill.kafka_check import KafkaCheck, admin_client
 from services.common.kafka import AsyncProducer, Delivered
-from services.common.localservers import KafkaBroker
+from services.cli.localservers import KafkaBroker
 from tests.component.test_kafka_producer import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

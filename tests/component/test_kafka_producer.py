@@ -11,7 +11,7 @@ import time
 import pytest
 
 from services.common.kafka import AsyncProducer, Delivered, DeliveryFailed
-from services.common.localservers import KafkaBroker
+from services.cli.localservers import KafkaBroker
 from tests.component.test_backfill_handoff import read_topic
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

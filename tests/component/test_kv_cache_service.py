@@ -22,7 +22,7 @@ from services.cache.records import record_key
 from services.cache.types import KVLayout, KVScope
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.localservers import RedisServer
+from services.cli.localservers import RedisServer
 from services.config import load_config
 
 SCOPE = KVScope("modelv1", "acme")

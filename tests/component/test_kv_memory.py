@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest_asyncio
 
 from services.worker.engine import EngineRequest, Sampling
-from services.worker.torch_engine import TorchEngine
+from services.worker.torch.engine import TorchEngine
 from tests.model_fixtures import tiny_model_dir  # noqa: F401
 
 TEXT = "The customer paid for the winter coat with Apple Pay. Support answered the question. "

@@ -22,7 +22,7 @@ from services.cache.blocks import chain_hashes
 from services.cache.records import record_key
 from services.cache.types import KVScope
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.localservers import RedisServer
+from services.cli.localservers import RedisServer
 from services.config import load_config
 from services.worker.app import create_server as create_worker
 from services.worker.tiny_model import render_chat

@@ -1,4 +1,4 @@
-"""The plain-torch Llama-family decoder (services.worker.llama) against transformers.
+"""The plain-torch Llama-family decoder (services.worker.torch.llama) against transformers.
 
 On the tiny Llama: prefill logits and KV, chunked prefill, and batched greedy decoding of
 sequences of different lengths. On a random Qwen2 (q/k/v bias, grouped-query attention,
@@ -23,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from services.worker.llama import KVPool, LlamaModel, SequenceKV, supports
+from services.worker.torch.llama import KVPool, LlamaModel, SequenceKV, supports
 from services.worker.tiny_model import render_chat
 from tests.model_fixtures import tiny_model_dir  # noqa: F401
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from services.common.errors import InvalidArgument, ResourceExhausted
 from services.worker.engine import EngineRequest, FinishReason, Sampling, TokenDelta
 from services.worker.tiny_model import render_chat
-from services.worker.torch_engine import TorchEngine
+from services.worker.torch.engine import TorchEngine
 from tests.model_fixtures import tiny_model_dir  # noqa: F401
 
 CHAT = render_chat([{"role": "user", "content": "Where is my order 12345?"}], add_generation_prompt=True)
@@ -169,8 +169,8 @@ async def test_a_step_whose_stream_was_released_fails_alone(endless):
     """A stream cancelled while its decode step waits for the compute thread releases its cache;
     that step is answered with an error and its batch-mates still get their tokens."""
     from services.common.errors import Unavailable
-    from services.worker.step_scheduler import DecodeStep
-    from services.worker.torch_engine import _Sequence
+    from services.worker.torch.step_scheduler import DecodeStep
+    from services.worker.torch.engine import _Sequence
 
     reference = await run(endless, RAW, max_tokens=2)
     live = _Sequence()

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from services.common import localservers
-from services.common.localservers import (
+from services.cli.localservers import (
     BinaryNotFoundError,
     EtcdServer,
     KafkaBroker,

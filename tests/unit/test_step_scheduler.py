@@ -14,7 +14,7 @@ from typing import Sequence
 import pytest
 
 from services.common.errors import Unavailable
-from services.worker.step_scheduler import DecodeStep, StepScheduler
+from services.worker.torch.step_scheduler import DecodeStep, StepScheduler
 
 WAIT_S = 5.0
 

@@ -1,4 +1,4 @@
-"""The worker's tokenizer (services.worker.tokenizer) on the tiny model folder: the plain
+"""The worker's tokenizer (services.worker.torch.tokenizer) on the tiny model folder: the plain
 `tokenizers` path gives transformers' ids and text, and folders whose settings it would not
 honour fall back to transformers' AutoTokenizer."""
 
@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.worker.tiny_model import render_chat
-from services.worker.tokenizer import FastTokenizer, load_tokenizer
+from services.worker.torch.tokenizer import FastTokenizer, load_tokenizer
 from tests.model_fixtures import tiny_model_dir  # noqa: F401
 
 TEXTS = [

@@ -61,7 +61,8 @@ from services.worker.vllm.checks import (
     read_model_facts,
 )
 from services.worker.vllm.errors import map_vllm_error
-from services.worker.vllm.params import sampling_plan, validate_request
+from services.worker.validation import validate_request
+from services.worker.vllm.params import sampling_plan
 from services.worker.vllm.request_args import PROCESSOR_NAMES
 from services.worker.vllm.stats import SchedulerSnapshot, SchedulerStatsSink, engine_stats, kv_fragmentation
 

@@ -1,7 +1,7 @@
 """The model behind the torch engine: forward passes over per-sequence KV caches.
 
 Two runners with one shape, both used from the engine's compute thread only:
-- `NativeRunner`: the plain-torch Llama-family decoder (services.worker.llama). Decode steps
+- `NativeRunner`: the plain-torch Llama-family decoder (services.worker.torch.llama). Decode steps
   of many sequences run as one batch, and the worker never imports transformers.
 - `TransformersRunner`: any causal LM transformers can load, one sequence per forward pass.
 
@@ -31,7 +31,7 @@ class NativeRunner:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, kv_pool_slots: int = 0) -> None:
         """`kv_pool_slots`: sequences whose KV lives in the model's pool (batched attention);
         0 for none. The pool takes at most KV_POOL_BYTES."""
-        from services.worker.llama import LlamaModel
+        from services.worker.torch.llama import LlamaModel
 
         self._model = LlamaModel(model_dir, dtype=dtype, device=device)
         if kv_pool_slots:
@@ -53,7 +53,7 @@ class NativeRunner:
         return self._model.decode(caches, tokens), list(caches)
 
     def from_pairs(self, pairs: KVPairs) -> Any:
-        from services.worker.llama import SequenceKV
+        from services.worker.torch.llama import SequenceKV
 
         return SequenceKV.from_pairs(pairs, self._model.pool)
 
@@ -112,7 +112,7 @@ def load_runner(model_dir: Path, dtype: torch.dtype, device: torch.device,
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
     if runtime == "auto":
-        from services.worker.llama import supports
+        from services.worker.torch.llama import supports
 
         config = json.loads((Path(model_dir) / "config.json").read_text())
         runtime = "native" if supports(config.get("text_config") or config) else "transformers"

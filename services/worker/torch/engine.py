@@ -1,9 +1,9 @@
 """The torch engine: a Hugging Face causal LM folder run with torch, on CPU (or CUDA).
 
 For development, CI and demos, with a real tokenizer and a real KV cache per sequence. The
-model runs through `services.worker.model_runner`: a plain-torch Llama-family decoder that
+model runs through `services.worker.torch.model_runner`: a plain-torch Llama-family decoder that
 batches decode steps, or transformers for any other model. All model compute runs in one
-dedicated thread, off the event loop, ordered by `services.worker.step_scheduler`: each
+dedicated thread, off the event loop, ordered by `services.worker.torch.step_scheduler`: each
 request submits its prefill (in chunks) and then one decode step per token; the decode steps
 of all running sequences go through the model together, and the most urgent tier's work goes
 first, so a long prompt does not stall the others and an S-tier prompt does not wait behind
@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import torch
 
-from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import ResourceExhausted, Unavailable
 from services.worker.detokenizer import TextStream
 from services.worker.guided import GuideCompiler, GuideMismatch
 from services.worker.engine import (
@@ -44,10 +44,11 @@ from services.worker.engine import (
     TokenDelta,
 )
 from services.worker.model_files import describe_model
-from services.worker.model_runner import load_runner
+from services.worker.torch.model_runner import load_runner
 from services.worker.sampling import fresh_seed, position_generator, select_token
-from services.worker.step_scheduler import DecodeStep, PrefillStep, StepScheduler
-from services.worker.tokenizer import load_tokenizer
+from services.worker.torch.step_scheduler import DecodeStep, PrefillStep, StepScheduler
+from services.worker.torch.tokenizer import load_tokenizer
+from services.worker.validation import validate_request
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class TorchEngine:
         `eos_token_ids` overrides the model's (an empty tuple disables EOS, for benchmarks
         that need fixed-length outputs). `torch_threads` is process-wide in torch.
         `memory_sessions` is how many recent sessions' KV caches stay in memory for reuse.
-        `runtime` picks the model runner (services.worker.model_runner); `max_batch` bounds
+        `runtime` picks the model runner (services.worker.torch.model_runner); `max_batch` bounds
         the decode steps of one forward pass."""
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
@@ -221,31 +222,8 @@ class TorchEngine:
     def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         """Validate now (bad input raises InvalidArgument before anything starts), then stream
         one TokenDelta per generated token; the last one carries the finish reason."""
-        self._validate(request)
+        validate_request(request, self._vocab_size, self._description.max_context)
         return self._generate(request)
-
-    def _validate(self, request: EngineRequest) -> None:
-        s = request.sampling
-        if not request.prompt_ids:
-            raise InvalidArgument("prompt is empty")
-        bad = [t for t in (*request.prompt_ids, *request.generated_ids)
-               if not 0 <= t < self._vocab_size]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{self._vocab_size - 1})")
-        if s.max_tokens < 0:
-            raise InvalidArgument("max_tokens must be >= 0")
-        total = len(request.prompt_ids) + len(request.generated_ids) + s.max_tokens
-        if total > self._description.max_context:
-            raise InvalidArgument(
-                f"prompt ({len(request.prompt_ids)}) + generated ({len(request.generated_ids)}) "
-                f"+ max_tokens ({s.max_tokens}) = {total} tokens exceeds the model's context "
-                f"of {self._description.max_context}")
-        if not s.temperature >= 0.0:  # also rejects NaN
-            raise InvalidArgument("temperature must be >= 0")
-        if not 0.0 < s.top_p <= 1.0:
-            raise InvalidArgument("top_p must be in (0, 1]")
-        if any(not stop for stop in s.stop):
-            raise InvalidArgument("stop strings must not be empty")
 
     async def _generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         s = request.sampling
