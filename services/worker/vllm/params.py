@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-
 from services.worker.engine import EngineRequest
 from services.worker.sampling import fresh_seed
 from services.worker.vllm.request_args import guide_args, sampler_args
