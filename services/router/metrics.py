@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from services.common.telemetry import Telemetry
 from services.router.context.metrics import ContextMetrics
@@ -66,6 +66,11 @@ class RouterMetrics:
         self.e2e = telemetry.latency_histogram(
             "ballast_router_e2e", "Time from request to the finished event, by tier."
         )
+
+    @property
+    def meter(self) -> Meter:
+        """The router's meter, for components that register instruments of their own."""
+        return self._meter
 
     def observe_breakers(self, snapshot: Callable[[], Mapping[str, object]]) -> None:
         """Exports each worker's breaker state: 0 closed, 1 half-open, 2 open."""

@@ -79,7 +79,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             TierPolicy.from_mapping(config.router.scheduling), membership, self.health, SchedulerMetrics(metrics)
         )
         # Rollouts follow etcd; the app starts and stops the controller.
-        self.rollouts = RolloutController(config.etcd, clients, self.models, metrics._meter)
+        self.rollouts = RolloutController(config.etcd, clients, self.models, metrics.meter)
         self.runner = GenerationRunner(
             config.router, membership, clients, self.models, self.health, self.retry_budget, self.pools, metrics,
             rollouts=self.rollouts,
@@ -92,7 +92,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             config.degrade, config.kafka.bootstrap,
             encoder_for=self._encoder_for, on_fallback=lambda labels: metrics.fallbacks.add(1, labels),
         )
-        self.degrader.register_metrics(metrics._meter)
+        self.degrader.register_metrics(metrics.meter)
         # Subscribe and GetBackfill relay to the backfill service; the app starts and closes it.
         self.backfill: BackfillProxy | None = None
         metrics.observe_breakers(self.health.breakers.snapshot)
