@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import grpc
 from opentelemetry import trace
@@ -156,6 +156,17 @@ class AttemptControl:
         return reason
 
 
+class RunObserver(Protocol):
+    """Hears of every request run on a pool (the autoscaler's windows, for one). The times
+    count from the moment the run began on the pool."""
+
+    def arrival(self, model: str) -> None: ...
+
+    def ttft(self, model: str, ms: float) -> None: ...
+
+    def e2e(self, model: str, ms: float) -> None: ...
+
+
 class GenerationRunner:
     def __init__(
         self,
@@ -180,11 +191,20 @@ class GenerationRunner:
         self.affinity = SessionAffinity()
         # Without etcd (a runner built on its own) no rollout is ever seen: plain routing.
         self.rollouts = rollouts or RolloutController(None, clients, models)
+        self._observers: list[RunObserver] = []
+
+    def add_observer(self, observer: RunObserver) -> None:
+        """Tells `observer` of each run from now on: its arrival, first token and end."""
+        self._observers.append(observer)
 
     async def run(
         self, request: InferenceRequest, tier: str, reason: str, weight: float,
         deadline: float, started: float,
     ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        observed_from = time.perf_counter()
+        for observer in self._observers:
+            observer.arrival(request.model)
+        awaiting_token = bool(self._observers)
         state = StreamState()
         attempts = self.retry_budget.start()
         route = self.rollouts.route(request)
@@ -193,11 +213,16 @@ class GenerationRunner:
         error: BaseException | None = None
         try:
             if route is None:
-                async for event in self._run_in_pool(request, None, state, attempts, tier, reason, weight, deadline, started):
-                    yield event
+                events = self._run_in_pool(request, None, state, attempts, tier, reason, weight, deadline, started)
             else:
-                async for event in self._run_routed(request, route, state, attempts, tier, reason, weight, deadline, started):
-                    yield event
+                events = self._run_routed(request, route, state, attempts, tier, reason, weight, deadline, started)
+            async for event in events:
+                if awaiting_token and event.HasField("tokens"):
+                    awaiting_token = False
+                    ms = (time.perf_counter() - observed_from) * 1000
+                    for observer in self._observers:
+                        observer.ttft(request.model, ms)
+                yield event
         except BaseException as exc:
             error = exc
             raise
@@ -205,6 +230,9 @@ class GenerationRunner:
             if mirror is not None:
                 # Hands the primary's answer to the mirror's comparison; never waits for it.
                 mirror.primary_done(self._answer(state, started, error))
+        ms = (time.perf_counter() - observed_from) * 1000
+        for observer in self._observers:
+            observer.e2e(request.model, ms)
 
     def _mirror(self, request: InferenceRequest, route: Route | None, deadline: float) -> MirrorHandle | None:
         if route is None or not route.mirror:

@@ -13,6 +13,8 @@ from services.router.structured.metrics import StructuredMetrics
 from services.router.turns import TurnMetrics
 
 BREAKER_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
+# Hears each queue wait: the pool label (the scheduler's: the model) and the wait in ms.
+QueueWaitListener = Callable[[str, float], None]
 
 
 class RouterMetrics:
@@ -50,6 +52,7 @@ class RouterMetrics:
         self.queue_wait = telemetry.latency_histogram(
             "ballast_router_queue_wait", "Time a request waited for a worker slot, by pool and tier."
         )
+        self._queue_wait_listeners: list[QueueWaitListener] = []
         self.rule_hits = meter.create_counter(
             "ballast_router_tiering_rule_hits", description="Auto-tagging rules that decided or weighted a request."
         )
@@ -71,6 +74,15 @@ class RouterMetrics:
     def meter(self) -> Meter:
         """The router's meter, for components that register instruments of their own."""
         return self._meter
+
+    def add_queue_wait_listener(self, listener: QueueWaitListener) -> None:
+        """Calls `listener(pool, ms)` with every queue wait recorded from now on."""
+        self._queue_wait_listeners.append(listener)
+
+    def record_queue_wait(self, pool: str, tier: str, ms: float) -> None:
+        self.queue_wait.record(ms, {"pool": pool, "tier": tier})
+        for listener in self._queue_wait_listeners:
+            listener(pool, ms)
 
     def observe_breakers(self, snapshot: Callable[[], Mapping[str, object]]) -> None:
         """Exports each worker's breaker state: 0 closed, 1 half-open, 2 open."""
@@ -112,7 +124,7 @@ class SchedulerMetrics(SchedulerObserver):
         self.metrics = metrics
 
     def queue_wait(self, pool: str, tier: str, seconds: float) -> None:
-        self.metrics.queue_wait.record(seconds * 1000, {"pool": pool, "tier": tier})
+        self.metrics.record_queue_wait(pool, tier, seconds * 1000)
 
     def refused(self, pool: str, tier: str, reason: str) -> None:
         self.metrics.refusals.add(1, {"pool": pool, "tier": tier, "reason": reason})

@@ -5,14 +5,16 @@ membership (the pool its workers register in), so the light model's traffic on t
 degradation ladder lands in the light pool. Requests of a model no worker serves are not
 counted: there is no pool to scale for them.
 
-The taps wrap the servicer's pool runner and the queue-wait histogram from outside, so the
-request path carries no autoscaler code and pays nothing when the autoscaler is off.
+`RouterObservations` registers with the request path through its public hooks: as an
+observer of the generation runner (arrivals, TTFT, e2e) and as a listener of the router's
+queue waits. The request path knows nothing of the autoscaler and, when it is off, has no
+observer to call.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Callable, Mapping
 
 from services.common.membership import WorkerRecord
 from services.router.autoscale.decision import PoolAutoscaler
@@ -62,6 +64,9 @@ class RouterObservations:
             pool.observe_e2e(self._clock(), ms)
 
     def queue_wait(self, model: str, ms: float) -> None:
+        """A queue wait; the scheduler labels it with the model as its `pool`."""
+        if not model:
+            return
         pool = self._pool(model)
         if pool is not None:
             pool.observe_queue_wait(self._clock(), ms)
@@ -69,37 +74,3 @@ class RouterObservations:
     def report(self, router_id: str) -> RouterReport:
         now = self._clock()
         return RouterReport(router_id, now, {name: PoolReport.of(pool, now) for name, pool in self.pools.items()})
-
-
-def tap_runner(runner: Any, observations: RouterObservations) -> None:
-    """Wraps `runner.run(request, ...)` (the stream of one request on its pool) so every
-    request counts as an arrival, its first token as its TTFT and its end as its e2e time."""
-    run = runner.run
-
-    async def observed_run(request, *args, **kwargs) -> AsyncIterator[Any]:
-        started = time.perf_counter()
-        observations.arrival(request.model)
-        first = True
-        async for event in run(request, *args, **kwargs):
-            if first and event.HasField("tokens"):
-                first = False
-                observations.ttft(request.model, (time.perf_counter() - started) * 1000)
-            yield event
-        observations.e2e(request.model, (time.perf_counter() - started) * 1000)
-
-    runner.run = observed_run
-
-
-class QueueWaitTap:
-    """Stands in for the router's queue-wait histogram: records into it and into the windows.
-    The scheduler labels queue waits with the model as `pool`."""
-
-    def __init__(self, histogram: Any, observations: RouterObservations) -> None:
-        self._histogram = histogram
-        self._observations = observations
-
-    def record(self, amount: float, attributes: Mapping[str, str] | None = None, *args, **kwargs) -> None:
-        self._histogram.record(amount, attributes, *args, **kwargs)
-        model = (attributes or {}).get("pool")
-        if model:
-            self._observations.queue_wait(model, amount)

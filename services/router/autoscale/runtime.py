@@ -1,5 +1,5 @@
-"""Wiring the autoscaler into a router process: the executor it acts through, the taps on the
-request path, and the controller that campaigns and decides. Nothing runs unless
+"""Wiring the autoscaler into a router process: the executor it acts through, its observers on
+the request path, and the controller that campaigns and decides. Nothing runs unless
 `autoscaler.enabled` is set.
 """
 
@@ -14,7 +14,7 @@ from services.common.telemetry import Telemetry
 from services.config import BallastConfig
 from services.router.autoscale.controller import AutoscalerController
 from services.router.autoscale.executor import RoleExecutor
-from services.router.autoscale.observer import QueueWaitTap, RouterObservations, pool_of_model, tap_runner
+from services.router.autoscale.observer import RouterObservations, pool_of_model
 
 
 def router_identity(port: int) -> str:
@@ -38,14 +38,14 @@ def make_executor(config: BallastConfig, router_id: str) -> RoleExecutor:
 async def start_autoscaler(
     config: BallastConfig, membership: MembershipWatcher, servicer: Any, telemetry: Telemetry, router_id: str
 ) -> AutoscalerController | None:
-    """Taps the servicer's request path and starts the controller; None when disabled."""
+    """Observes the servicer's request path and starts the controller; None when disabled."""
     if not config.autoscaler.enabled:
         return None
     observations = RouterObservations(
         config.autoscaler.policy(), lambda model: pool_of_model(membership.workers(), model)
     )
-    tap_runner(servicer.runner, observations)
-    servicer.metrics.queue_wait = QueueWaitTap(servicer.metrics.queue_wait, observations)
+    servicer.runner.add_observer(observations)
+    servicer.metrics.add_queue_wait_listener(observations.queue_wait)
     controller = AutoscalerController(
         config, router_id, membership, observations, make_executor(config, router_id), telemetry.meter
     )
