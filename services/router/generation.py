@@ -8,6 +8,10 @@ no token lost, none repeated, indices continuous. Sampling resumes exactly becau
 random state at each position derives from the seed and the position (the router gives
 unseeded requests a seed derived from their idempotency key). Attempts draw on a retry
 budget so a failing pool cannot become a retry storm; worker faults feed the breakers.
+
+A run is one `RequestRun` (the request, its tier and deadline, what it has delivered so
+far); the runner yields plain events (`services.router.events`), which the gRPC edge turns
+into protobuf (`services.router.events_pb`).
 """
 
 from __future__ import annotations
@@ -16,13 +20,11 @@ import asyncio
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 import grpc
 from opentelemetry import trace
 
-from ballast.v1 import common_pb2, inference_pb2, worker_pb2
 from services.common import tracing
 from services.router.settings import RouterConfig
 from services.common.errors import (
@@ -36,14 +38,16 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.faults import classify
+from services.common.generation import FinishReason
 from services.common.membership import MembershipWatcher, WorkerRecord
-from services.common.sampling_pb import sampling_to_pb
-from services.common.tier_pb import TIER_TO_PB
 from services.router.affinity import SessionAffinity
 from services.router.context.window import fit_request
+from services.router.events import Event, Finished, Resumed, Started, Tokens, WorkerFinished
+from services.router.events_pb import worker_event_from_pb, worker_request_pb
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.pools import PoolGates, slot_key, worker_id_of
+from services.router.request_run import RequestRun, StreamState
 from services.router.requests import InferenceRequest
 from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
 from services.router.resilience.health_view import WorkerHealthView
@@ -54,17 +58,12 @@ from services.router.rollout.controller import RolloutController
 from services.router.rollout.mirror import Answer, MirrorHandle
 from services.router.rollout.split import Role, Route
 from services.router.scheduling.async_gate import Grant
-from services.router.structured.repair import Status, repair
+from services.router.structured.repair import repair
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
 TRACER = tracing.tracer("router")
 
-STRUCTURED_STATUS = {
-    Status.VALID: common_pb2.STRUCTURED_VALID,
-    Status.REPAIRED: common_pb2.STRUCTURED_REPAIRED,
-    Status.FAILED: common_pb2.STRUCTURED_FAILED,
-}
 # Codes after which the same request may succeed on another worker.
 RETRIABLE_CODES = {
     grpc.StatusCode.UNAVAILABLE,
@@ -120,22 +119,6 @@ def _resume_reason(error: BaseException) -> str:
     if failure is not None and failure.fault is Fault.DRAINING:
         return "drained"
     return "worker_lost"
-
-
-@dataclass
-class StreamState:
-    """What one request has delivered so far, across attempts."""
-
-    sent_ids: list[int] = field(default_factory=list)
-    resumes: int = 0
-    model_version: str = ""
-    prompt_ids: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    # Relayed text, kept only for a request with a JSON Schema (to validate and repair it)
-    # or a mirrored one (to compare it with the candidate's answer).
-    text_parts: list[str] | None = None
-    keep_text: bool = False
-    dropped: tuple[int, ...] = ()
 
 
 class AttemptControl:
@@ -197,27 +180,21 @@ class GenerationRunner:
         """Tells `observer` of each run from now on: its arrival, first token and end."""
         self._observers.append(observer)
 
-    async def run(
-        self, request: InferenceRequest, tier: str, reason: str, weight: float,
-        deadline: float, started: float,
-    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+    async def run(self, run: RequestRun) -> AsyncIterator[Event]:
+        request = run.request
         observed_from = time.perf_counter()
         for observer in self._observers:
             observer.arrival(request.model)
         awaiting_token = bool(self._observers)
-        state = StreamState()
-        attempts = self.retry_budget.start()
+        run.attempts = self.retry_budget.start()
         route = self.rollouts.route(request)
-        mirror = self._mirror(request, route, deadline)
-        state.keep_text = mirror is not None
+        mirror = self._mirror(request, route, run.deadline)
+        run.state.keep_text = mirror is not None
         error: BaseException | None = None
         try:
-            if route is None:
-                events = self._run_in_pool(request, None, state, attempts, tier, reason, weight, deadline, started)
-            else:
-                events = self._run_routed(request, route, state, attempts, tier, reason, weight, deadline, started)
+            events = self._run_in_pool(run, None) if route is None else self._run_routed(run, route)
             async for event in events:
-                if awaiting_token and event.HasField("tokens"):
+                if awaiting_token and isinstance(event, Tokens):
                     awaiting_token = False
                     ms = (time.perf_counter() - observed_from) * 1000
                     for observer in self._observers:
@@ -229,7 +206,7 @@ class GenerationRunner:
         finally:
             if mirror is not None:
                 # Hands the primary's answer to the mirror's comparison; never waits for it.
-                mirror.primary_done(self._answer(state, started, error))
+                mirror.primary_done(self._answer(run, error))
         ms = (time.perf_counter() - observed_from) * 1000
         for observer in self._observers:
             observer.e2e(request.model, ms)
@@ -239,17 +216,17 @@ class GenerationRunner:
             return None
         return self.rollouts.mirror(request, lambda version: self.pools.idle_worker(request.model, version), deadline)
 
-    def _answer(self, state: StreamState, started: float, error: BaseException | None) -> Answer:
-        return Answer(list(state.sent_ids), "".join(state.text_parts or ()), self._ttft_ms(state, started),
+    @staticmethod
+    def _answer(run: RequestRun, error: BaseException | None) -> Answer:
+        state = run.state
+        return Answer(list(state.sent_ids), "".join(state.text_parts or ()), run.ttft_ms(),
                       error=None if error is None else type(error).__name__)
 
-    async def _run_routed(
-        self, request: InferenceRequest, route: Route, state: StreamState, attempts, tier: str, reason: str,
-        weight: float, deadline: float, started: float,
-    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+    async def _run_routed(self, run: RequestRun, route: Route) -> AsyncIterator[Event]:
         """Runs a request on its rollout version. Only before the first token may it move to
         the other version (the one without workers, or whose workers all failed): after
         that, a resume needs the very same weights."""
+        request, state = run.request, run.state
         versions = route.versions()
         for position, version in enumerate(versions):
             last = position == len(versions) - 1
@@ -260,7 +237,7 @@ class GenerationRunner:
                 self.rollouts.fell_back(request.model, route)
                 continue
             try:
-                async for event in self._run_in_pool(request, version, state, attempts, tier, reason, weight, deadline, started):
+                async for event in self._run_in_pool(run, version):
                     yield event
                 return
             except Unavailable as error:
@@ -273,17 +250,15 @@ class GenerationRunner:
                 self.rollouts.fell_back(request.model, route)
                 state.model_version = ""  # starts again on the other version, with its tokenizer
 
-    async def _run_in_pool(
-        self, request: InferenceRequest, version: str | None, state: StreamState, attempts, tier: str,
-        reason: str, weight: float, deadline: float, started: float,
-    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+    async def _run_in_pool(self, run: RequestRun, version: str | None) -> AsyncIterator[Event]:
         """Runs a request on the model's workers (of `version` only, when given)."""
+        request, state, tier = run.request, run.state, run.tier
         stall_s = self.config.stall.timeout_for(tier)
         gate = self.pools.gate(request.model, version)
         if not self.pools.has_capacity(request.model, version=version):
             raise NoLiveWorker(f"no live worker for {_pool_words(request.model, version)}")
         ticket = gate.scheduler.new_ticket(
-            request.request_id, request.tenant, tier, weight=weight, client_deadline=deadline,
+            request.request_id, request.tenant, tier, weight=run.weight, client_deadline=run.deadline,
             prefer=self.pools.key_for(self.affinity.preferred(request.tenant, request.session_id)),
         )
         control = AttemptControl()
@@ -308,11 +283,11 @@ class GenerationRunner:
                     continue
                 try:
                     if not state.model_version:
-                        yield await self._start(request, worker, state, tier, reason, deadline)
-                    async for event in self._attempt(request, worker, state, tier, deadline, started, stall_s, grant, control):
+                        yield await self._start(run, worker)
+                    async for event in self._attempt(run, worker, stall_s, grant, control):
                         yield event
                     permit.record(Outcome.SUCCESS)
-                    self.rollouts.observe(request.model, worker.model_version, True, self._ttft_ms(state, started))
+                    self.rollouts.observe(request.model, worker.model_version, True, run.ttft_ms())
                     self.affinity.served(request.tenant, request.session_id, worker.id)
                     return
                 except InvalidArgument:
@@ -337,7 +312,7 @@ class GenerationRunner:
                         self.health.mark_unreachable(worker)
                     if outcome is Outcome.FAULT:
                         self.rollouts.observe(request.model, worker.model_version, False)
-                    self._check_retriable(error, worker, deadline, attempts)
+                    self._check_retriable(error, worker, run)
                     why = _resume_reason(error)
                     self.metrics.worker_attempts.add(1, {"reason": why})
                     log.info("request %s (trace %s): worker %s failed (%s) after %d tokens; trying another",
@@ -355,10 +330,6 @@ class GenerationRunner:
         """The version the next worker must have: the rollout's, or the one tokens came from."""
         return version or (state.model_version if state.sent_ids else None)
 
-    @staticmethod
-    def _ttft_ms(state: StreamState, started: float) -> float | None:
-        return None if state.first_token_at is None else (state.first_token_at - started) * 1000
-
     async def _another_slot(self, grant: Grant, request: InferenceRequest, version: str | None = None) -> None:
         """Queues for another worker (of `version`, when given), unless none is left to wait
         for: then fail fast."""
@@ -375,15 +346,13 @@ class GenerationRunner:
             await grant.resume()
         state.resumes += 1
 
-    def _resumed(self, state: StreamState, why: str) -> inference_pb2.GenerateEvent:
-        return inference_pb2.GenerateEvent(
-            resumed=inference_pb2.Resumed(next_index=len(state.sent_ids), reason=why, resumes=state.resumes)
-        )
+    @staticmethod
+    def _resumed(state: StreamState, why: str) -> Resumed:
+        return Resumed(next_index=len(state.sent_ids), reason=why, resumes=state.resumes)
 
-    async def _start(
-        self, request: InferenceRequest, worker: WorkerRecord, state: StreamState, tier: str, reason: str, deadline: float
-    ) -> inference_pb2.GenerateEvent:
-        tokenizer = await self.models.tokenizer_for(worker, deadline - time.monotonic())
+    async def _start(self, run: RequestRun, worker: WorkerRecord) -> Started:
+        request, state = run.request, run.state
+        tokenizer = await self.models.tokenizer_for(worker, run.deadline - time.monotonic())
         # Fit the conversation into the model's context by the request's policy; done once,
         # so every resume continues the very same prompt.
         _, fit = fit_request(request, tokenizer, policy=request.context_policy, max_turns=request.max_turns)
@@ -393,17 +362,15 @@ class GenerationRunner:
         if request.schema is not None or state.keep_text:
             state.text_parts = []
         state.model_version = worker.model_version
-        return inference_pb2.GenerateEvent(
-            started=inference_pb2.Started(
-                request_id=request.request_id, tier=TIER_TO_PB[tier], tier_reason=reason,
-                model=request.model, model_version=worker.model_version,
-            )
-        )
+        return Started(request_id=request.request_id, tier=run.tier, tier_reason=run.reason,
+                       model=request.model, model_version=worker.model_version)
 
-    def _check_retriable(self, error: BaseException, worker: WorkerRecord, deadline: float, attempts) -> None:
+    @staticmethod
+    def _check_retriable(error: BaseException, worker: WorkerRecord, run: RequestRun) -> None:
         """Raises the error the client should get when another attempt is not allowed."""
+        attempts = run.attempts
         if isinstance(error, grpc.aio.AioRpcError):
-            if time.monotonic() >= deadline or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if time.monotonic() >= run.deadline or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded("deadline exceeded while generating") from None
             if error.code() not in RETRIABLE_CODES:
                 raise error_from_worker(error, worker.id) from None
@@ -419,27 +386,15 @@ class GenerationRunner:
         control.interrupt("lease_lost")
 
     async def _attempt(
-        self, request: InferenceRequest, worker: WorkerRecord, state: StreamState, tier: str,
-        deadline: float, started: float, stall_s: float, grant: Grant, control: AttemptControl,
-    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        self, run: RequestRun, worker: WorkerRecord, stall_s: float, grant: Grant, control: AttemptControl,
+    ) -> AsyncIterator[Event]:
+        request, state, tier = run.request, run.state, run.tier
         plan = plan_resume(state.prompt_ids, request.sampling, state.sent_ids)
         if plan.nothing_left:
-            yield self._finished(
-                common_pb2.FINISH_REASON_LENGTH, plan.prompt_tokens, plan.completion_tokens, state, request
-            )
+            yield self._finished(run, FinishReason.LENGTH, plan.prompt_tokens, plan.completion_tokens)
             return
-        worker_request = worker_pb2.WorkerGenerateRequest(
-            request_id=request.request_id,
-            tenant=request.tenant,
-            session_id=request.session_id,
-            prompt_ids=plan.prompt_ids,
-            generated_ids=plan.generated_ids,
-            sampling=sampling_to_pb(plan.sampling),
-            response_format=request.response_format,
-            tier=TIER_TO_PB[tier],
-            # Half the stall timeout at most: a worker holding tokens back must never look stalled.
-            flush_interval_ms=min(request.flush_interval_ms, int(stall_s * 500)),
-        )
+        # Half the stall timeout at most: a worker holding tokens back must never look stalled.
+        worker_request = worker_request_pb(request, plan, tier, min(request.flush_interval_ms, int(stall_s * 500)))
         relayed = 0
         if control.reason == "preempted":
             control.take()
@@ -451,32 +406,30 @@ class GenerationRunner:
         with self.clients.in_use(worker.address) as stub:
             # Current only while the call is made: the worker's span becomes this attempt's child.
             with trace.use_span(attempt):
-                call = stub.Generate(worker_request, timeout=max(0.001, deadline - time.monotonic()))
+                call = stub.Generate(worker_request, timeout=max(0.001, run.deadline - time.monotonic()))
             control.call = call
             # A worker whose lease is gone is dead or cut off: do not wait for a stall.
             lease_watch = asyncio.create_task(self._watch_lease(worker.id, control))
             first_wait = max(stall_s, self.config.first_token_timeout_s)
             try:
-                async for event in with_stall_timeout(call, stall_s, first_timeout_s=first_wait):
-                    if event.HasField("tokens"):
-                        ids = event.tokens.token_ids
+                async for message in with_stall_timeout(call, stall_s, first_timeout_s=first_wait):
+                    event = worker_event_from_pb(message)
+                    if isinstance(event, Tokens):
+                        ids = event.token_ids
                         if state.first_token_at is None:
                             state.first_token_at = time.perf_counter()
-                            self.metrics.ttft.record((state.first_token_at - started) * 1000, {"tier": tier})
+                            self.metrics.ttft.record(run.ttft_ms(), {"tier": tier})
                         if relayed == 0:
                             grant.first_token()
                         # Counted once per attempt (below), not per message: this loop is the hot path.
                         relayed += len(ids)
                         state.sent_ids.extend(ids)
                         if state.text_parts is not None:
-                            state.text_parts.append(event.tokens.text)
-                        yield inference_pb2.GenerateEvent(tokens=event.tokens)
-                    elif event.HasField("finished"):
+                            state.text_parts.append(event.text)
+                        yield event
+                    elif isinstance(event, WorkerFinished):
                         finished = True
-                        yield self._finished(
-                            event.finished.reason, event.finished.usage.prompt_tokens, len(state.sent_ids), state,
-                            request,
-                        )
+                        yield self._finished(run, event.reason, event.prompt_tokens, len(state.sent_ids))
                         return
             except asyncio.CancelledError:
                 # grpc raises CancelledError for a call we cancelled ourselves; only a
@@ -498,21 +451,14 @@ class GenerationRunner:
         raise StreamEndedEarly(f"worker {worker.id} ended the stream without finishing")
 
     def _finished(
-        self, reason: int, prompt_tokens: int, completion_tokens: int, state: StreamState, request: InferenceRequest
-    ) -> inference_pb2.GenerateEvent:
-        finished = inference_pb2.Finished(
-            reason=reason,
-            usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
-            resumes=state.resumes,
-            dropped_messages=list(state.dropped),
-        )
+        self, run: RequestRun, reason: FinishReason | None, prompt_tokens: int, completion_tokens: int
+    ) -> Finished:
+        request, state = run.request, run.state
+        structured = None
         if request.schema is not None:
             # The second net: whatever the engine produced (guided or not, cut by max_tokens),
             # validate it and repair what can be repaired.
-            result = repair("".join(state.text_parts or ()), request.schema)
-            self.metrics.structured.record(result, request.model, request.schema.name)
-            finished.structured_status = STRUCTURED_STATUS[result.status]
-            finished.structured_repairs.extend(result.messages)
-            finished.structured_output = result.text
-            finished.structured_errors.extend(result.errors)
-        return inference_pb2.GenerateEvent(finished=finished)
+            structured = repair("".join(state.text_parts or ()), request.schema)
+            self.metrics.structured.record(structured, request.model, request.schema.name)
+        return Finished(reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        resumes=state.resumes, dropped_messages=state.dropped, structured=structured)

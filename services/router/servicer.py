@@ -1,5 +1,8 @@
 """`ballast.v1.Inference`: authenticate, validate, classify, then hand the request to the runner.
 
+The runner yields plain events; here, at the gRPC edge, they become `GenerateEvent` messages
+(`events_pb`) before the degradation ladder and the client see them.
+
 The client's deadline bounds everything downstream: each worker call gets the time that is
 left. When the client goes away, the worker call is cancelled, which aborts generation on
 the worker and frees its slot.
@@ -24,10 +27,12 @@ from services.config import BallastConfig
 from services.router.backfill_proxy import BackfillProxy
 from services.router.context.live_eval import publish_retention
 from services.router.degrade.degrader import Degrader
+from services.router.events_pb import events_to_pb
 from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.pools import PoolGates
+from services.router.request_run import RequestRun
 from services.router.requests import InferenceRequest, request_from_pb
 from services.router.resilience.breaker import BreakerBoard
 from services.router.resilience.health_view import WorkerHealthView
@@ -40,7 +45,6 @@ from services.router.turns import classify_turn
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
-
 
 
 def _outcome(error: BaseException) -> str:
@@ -171,8 +175,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             )
             deadline = self._deadline(context)
 
-            def pool_stream(request: InferenceRequest):
-                return self.runner.run(request, tier, reason, weight, deadline, started)
+            def pool_stream(request: InferenceRequest) -> AsyncIterator[inference_pb2.GenerateEvent]:
+                return events_to_pb(self.runner.run(RequestRun(request, tier, reason, weight, deadline, started)))
 
             # The ladder runs the primary pool first; on admission refusal, no live worker,
             # a spent retry budget or a deadline it cannot meet, it degrades (if allowed).

@@ -323,16 +323,8 @@ async def test_router_wired_with_the_degrader(router_app, router_stub, kafka_bro
     degrader = Degrader(config, kafka_broker.bootstrap, on_fallback=labels.append)
     await degrader.start()
     servicer = router_app.servicer
-    original = servicer.runner
-
-    class DegradingRunner:
-        def run(self, request, tier, reason, weight, deadline, started):
-            def pool_stream(req):
-                return original.run(req, tier, reason, weight, deadline, started)
-
-            return degrader.run(pool_stream, request, tier=tier, tier_reason=reason, deadline=deadline, started=started)
-
-    servicer.runner = DegradingRunner()
+    original = servicer.degrader
+    servicer.degrader = degrader
     try:
         # "tiny-unserved" has no worker: the light rung ("tiny", a real worker) answers.
         light = await collect(router_stub, chat_request(PROMPT, model="tiny-unserved", max_tokens=12,
@@ -357,5 +349,5 @@ async def test_router_wired_with_the_degrader(router_app, router_stub, kafka_bro
         assert handed[0].request.model == "tiny-unserved" and handed[0].tenant == TENANT
         assert handed[0].degraded_text == light.text
     finally:
-        servicer.runner = original
+        servicer.degrader = original
         await degrader.stop()

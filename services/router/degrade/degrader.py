@@ -36,7 +36,8 @@ from services.router.degrade.rules import RuleEngine, stream_text
 
 log = logging.getLogger(__name__)
 
-# Produces a request's events on its pool: the router's GenerationRunner.run, bound to tier etc.
+# Produces a request's events on its pool: the router's GenerationRunner.run, bound to tier etc.,
+# its events as protobuf (see servicer.py).
 PoolStream = Callable[[Any], AsyncIterator[inference_pb2.GenerateEvent]]
 # A logical model's tokenizer (tokenizers.Tokenizer: .encode(text) → .ids, .offsets), or None.
 EncoderLookup = Callable[[str], Any]
