@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from services.common.membership import WorkerRecord
 from services.router.autoscale.decision import Action, PoolAutoscaler, PoolSignals, Replicas, ScaleDecision
@@ -24,6 +27,7 @@ from services.router.autoscale.report import (
     merge,
     merged_percentile,
 )
+from services.router.metrics import RouterMetrics, SchedulerMetrics
 
 T0 = 1_772_431_200.0  # Monday 2 March 2026, 06:00 UTC
 
@@ -108,6 +112,22 @@ def test_requests_of_an_unmanaged_or_unserved_model_are_not_counted():
     report = observations.report("r1")
     assert list(report.pools) == ["primary"]
     assert sum(report.pools["primary"].ttft.values()) == 1
+
+
+def test_queue_waits_reach_a_listener_and_the_histogram_alike():
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    telemetry = SimpleNamespace(meter=meter, latency_histogram=lambda name, _description: meter.create_histogram(name))
+    metrics = RouterMetrics(telemetry)
+    heard: list[tuple[str, float]] = []
+    metrics.add_queue_wait_listener(lambda pool, ms: heard.append((pool, ms)))
+    SchedulerMetrics(metrics).queue_wait("tiny", "A", 0.25)
+    assert heard == [("tiny", 250.0)]
+    (point,) = [point for resource in reader.get_metrics_data().resource_metrics
+                for scope in resource.scope_metrics for metric in scope.metrics
+                if metric.name == "ballast_router_queue_wait" for point in metric.data.data_points
+                if point.attributes == {"pool": "tiny", "tier": "A"}]
+    assert point.sum == 250.0
 
 
 # -- role plans --------------------------------------------------------------------------------
