@@ -40,6 +40,7 @@ BENCHMARKS = (
     Benchmark("degrade_handoff", quick=("--handoffs", "500")),
     Benchmark("backfill", quick=("--requests", "200", "--sessions", "20")),
     Benchmark("engines", quick=("--rounds", "1", "--trials", "20")),
+    Benchmark("fuzz", quick=("--cases", "500")),
 )
 
 

@@ -9,7 +9,6 @@ broke off in is not stored.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 import zlib
@@ -26,10 +25,8 @@ from services.cache.settings import CacheConfig
 from services.cache.store import PutOutcome, RedisKVStore
 from services.cache.types import BlockHeader, KVLayout, KVScope, check_block_hashes
 from services.common.config import RedisConfig
-from services.common.errors import BallastError, InvalidArgument
-from services.common.grpc_server import abort_with
+from services.common.errors import InvalidArgument
 
-log = logging.getLogger(__name__)
 
 # Above this a block's checksum is computed in a thread, so the loop keeps serving others.
 _THREAD_CRC_BYTES = 1 << 20
@@ -111,18 +108,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self.metrics.latency.record((time.perf_counter() - started) * 1000, {"method": "Get"})
         trace.get_current_span().set_attributes({"ballast.kv.blocks": len(hashes), "ballast.kv.served": served})
 
-    # --- Put: client stream (not covered by the interceptor, so errors map here) ---------
+    # --- Put: client stream (the interceptor maps its errors and refuses bad frames) -----
     async def Put(self, request_iterator, context) -> kvcache_pb2.KVPutReply:
         started = time.perf_counter()
-        try:
-            outcome = await self._put(request_iterator, context)
-        except BallastError as error:
-            await abort_with(context, error)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception:
-            log.exception("bug in KVCache/Put")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error in KVCache/Put")
+        outcome = await self._put(request_iterator, context)
         self.metrics.latency.record((time.perf_counter() - started) * 1000, {"method": "Put"})
         trace.get_current_span().set_attributes(
             {"ballast.kv.stored": outcome.stored_blocks, "ballast.kv.rejected": outcome.rejected_blocks})

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import BallastError
+from services.common.errors import BallastError, InvalidArgument
 from services.common.faults import status_trailers
 from services.common.grpc_tracing import TracingServerInterceptor
 
@@ -129,8 +129,31 @@ def _wrap_stream(behavior: Callable[..., Any], method: str):
     return wrapper
 
 
+def _wrap_client_stream(behavior: Callable[..., Awaitable[Any]], method: str):
+    async def wrapper(request_iterator, context):
+        async def parsed():
+            # A frame that does not parse ends the stream as bad input, wherever it comes.
+            async for request in request_iterator:
+                if isinstance(request, MalformedRequest):
+                    raise InvalidArgument(f"a request frame does not parse as {request.type_name}")
+                yield request
+
+        try:
+            return await behavior(parsed(), context)
+        except BallastError as error:
+            await abort_with(context, error)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception:
+            log.exception("bug in %s", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+
+    return wrapper
+
+
 class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps typed domain errors to status codes for unary and server-streaming methods."""
+    """Maps typed domain errors to status codes for unary, server-streaming and
+    client-streaming methods, and refuses request frames that do not parse."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -146,6 +169,12 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
+                request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_client_stream(handler.stream_unary, method),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )

@@ -1,5 +1,5 @@
-"""Request frames that do not parse: INVALID_ARGUMENT, no handler reached, no log line per
-frame, and the service goes on serving."""
+"""Request frames that do not parse, in a unary-request call or anywhere in a client stream:
+INVALID_ARGUMENT, no handler reached, no log line per frame, and the service goes on serving."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from services.cli.client import chat_request, collect
 from services.common.grpc_server import CHANNEL_OPTIONS, malformed_requests
 from tests.component.conftest import API_KEY
+from tests.component.test_kv_worker import cache  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -36,3 +37,25 @@ async def test_unparseable_frames_are_invalid_argument_and_log_nothing(router_ap
     # And the router still answers a well-formed request with a model answer.
     result = await collect(router_stub, chat_request("hello", max_tokens=4, allow_degraded=False), API_KEY)
     assert result.finished is not None and not result.finished.degradation
+
+
+async def test_a_client_stream_with_a_frame_that_does_not_parse_is_invalid_argument(cache, caplog):
+    from ballast.v1 import kvcache_pb2
+
+    opening = kvcache_pb2.KVPutRequest(open=kvcache_pb2.KVPutOpen(
+        scope=kvcache_pb2.KVScope(model_version="v1", tenant="malformed"), ttl_s=60)).SerializeToString()
+    before = malformed_requests()
+    async with grpc.aio.insecure_channel(cache.address, options=CHANNEL_OPTIONS) as channel:
+        put = channel.stream_unary("/ballast.v1.KVCache/Put",
+                                   request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        with caplog.at_level(logging.DEBUG):
+            for frames in ([opening, GARBAGE[0]], [GARBAGE[1]], [opening, GARBAGE[2], opening]):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await put(iter(frames), timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                assert "does not parse as KVPutRequest" in err.value.details()
+        stats = channel.unary_unary("/ballast.v1.KVCache/Stats", request_serializer=lambda raw: raw,
+                                    response_deserializer=kvcache_pb2.KVStatsReply.FromString)
+        await stats(b"", timeout=10)  # still serving
+    assert malformed_requests() - before == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.records[:3]
