@@ -20,6 +20,7 @@ class Fault(str, enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     NOT_FOUND = "not_found"
     OVERLOADED = "overloaded"
+    QUOTA_EXCEEDED = "quota_exceeded"
     UNAVAILABLE = "unavailable"
     NO_LIVE_WORKER = "no_live_worker"
     RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"
@@ -74,6 +75,13 @@ class ResourceExhausted(BallastError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(ResourceExhausted):
+    """The tenant used up its requests or tokens per minute: refused until the quota refills
+    (the retry hint says when), never degraded, and no sign of overload."""
+
+    fault = Fault.QUOTA_EXCEEDED
 
 
 class Unavailable(BallastError):

@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.common.auth import Authenticator
-from services.common.errors import BallastError, NotFound, Unavailable
+from services.common.errors import BallastError, NotFound, QuotaExceeded, Unavailable
 from services.common.membership import MembershipWatcher
 from services.config import BallastConfig
 from services.router.backfill_proxy import BackfillProxy
@@ -32,6 +32,7 @@ from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.pools import PoolGates
+from services.router.quotas import TenantQuotas
 from services.router.request_run import RequestRun
 from services.router.requests import InferenceRequest, request_from_pb
 from services.router.resilience.breaker import BreakerBoard
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 def _outcome(error: BaseException) -> str:
     if isinstance(error, asyncio.CancelledError):
         return "cancelled"
+    if isinstance(error, QuotaExceeded):
+        return "quota_exceeded"
     if isinstance(error, BallastError):
         return error.code.name.lower()
     return "internal"
@@ -65,6 +68,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> None:
         self.config = config
         self.router_config = config.router
+        self.quotas = TenantQuotas(config.router.quotas)
         self.membership = membership
         self.clients = clients
         self.metrics = metrics
@@ -168,6 +172,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             inference = request_from_pb(request, tenant, self.router_config)
             self._check_model_known(inference.model)
             model = inference.model
+            # After validation, so a malformed request costs the tenant nothing.
+            self.quotas.admit(tenant)
             tier, reason, weight = self._tier(inference)
             # The Started event has no field for it: the trace is found by request id instead.
             trace.get_current_span().set_attributes(
@@ -191,6 +197,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             failure = error
             raise
         finally:
+            if finished is not None:
+                self.quotas.charge_tokens(tenant, finished.usage.prompt_tokens + finished.usage.completion_tokens)
             self.metrics.in_flight.add(-1)
             self.metrics.requests.add(1, {"tier": tier, "outcome": outcome})
             remaining = context.time_remaining()

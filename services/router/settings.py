@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 
 from services.common.config import Section
+from services.router.quotas import QuotaConfig
 from services.router.resilience.breaker import BreakerConfig
 from services.router.resilience.retry_budget import RetryBudgetConfig
 from services.router.resilience.stall import StallConfig
@@ -44,6 +45,7 @@ class RouterConfig(Section):
     )
     shutdown_grace_s: float = Field(10.0, ge=0, description="Time streams get to finish on stop.")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="Per-worker circuit breaker.")
+    quotas: QuotaConfig = Field(default_factory=QuotaConfig, description="Requests and tokens per minute per tenant.")
     retry: RetryBudgetConfig = Field(default_factory=RetryBudgetConfig, description="Retry and resume budget.")
     temperature: TemperatureConfig = Field(
         default_factory=TemperatureConfig, description="GPU temperature limit with hysteresis."
