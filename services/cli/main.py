@@ -23,8 +23,9 @@ def _add_up(sub) -> None:
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--router-port", type=int, default=50051)
-    p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
-                   help="workers' engine: torch (small Llama on CPU) or vllm (vLLM; its CPU build here)")
+    p.add_argument("--engine", choices=["torch", "vllm", "sim"], default="torch",
+                   help="workers' engine: torch (small Llama on CPU), vllm (vLLM; its CPU build here) or sim "
+                        "(a timing model: no model compute)")
     p.set_defaults(handler="services.cli.commands:cmd_up")
 
 

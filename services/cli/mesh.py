@@ -92,7 +92,9 @@ def engine_settings(engine: str, model_dir: Path) -> dict:
 
         facts = read_model_facts(model_dir)
         return {"engine": "vllm", "kv_cache_dtype": facts.weights_dtype or "float32", "enforce_eager": True}
-    raise ValueError(f"unknown engine {engine!r}: torch or vllm")
+    if engine == "sim":
+        return {"engine": "sim"}
+    raise ValueError(f"unknown engine {engine!r}: torch, vllm or sim")
 
 
 def _read_ready_line(log_path: Path, offset: int, name: str) -> str | None:

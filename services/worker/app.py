@@ -51,6 +51,11 @@ def make_engine(config: BallastConfig) -> Engine:
         from services.worker.vllm import VllmEngine, VllmSettings
 
         return VllmEngine(worker.model_dir, worker.model_name, VllmSettings.from_worker_config(worker))
+    if worker.engine == "sim":
+        from services.worker.sim import SimEngine, SimProfile
+
+        return SimEngine(worker.model_dir, worker.model_name, SimProfile.load(worker.sim_profile),
+                         max_concurrency=worker.max_concurrency)
     raise ValueError(f"config field 'worker.engine': engine {worker.engine!r} is not available here")
 
 

@@ -15,7 +15,11 @@ class WorkerConfig(Section):
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(0, ge=0, le=65535, description="Port; 0 picks one.")
     advertise_host: str = Field("", description="Address the router dials; empty: host.")
-    engine: Literal["torch", "vllm"] = Field("torch", description="Model runtime.")
+    engine: Literal["torch", "vllm", "sim"] = Field(
+        "torch", description="Model runtime: torch, vllm, or sim (a timing model without a model, "
+                             "for measuring the mesh; tokens from the model folder's tokenizer).")
+    sim_profile: str = Field("", description="sim engine: a JSON timing profile (deploy/sim/); empty: "
+                                             "the built-in default.")
     model_dir: str = Field(".ballast/models/tiny", description="Hugging Face model folder.")
     model_name: str = Field("tiny", description="Logical model name clients ask for.")
     pool: str = Field("primary", description="Pool of the model: primary or light.")

@@ -1,0 +1,168 @@
+"""SimEngine: `services.worker.engine.Engine` without a model.
+
+It validates requests as every engine does (`services.worker.validation`), admits at most
+`max_num_seqs` at once (the rest wait, lower priority value first: tier S before A before B),
+sleeps for prefill (shortened by prefix-cache hits of the same tenant) and for each decode
+step as the profile says, and streams token ids from `tokens` over the model folder's real
+tokenizer, with the same incremental detokenization and stop strings as the other engines.
+Waiting is sleeping, so a sim worker uses almost no CPU: many of them measure Ballast, not
+model compute. EOS ids are never drawn; a stream ends at max_tokens or a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import random
+import secrets
+from dataclasses import replace
+from pathlib import Path
+from typing import AsyncIterator, Sequence
+
+from services.common.errors import Unavailable
+from services.worker.detokenizer import TextStream
+from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, TokenDelta
+from services.worker.model_files import describe_model
+from services.worker.sim.prefix import PrefixCache
+from services.worker.sim.profile import SimProfile
+from services.worker.sim.tokens import TokenSource
+from services.worker.validation import validate_request
+
+
+class _Slots:
+    """`size` running at once; waiters admitted by (priority, arrival)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.running = 0
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []
+        self._arrivals = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for _, _, future in self._waiters if not future.done())
+
+    async def acquire(self, priority: int) -> None:
+        if self.running < self.size and not self.waiting:
+            self.running += 1
+            return
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._arrivals), future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()  # admitted and cancelled in the same instant: hand the slot on
+            raise
+
+    def release(self) -> None:
+        self.running -= 1
+        while self._waiters:
+            _, _, future = heapq.heappop(self._waiters)
+            if not future.done():
+                self.running += 1
+                future.set_result(None)
+                return
+
+
+class SimEngine:
+    def __init__(self, model_dir: Path, model_name: str, profile: SimProfile | None = None, *,
+                 max_concurrency: int | None = None, eos_token_ids: Sequence[int] | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        self.profile = profile or SimProfile()
+        description = describe_model(Path(model_dir), model_name)
+        if eos_token_ids is not None:
+            description = replace(description, eos_token_ids=tuple(int(i) for i in eos_token_ids))
+        self._description = description
+        self._tokenizer = Tokenizer.from_str(description.tokenizer_json.decode("utf-8"))
+        self._vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        special = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        ordinary = sorted(i for token, i in vocab.items() if token not in special)
+        self._tokens = TokenSource(ordinary)
+        self._slots = _Slots(max_concurrency or self.profile.max_num_seqs)
+        self._prefix = PrefixCache(self.profile.kv_blocks, self.profile.block_tokens)
+        self._rng = random.Random(self.profile.seed)
+        self._kv_tokens: dict[int, int] = {}
+        self._ids = itertools.count()
+        self._generated_total = 0
+        self._serving = False
+
+    @property
+    def model(self) -> ModelDescription:
+        return self._description
+
+    async def start(self) -> None:
+        self._serving = True
+
+    async def stop(self) -> None:
+        self._serving = False
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        validate_request(request, self._vocab_size, self._description.max_context)
+        return self._generate(request)
+
+    async def _sleep(self, ms: float) -> None:
+        await asyncio.sleep(self.profile.jittered(ms, self._rng) / 1000)
+
+    def _seed(self, request: EngineRequest) -> int:
+        s = request.sampling
+        if s.temperature == 0:
+            return 0
+        # Offset from greedy's 0, so a sampled stream with seed 0 is not the greedy one.
+        return (s.seed + 1) if s.seed is not None else secrets.randbits(62) + 1
+
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        s = request.sampling
+        text = TextStream(self._tokenizer, s.stop, initial_ids=request.generated_ids)
+        if text.stopped:  # the earlier replica already reached a stop string
+            yield TokenDelta([], "", FinishReason.STOP, prefill_tokens=0)
+            return
+        if s.max_tokens == 0:
+            yield TokenDelta([], text.finish(), FinishReason.LENGTH, prefill_tokens=0)
+            return
+        if not self._serving:
+            raise Unavailable("the sim engine is not running")
+        seed = self._seed(request)
+        prompt_key = self._tokens.prompt_key(request.prompt_ids)
+        context = [*request.prompt_ids, *request.generated_ids]
+        key = next(self._ids)
+        await self._slots.acquire(request.priority)
+        try:
+            self._kv_tokens[key] = len(context)
+            uncached = len(context) - self._prefix.cached_tokens(request.tenant, context)
+            await self._sleep(self.profile.prefill_ms(uncached))
+            self._prefix.remember(request.tenant, context)
+            first = True
+            for i in range(s.max_tokens):
+                if i:
+                    await self._sleep(self.profile.decode_step_ms(self._slots.running, sum(self._kv_tokens.values())))
+                token = self._tokens.token(seed, prompt_key, len(context) + i)
+                self._kv_tokens[key] += 1
+                self._generated_total += 1
+                piece, stopped = text.push(token)
+                finish = None
+                if stopped:
+                    finish = FinishReason.STOP
+                elif i == s.max_tokens - 1:
+                    piece += text.finish()
+                    finish = FinishReason.STOP if text.stopped else FinishReason.LENGTH
+                yield TokenDelta([token], piece, finish, prefill_tokens=uncached if first else None)
+                first = False
+                if finish is not None:
+                    return
+        finally:
+            self._kv_tokens.pop(key, None)
+            self._slots.release()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=self._slots.running, waiting=self._slots.waiting,
+            kv_tokens=min(sum(self._kv_tokens.values()), self.profile.kv_capacity_tokens),
+            kv_capacity_tokens=self.profile.kv_capacity_tokens,
+            extra={"max_concurrency": float(self._slots.size), "generated_tokens_total": float(self._generated_total)})
