@@ -143,19 +143,22 @@ def cmd_chat(args) -> int:
     state = read_state(args.state_dir)
     router = args.router or (state["router"] if state else "127.0.0.1:50051")
     api_key = args.api_key
+    tls = None
+    try:
+        config = _local_config(args)
+        tls = config.tls
+        keys = config.auth.api_keys
+    except Exception:
+        keys = {}
     if api_key is None:
-        try:
-            keys = _local_config(args).auth.api_keys
-            api_key = next(iter(keys), LOCAL_API_KEY)
-        except Exception:
-            api_key = LOCAL_API_KEY
+        api_key = next(iter(keys), LOCAL_API_KEY)
 
     def show(tokens) -> None:
         sys.stdout.write(tokens.text)
         sys.stdout.flush()
 
     async def run() -> int:
-        async with open_channel(router) as channel:
+        async with open_channel(router, tls) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             request = chat_request(args.text, model=args.model, max_tokens=args.max_tokens,
                                    temperature=args.temperature, seed=args.seed, tier=args.tier,
