@@ -1,5 +1,5 @@
 """Building blocks every Ballast gRPC server shares: the error and tracing interceptors, health,
-reflection.
+reflection, and (with `tls.enabled`) the peer-role check and TLS ports of `services.common.tls`.
 
 Core code raises the typed errors of `services.common.errors`; `DomainErrorInterceptor` is
 the one place they become gRPC status codes. Anything else escaping a handler is a bug and

@@ -51,7 +51,7 @@ def make_engine(config: BallastConfig) -> Engine:
         # vLLM itself is imported at start(), so a missing `gpu` extra fails there, named.
         from services.worker.vllm import VllmEngine, VllmSettings
 
-        return VllmEngine(worker.model_dir, worker.model_name, VllmSettings.from_worker_config(worker))
+        return VllmEngine(worker.model_dir, worker.model_name, VllmSettings.from_worker_config(worker, config.tls))
     raise ValueError(f"config field 'worker.engine': engine {worker.engine!r} is not available here")
 
 

@@ -44,3 +44,4 @@ def test_rules(method, role, allowed):
 
 def test_a_service_without_a_rule_is_refused_to_everyone():
     assert allowed_roles("/ballast.v1.Admin/Wipe") == frozenset()
+
