@@ -25,41 +25,32 @@ async def _refuse_unless_allowed(context: grpc.aio.ServicerContext, method: str,
 
 
 def _guard(handler: grpc.RpcMethodHandler, method: str, allowed: frozenset[str]) -> grpc.RpcMethodHandler:
+    # Whether the request is one message or a stream, the check comes first; only the
+    # response side differs: one awaited reply, or a stream to pass on.
+    def single(inner):
+        async def behavior(request_or_iterator, context):
+            await _refuse_unless_allowed(context, method, allowed)
+            return await inner(request_or_iterator, context)
+
+        return behavior
+
+    def streaming(inner):
+        async def behavior(request_or_iterator, context):
+            await _refuse_unless_allowed(context, method, allowed)
+            async for item in inner(request_or_iterator, context):
+                yield item
+
+        return behavior
+
     kwargs = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)
     if handler.unary_unary is not None:
-        inner = handler.unary_unary
-
-        async def unary_unary(request, context):
-            await _refuse_unless_allowed(context, method, allowed)
-            return await inner(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(single(handler.unary_unary), **kwargs)
     if handler.unary_stream is not None:
-        inner_us = handler.unary_stream
-
-        async def unary_stream(request, context):
-            await _refuse_unless_allowed(context, method, allowed)
-            async for item in inner_us(request, context):
-                yield item
-
-        return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
+        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kwargs)
     if handler.stream_unary is not None:
-        inner_su = handler.stream_unary
-
-        async def stream_unary(requests, context):
-            await _refuse_unless_allowed(context, method, allowed)
-            return await inner_su(requests, context)
-
-        return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
-    inner_ss = handler.stream_stream
-
-    async def stream_stream(requests, context):
-        await _refuse_unless_allowed(context, method, allowed)
-        async for item in inner_ss(requests, context):
-            yield item
-
-    return grpc.stream_stream_rpc_method_handler(stream_stream, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(single(handler.stream_unary), **kwargs)
+    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kwargs)
 
 
 class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
