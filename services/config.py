@@ -23,6 +23,7 @@ from services.common.config import (
     TelemetryConfig,
     load_sections,
 )
+from services.common.tls.settings import TLSConfig
 from services.worker.settings import WorkerConfig
 from services.router.autoscale.settings import AutoscalerSection
 from services.router.degrade.config import DegradeConfig
@@ -37,6 +38,7 @@ class BallastConfig(Section):
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    tls: TLSConfig = Field(default_factory=TLSConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

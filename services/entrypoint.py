@@ -1,5 +1,5 @@
-"""The `main()` every service shares: parse the arguments, load the root config (failing fast,
-naming the field), then serve."""
+"""The `main()` every service shares: parse the arguments, load the root config and check
+its TLS files (failing fast, naming the field), then serve."""
 
 from __future__ import annotations
 
@@ -10,21 +10,26 @@ from typing import Any, Awaitable, Callable
 
 from services.common.config import ConfigError
 from services.common.lifecycle import setup_logging
+from services.common.tls.material import check_identity
 from services.config import load_config
 
 
 def run_main(
     prog: str, description: str | None, serve: Callable[[Any], Awaitable[None]], argv: list[str] | None,
-    launch: Callable[[Any], int] | None = None,
+    launch: Callable[[Any], int] | None = None, role: str | None = None,
 ) -> int:
     """The shared `main()`: parse args, load typed config (fail fast naming the field), serve.
-    `launch(config)`, when given, runs the service instead of `serve` on a fresh event loop."""
+    `launch(config)`, when given, runs the service instead of `serve` on a fresh event loop.
+    `role`: the role this service's TLS certificate must name."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="ballast.yaml (default: $BALLAST_CONFIG)")
     args = parser.parse_args(argv)
     setup_logging(prog.removeprefix("ballast-"))
     try:
         config = load_config(args.config)
+        # Before anything starts (a worker loads its model first): a bad certificate would
+        # otherwise surface only at the first handshake, as a peer's UNAVAILABLE.
+        check_identity(config.tls, role)
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

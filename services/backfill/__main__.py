@@ -15,7 +15,7 @@ async def serve(config: BallastConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("ballast-backfill", __doc__, serve, argv)
+    return run_main("ballast-backfill", __doc__, serve, argv, role="backfill")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from services.common.kafka import AsyncProducer, ensure_topics
 from services.common.membership import MembershipWatcher
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
+from services.common.tls.credentials import server_credentials
 from services.config import BallastConfig
 
 log = logging.getLogger(__name__)
@@ -137,10 +138,10 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     servicer = BackfillServicer(settings, Authenticator(config.auth), store, notices, metrics)
     metrics.observe_subscribers(lambda: servicer.subscribers)
 
-    server = new_server()
+    server = new_server(tls=config.tls)
     backfill_pb2_grpc.add_BackfillServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, settings.host, settings.port)
+    port = bind(server, settings.host, settings.port, server_credentials(config.tls, "backfill"))
 
     producer = AsyncProducer(config.kafka.bootstrap, settings.delivery_timeout_s, "ballast-backfill")
     check_kafka = KafkaCheck(admin_client(config.kafka.bootstrap), producer, config.kafka.timeout_s,
@@ -176,7 +177,8 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         try:
             address, api_key = replay_target(config, settings)
             replayer = RouterReplayer(address, api_key, settings.replay_timeout_s,
-                                      flush_interval_ms=settings.replay_flush_ms)
+                                      flush_interval_ms=settings.replay_flush_ms,
+                                      tls=config.tls.towards_public_port())
             log.info("replaying through router %s", address)
         except ReplayTargetError as exc:
             log.error("backfill will not consume degraded requests: %s", exc)

@@ -17,8 +17,9 @@ from ballast.v1 import backfill_pb2, inference_pb2_grpc
 from services.common.degraded.codec import ReplayResult, replay_request
 from services.common.errors import Fault
 from services.common.faults import classify, retry_after_hint
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.grpc_tracing import client_interceptors
+from services.common.tls.credentials import open_channel
+from services.common.tls.settings import TLSConfig
 
 
 class ReplayErrorKind(str, enum.Enum):
@@ -62,15 +63,14 @@ class RouterReplayer:
     """Replays through ballast.v1.Inference/Generate with an internal API key."""
 
     def __init__(self, address: str, api_key: str, timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
-                 flush_interval_ms: int = 0) -> None:
+                 flush_interval_ms: int = 0, tls: TLSConfig | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.flush_interval_ms = flush_interval_ms
         self.connect_timeout_s = connect_timeout_s
         self._metadata = (("x-api-key", api_key),) if api_key else ()
         # Carries the trace of the degraded request, so its replay joins the original trace.
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                  interceptors=client_interceptors())
+        self._channel = open_channel(address, tls, interceptors=client_interceptors())
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
     async def replay(self, record: backfill_pb2.DegradedRequest) -> ReplayResult:

@@ -15,7 +15,7 @@ async def serve(config: BallastConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("ballast-cache", __doc__, serve, argv)
+    return run_main("ballast-cache", __doc__, serve, argv, role="cache")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from services.cache.store import RedisKVStore, StoreLimits
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
+from services.common.tls.credentials import server_credentials
 from services.config import BallastConfig
 
 log = logging.getLogger(__name__)
@@ -110,11 +111,11 @@ async def create_server(config: BallastConfig) -> CacheApp:
     cache = config.cache
     store = RedisKVStore(client, StoreLimits(cache.key_prefix, cache.ttl_s, cache.max_ttl_s, cache.batch_bytes),
                          metrics)
-    server = new_server()
+    server = new_server(tls=config.tls)
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(
         KVCacheServicer(store, cache, config.redis, metrics), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, cache.host, cache.port)
+    port = bind(server, cache.host, cache.port, server_credentials(config.tls, "cache"))
 
     async def on_change(up: bool) -> None:
         await set_serving(health, [SERVICE_NAME], up)

@@ -27,8 +27,9 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.grpc_tracing import client_interceptors
+from services.common.tls.credentials import open_channel
+from services.common.tls.settings import TLSConfig
 
 SERVICE_NAME = "ballast.v1.KVCache"
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -88,12 +89,11 @@ class FetchedBlocks:
 
 
 class KVCacheClient:
-    def __init__(self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, tls: TLSConfig | None = None) -> None:
         self.address = address
         self._chunk = chunk_bytes
         # The caller's span (a worker's restore or save) is the parent of the cache's.
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                  interceptors=client_interceptors())
+        self._channel = open_channel(address, tls, interceptors=client_interceptors())
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

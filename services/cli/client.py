@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.tls import credentials
+from services.common.tls.settings import TLSConfig
 from services.common.tier_pb import TIER_TO_PB
 
 
@@ -68,5 +69,7 @@ async def collect(stub: inference_pb2_grpc.InferenceStub, request: inference_pb2
     return result
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    """A channel to the router's public port; `tls`: the caller's TLS settings (its own
+    certificate is presented when it has one), or None for plaintext."""
+    return credentials.open_channel(address, tls.towards_public_port() if tls is not None else None)

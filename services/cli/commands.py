@@ -50,7 +50,7 @@ def cmd_up(args) -> int:
         print(f"building the tiny model in {args.model_dir}")
         build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
     spec = MeshSpec(state_dir=args.state_dir, model_dir=args.model_dir, workers=args.workers,
-                    router_port=args.router_port, engine=args.engine)
+                    router_port=args.router_port, engine=args.engine, secure=args.secure)
     mesh = Mesh(spec)
     print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers) ...", flush=True)
     started = time.monotonic()
@@ -59,8 +59,21 @@ def cmd_up(args) -> int:
         print(f"  {server.name:<9} {server.address:<22} pid {server.pid}")
     for service in mesh.services:
         print(f"  {service.name:<9} {service.address:<22} pid {service.pid}  metrics :{service.metrics_port}")
-    print(f"mesh up in {time.monotonic() - started:.1f}s; router at {mesh.router_address}")
+    print(f"mesh up in {time.monotonic() - started:.1f}s; router at {mesh.router_address}"
+          + (f" (mutual TLS, certificates in {mesh.certs_dir})" if spec.secure else ""))
     print(f"  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
+    return 0
+
+
+def cmd_certs_init(args) -> int:
+    from services.cli.certs import config_lines, init_certs
+    from services.common.tls.roles import ROLES
+
+    directory = init_certs(args.dir)
+    print(f"CA and certificates for {', '.join(ROLES)} in {directory}/ (development only: the CA key is there too)")
+    print("ballast.yaml lines (this names the cli's files; point each service at its own, e.g.")
+    print("BALLAST__TLS__CERT_FILE=<dir>/worker.crt BALLAST__TLS__KEY_FILE=<dir>/worker.key):\n")
+    print(config_lines(directory))
     return 0
 
 
@@ -143,19 +156,22 @@ def cmd_chat(args) -> int:
     state = read_state(args.state_dir)
     router = args.router or (state["router"] if state else "127.0.0.1:50051")
     api_key = args.api_key
+    tls = None
+    try:
+        config = _local_config(args)
+        tls = config.tls
+        keys = config.auth.api_keys
+    except Exception:
+        keys = {}
     if api_key is None:
-        try:
-            keys = _local_config(args).auth.api_keys
-            api_key = next(iter(keys), LOCAL_API_KEY)
-        except Exception:
-            api_key = LOCAL_API_KEY
+        api_key = next(iter(keys), LOCAL_API_KEY)
 
     def show(tokens) -> None:
         sys.stdout.write(tokens.text)
         sys.stdout.flush()
 
     async def run() -> int:
-        async with open_channel(router) as channel:
+        async with open_channel(router, tls) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             request = chat_request(args.text, model=args.model, max_tokens=args.max_tokens,
                                    temperature=args.temperature, seed=args.seed, tier=args.tier,

@@ -2,6 +2,7 @@
 
   ballast up / down / status       run the local mesh in the background, stop it, look at it
   ballast chat "text"              stream an answer through the router
+  ballast certs init DIR           development CA and certificates for mutual TLS (`up --secure` makes its own)
   ballast rollout start|status|promote|abort   canary / blue-green rollouts of a model version
   ballast model build-tiny DIR     build the small CPU model
   ballast bench all [--quick]      run every benchmark, then write bench/results/REPORT.md
@@ -26,7 +27,17 @@ def _add_up(sub) -> None:
     p.add_argument("--engine", choices=["torch", "vllm", "sim"], default="torch",
                    help="workers' engine: torch (small Llama on CPU), vllm (vLLM; its CPU build here) or sim "
                         "(a timing model: no model compute)")
+    p.add_argument("--secure", action="store_true",
+                   help="mutual TLS between the services, with development certificates in STATE_DIR/certs")
     p.set_defaults(handler="services.cli.commands:cmd_up")
+
+
+def _add_certs(sub) -> None:
+    p = sub.add_parser("certs", help="development certificates for mutual TLS")
+    csub = p.add_subparsers(dest="certs_command", required=True)
+    i = csub.add_parser("init", help="a local CA and one certificate per role (router, worker, cache, backfill, cli)")
+    i.add_argument("dir", type=Path)
+    i.set_defaults(handler="services.cli.commands:cmd_certs_init")
 
 
 def _add_down(sub) -> None:
@@ -110,7 +121,7 @@ def _add_bench(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ballast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_up, _add_down, _add_status, _add_chat, _add_rollout, _add_model, _add_bench):
+    for add in (_add_up, _add_down, _add_status, _add_chat, _add_certs, _add_rollout, _add_model, _add_bench):
         add(sub)
     return parser
 

@@ -1,5 +1,5 @@
 """Building blocks every Ballast gRPC server shares: the error and tracing interceptors, health,
-reflection.
+reflection, and (with `tls.enabled`) the peer-role check and TLS ports of `services.common.tls`.
 
 Core code raises the typed errors of `services.common.errors`; `DomainErrorInterceptor` is
 the one place they become gRPC status codes. Anything else escaping a handler is a bug and
@@ -24,6 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from services.common.errors import BallastError, InvalidArgument
 from services.common.faults import status_trailers
 from services.common.grpc_tracing import TracingServerInterceptor
+from services.common.tls.interceptor import PeerRoleInterceptor
+from services.common.tls.settings import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -181,12 +183,15 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
-    return grpc.aio.server(
-        # Tracing outermost: its span covers the error mapping and sees the final status code.
-        interceptors=[TracingServerInterceptor(), DomainErrorInterceptor(), *(interceptors or [])],
-        options=SERVER_OPTIONS,
-    )
+def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+               tls: TLSConfig | None = None) -> grpc.aio.Server:
+    """A server with the shared interceptors; with `tls` enabled, calls are checked
+    against the peer's role (services.common.tls.roles)."""
+    # Tracing outermost: its span covers the error mapping and sees the final status code.
+    shared: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor(), DomainErrorInterceptor()]
+    if tls is not None and tls.enabled:
+        shared.append(PeerRoleInterceptor())
+    return grpc.aio.server(interceptors=[*shared, *(interceptors or [])], options=SERVER_OPTIONS)
 
 
 def add_health_and_reflection(
@@ -211,9 +216,11 @@ async def set_serving(health_servicer, service_names: list[str], serving: bool) 
         await health_servicer.set(name, status)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds an insecure port (port 0 picks one) and returns the port bound."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Binds a port (port 0 picks one), TLS with `credentials`, else plaintext; returns the port bound."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return bound

@@ -17,6 +17,7 @@ from ballast.v1 import inference_pb2, inference_pb2_grpc
 from services.common.etcd_watch import KeyWatcher
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.membership import MembershipWatcher
+from services.common.tls.credentials import public_server_credentials
 from services.common.telemetry import Telemetry
 from services.config import BallastConfig
 from services.router.autoscale.controller import AutoscalerController
@@ -85,7 +86,7 @@ async def create_server(config: BallastConfig) -> RouterApp:
     telemetry = Telemetry("router", config.telemetry)
     membership = MembershipWatcher(config.etcd, telemetry.dependencies)
     await membership.start()
-    clients = WorkerClients()
+    clients = WorkerClients(config.tls)
     servicer = InferenceServicer(config, membership, clients, RouterMetrics(telemetry))
     await servicer.pools.start()
     await servicer.degrader.start()
@@ -94,10 +95,11 @@ async def create_server(config: BallastConfig) -> RouterApp:
     rules_watch = KeyWatcher(config.etcd, f"{config.etcd.prefix}{TIERING_KEY}", servicer.rules_changed)
     await rules_watch.start()
     await servicer.rollouts.start()
-    server = new_server()
+    credentials = public_server_credentials(config.tls, "router")
+    server = new_server(tls=config.tls)
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, config.router.host, config.router.port)
+    port = bind(server, config.router.host, config.router.port, credentials)
     await server.start()
     telemetry.start()
     await set_serving(health, [SERVICE_NAME], True)

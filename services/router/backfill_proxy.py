@@ -36,6 +36,8 @@ from services.common.faults import retry_after_hint
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.probes import DependencyProbe
 from services.common.telemetry import DependencyStatus, Telemetry
+from services.common.tls.credentials import open_channel
+from services.common.tls.settings import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +78,14 @@ class BackfillProxy:
     """One channel to the backfill service, its reachability probe, and the two relays."""
 
     def __init__(self, address: str, auth: Authenticator, dependencies: DependencyStatus,
-                 timeout_s: float = 5.0, subscribe_max_s: float = 3600.0, probe_interval_s: float = 2.0) -> None:
+                 timeout_s: float = 5.0, subscribe_max_s: float = 3600.0, probe_interval_s: float = 2.0,
+                 tls: TLSConfig | None = None) -> None:
         self.address = address
         self.auth = auth
         self.timeout_s = timeout_s
         self.subscribe_max_s = subscribe_max_s
         self.subscriptions = 0
-        self._channel = grpc.aio.insecure_channel(address, options=PROXY_CHANNEL_OPTIONS)
+        self._channel = open_channel(address, tls, options=PROXY_CHANNEL_OPTIONS)
         self._stub = backfill_pb2_grpc.BackfillStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._probe = DependencyProbe(DEPENDENCY, self._check, dependencies, interval_s=probe_interval_s,
@@ -93,7 +96,7 @@ class BackfillProxy:
     def from_config(cls, config: BallastConfig, telemetry: Telemetry) -> "BackfillProxy":
         router = config.router
         proxy = cls(backfill_address(config), Authenticator(config.auth), telemetry.dependencies,
-                    router.backfill_timeout_s, router.backfill_subscribe_max_s)
+                    router.backfill_timeout_s, router.backfill_subscribe_max_s, tls=config.tls)
         telemetry.meter.create_observable_gauge(
             "ballast_router_backfill_subscriptions", callbacks=[proxy._observe],
             description="Subscribe streams the router relays from the backfill service.")

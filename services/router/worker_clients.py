@@ -13,12 +13,14 @@ from typing import Iterator
 import grpc
 
 from ballast.v1 import worker_pb2_grpc
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.grpc_tracing import client_interceptors
+from services.common.tls.credentials import open_channel
+from services.common.tls.settings import TLSConfig
 
 
 class WorkerClients:
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSConfig | None = None) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._active: Counter[str] = Counter()
@@ -26,7 +28,7 @@ class WorkerClients:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+            channel = open_channel(address, self._tls, interceptors=client_interceptors())
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub

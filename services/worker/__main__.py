@@ -45,7 +45,7 @@ def launch(config: BallastConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("ballast-worker", __doc__, serve, argv, launch=launch)
+    return run_main("ballast-worker", __doc__, serve, argv, launch=launch, role="worker")
 
 
 if __name__ == "__main__":

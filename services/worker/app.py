@@ -19,6 +19,7 @@ from ballast.v1 import worker_pb2, worker_pb2_grpc
 from services.config import BallastConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.membership import WorkerRecord, WorkerRegistration
+from services.common.tls.credentials import server_credentials
 from services.common.telemetry import Telemetry
 from services.worker.engine import Engine
 from services.worker.kv import SessionKV, start_session_kv
@@ -50,7 +51,7 @@ def make_engine(config: BallastConfig) -> Engine:
         # vLLM itself is imported at start(), so a missing `gpu` extra fails there, named.
         from services.worker.vllm import VllmEngine, VllmSettings
 
-        return VllmEngine(worker.model_dir, worker.model_name, VllmSettings.from_worker_config(worker))
+        return VllmEngine(worker.model_dir, worker.model_name, VllmSettings.from_worker_config(worker, config.tls))
     if worker.engine == "sim":
         from services.worker.sim import SimEngine, SimProfile
 
@@ -148,8 +149,8 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
     await engine.start()
     telemetry = Telemetry("worker", config.telemetry)
     state = WorkerState(config.worker.max_concurrency, config.worker.max_queue)
-    server = new_server()
-    port = bind(server, config.worker.host, config.worker.port)
+    server = new_server(tls=config.tls)
+    port = bind(server, config.worker.host, config.worker.port, server_credentials(config.tls, "worker"))
     worker_id = config.worker.id or _default_worker_id(config.worker.host, port)
     metrics = WorkerMetrics(telemetry, engine.stats, lambda: state.in_flight)
     servicer = WorkerServicer(
@@ -171,7 +172,7 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
         temperature=TemperatureSource(config.worker.temperature_file),
     )
     metrics.observe_temperature(app.temperature.read)
-    app.session_kv = await start_session_kv(config.worker, engine, telemetry, health)
+    app.session_kv = await start_session_kv(config.worker, engine, telemetry, health, tls=config.tls)
     app.registration = WorkerRegistration(config.etcd, app.record, telemetry.dependencies)
     app.standby = StandbyControl(
         config.etcd, worker_id, engine, config.worker.standby, app.registration.publish_now

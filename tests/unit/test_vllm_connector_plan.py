@@ -140,3 +140,17 @@ def test_the_connector_is_configured_only_where_pages_are_in_a_verified_layout()
         assert plan_connector(*args) == (None, expected)
     with pytest.raises(ValueError, match="not Ballast's"):
         ConnectorSetup.from_extra_config({"store": {}})
+
+
+def test_the_connector_dials_the_cache_with_the_worker_certificate():
+    from dataclasses import asdict
+
+    from services.common.tls.settings import TLSConfig
+    from services.worker.settings import WorkerConfig
+    from services.worker.vllm.connector_config import StoreSettings
+
+    worker = WorkerConfig(cache_address="127.0.0.1:50061")
+    assert StoreSettings.from_worker_config(worker).tls() is None
+    tls = TLSConfig(enabled=True, ca_file="ca.crt", cert_file="worker.crt", key_file="worker.key")
+    # The settings reach vLLM's engine processes as plain data (kv_connector_extra_config).
+    assert StoreSettings(**asdict(StoreSettings.from_worker_config(worker, tls))).tls() == tls

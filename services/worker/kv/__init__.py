@@ -12,6 +12,7 @@ from typing import Any
 
 from services.cache.client import KVCacheClient
 from services.common.telemetry import Telemetry
+from services.common.tls.settings import TLSConfig
 from services.worker.kv.metrics import KVMetrics
 from services.worker.kv.session import DEPENDENCY, KVSettings, SessionKV
 
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 async def start_session_kv(worker_config: Any, engine: Any, telemetry: Telemetry,
-                           health: Any = None) -> SessionKV | None:
+                           health: Any = None, tls: TLSConfig | None = None) -> SessionKV | None:
     """Attaches KV metrics (and persistence, when configured) to an engine that supports it."""
     attach = getattr(engine, "attach_kv", None)
     if attach is None:
@@ -31,7 +32,7 @@ async def start_session_kv(worker_config: Any, engine: Any, telemetry: Telemetry
     metrics = KVMetrics(telemetry)
     session = None
     if worker_config.cache_address:
-        session = SessionKV(KVCacheClient(worker_config.cache_address),
+        session = SessionKV(KVCacheClient(worker_config.cache_address, tls=tls),
                             KVSettings.from_worker_config(worker_config), metrics,
                             telemetry.dependencies, health,
                             prefill_chunk=getattr(engine, "prefill_chunk", 512))

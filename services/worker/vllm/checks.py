@@ -77,7 +77,7 @@ class VllmSettings:
     store: Any = None
 
     @classmethod
-    def from_worker_config(cls, worker: Any) -> "VllmSettings":
+    def from_worker_config(cls, worker: Any, tls: Any = None) -> "VllmSettings":
         return cls(
             kv_cache_dtype=worker.kv_cache_dtype,
             gpu_memory_utilization=worker.gpu_memory_utilization,
@@ -90,16 +90,16 @@ class VllmSettings:
             max_waiting=worker.max_queue,
             cpu_kv_cache_bytes=int(worker.vllm_cpu_kv_cache_gib * GIB),
             cpu_threads_bind=worker.vllm_cpu_threads_bind,
-            store=_store_settings(worker),
+            store=_store_settings(worker, tls),
         )
 
 
-def _store_settings(worker: Any) -> Any:
+def _store_settings(worker: Any, tls: Any) -> Any:
     if not worker.cache_address or worker.kv_restore_policy == "never":
         return None
     from services.worker.vllm.connector_config import StoreSettings
 
-    return StoreSettings.from_worker_config(worker)
+    return StoreSettings.from_worker_config(worker, tls)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from services.cache.types import KVLayout
+from services.common.tls.settings import TLSConfig
 
 CONNECTOR_CLASS = "BallastKVConnector"
 CONNECTOR_MODULE = "services.worker.vllm.connector"
@@ -35,13 +36,26 @@ class StoreSettings:
     ttl_s: int = 0
     save_queue: int = 8  # saves in flight before new ones are dropped
     retry_after_s: float = 1.0  # after a failed call, recompute this long before asking again
+    # The worker's TLS files (tls.*), empty when TLS is off: the engine processes dial the
+    # cache with the worker's own certificate.
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
 
     @classmethod
-    def from_worker_config(cls, worker: Any) -> "StoreSettings":
+    def from_worker_config(cls, worker: Any, tls: Any = None) -> "StoreSettings":
+        files = {}
+        if tls is not None and tls.enabled:
+            files = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
         return cls(address=worker.cache_address, block_tokens=worker.kv_block_tokens,
                    timeout_s=worker.kv_timeout_s, restore_timeout_s=worker.kv_restore_timeout_s,
                    save_timeout_s=worker.kv_save_timeout_s, ttl_s=worker.kv_ttl_s,
-                   save_queue=worker.kv_save_queue)
+                   save_queue=worker.kv_save_queue, **files)
+
+    def tls(self) -> TLSConfig | None:
+        if not self.ca_file:
+            return None
+        return TLSConfig(enabled=True, ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ class StoreLink:
         self._client: KVCacheClient = self._call(self._open(), 5.0)
 
     async def _open(self) -> KVCacheClient:
-        return KVCacheClient(self.settings.address)  # the channel binds to this loop
+        # The channel binds to this loop.
+        return KVCacheClient(self.settings.address, tls=self.settings.tls())
 
     def _call(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
         future: Future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)

@@ -1,0 +1,125 @@
+"""The local mesh under mutual TLS (`ballast up --secure`): requests flow through every
+service, a caller without the right certificate or role is refused before any work, and
+the router's certificate can be replaced on disk while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+
+import grpc
+import pytest
+from cryptography import x509
+
+from ballast.v1 import inference_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.cli import certs
+from services.cli.client import chat_request, collect, open_channel
+from services.cli.etcd_view import list_workers
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.common.tls.credentials import open_channel as open_service_channel
+from services.config import load_config
+from tests.integration.test_mesh import metric_value, scrape
+from tests.served import assert_served
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_model_dir):
+    spec = MeshSpec(state_dir=tmp_path_factory.mktemp("secure-mesh"), model_dir=tiny_model_dir,
+                    workers=1, worker_capacity=4, secure=True)
+    running = Mesh(spec).start()
+    yield running
+    running.stop()
+
+
+def mesh_tls(mesh):
+    """The mesh's tls section: the cli's certificate."""
+    return load_config(mesh.config_path, environ={}).tls
+
+
+def role_tls(mesh, role, directory=None):
+    directory = directory or mesh.certs_dir
+    return mesh_tls(mesh).model_copy(update={
+        "cert_file": str(certs.cert_path(directory, role)), "key_file": str(certs.key_path(directory, role))})
+
+
+async def ask(mesh, text="Is the red charger in stock?", session=""):
+    async with open_channel(mesh.router_address, mesh_tls(mesh)) as channel:
+        return await collect(inference_pb2_grpc.InferenceStub(channel),
+                             chat_request(text, max_tokens=8, session_id=session), LOCAL_API_KEY, timeout=60)
+
+
+async def worker_state(mesh):
+    worker = mesh.workers()[0]
+    records = [record for record, _ in await list_workers(load_config(mesh.config_path, environ={}).etcd)]
+    served = metric_value(await scrape(worker.metrics_port), "ballast_worker_requests_total")
+    return worker.address, records[0].in_flight, served
+
+
+async def test_a_request_streams_through_the_secured_mesh(mesh):
+    result = await ask(mesh, session="secure-session")
+    assert_served(result)
+    assert result.token_ids
+    # The router reached the backfill, the worker the cache, both over mutual TLS.
+    router = next(s for s in mesh.services if s.name == "router")
+    assert metric_value(await scrape(router.metrics_port), "ballast_dependency_up", dependency="backfill") == 1
+    worker = mesh.workers()[0]
+    assert metric_value(await scrape(worker.metrics_port), "ballast_dependency_up", dependency="kvcache") == 1
+
+
+def generate_request():
+    request = worker_pb2.WorkerGenerateRequest(prompt_ids=[1, 2, 3])
+    request.sampling.max_tokens = 4
+    return request
+
+
+async def refused_generate(channel) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(generate_request(), timeout=10):
+            pass
+    return caught.value.code()
+
+
+async def test_callers_without_the_right_certificate_reach_no_worker(mesh, tmp_path):
+    address, in_flight_before, served_before = await worker_state(mesh)
+    async with grpc.aio.insecure_channel(address) as channel:
+        assert await refused_generate(channel) == grpc.StatusCode.UNAVAILABLE
+    other = certs.init_certs(tmp_path / "other-ca", roles=("router",))
+    foreign = role_tls(mesh, "router", other).model_copy(update={"ca_file": str(other / certs.CA_CERT)})
+    async with open_service_channel(address, foreign) as channel:
+        assert await refused_generate(channel) in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+    async with open_service_channel(address, role_tls(mesh, "worker")) as channel:
+        assert await refused_generate(channel) == grpc.StatusCode.PERMISSION_DENIED
+    cache = next(s for s in mesh.services if s.name == "cache")
+    async with open_service_channel(cache.address, role_tls(mesh, "cli")) as channel:
+        put = kvcache_pb2_grpc.KVCacheStub(channel).Put(iter([kvcache_pb2.KVPutRequest()]), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await put
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    _, in_flight_after, served_after = await worker_state(mesh)
+    assert (in_flight_after, served_after) == (in_flight_before, served_before)
+
+
+def presented_serial(address: str, ca_file: str) -> int:
+    host, port = address.rsplit(":", 1)
+    context = ssl.create_default_context(cafile=ca_file)
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname=host) as tls_socket:
+            return x509.load_der_x509_certificate(tls_socket.getpeercert(binary_form=True)).serial_number
+
+
+async def test_the_router_certificate_rotates_without_a_restart(mesh):
+    router = next(s for s in mesh.services if s.name == "router")
+    pid = router.pid
+    ca_file = str(mesh.certs_dir / certs.CA_CERT)
+    before = await asyncio.to_thread(presented_serial, mesh.router_address, ca_file)
+    certs.write_role(mesh.certs_dir, certs.load_authority(mesh.certs_dir), "router")
+    new_serial = x509.load_pem_x509_certificate(certs.cert_path(mesh.certs_dir, "router").read_bytes()).serial_number
+    assert new_serial != before
+    assert await asyncio.to_thread(presented_serial, mesh.router_address, ca_file) == new_serial
+    for _ in range(2):
+        assert_served(await ask(mesh))
+    assert router.pid == pid
