@@ -17,7 +17,7 @@ import aetcd
 import pytest
 import redis
 
-from services.common import localservers
+from services.cli import localservers
 from services.cli.localservers import (
     BinaryNotFoundError,
     EtcdServer,

@@ -31,7 +31,7 @@ from services.worker.vllm import (
     detect_vllm_api,
     read_model_facts,
 )
-from services.worker.vllm.engine import engine_args, open_vllm_client
+from services.worker.vllm.client import engine_args, open_vllm_client
 from services.worker.vllm.errors import map_vllm_error
 from services.worker.vllm.params import sampling_plan
 from services.worker.vllm.request_args import PROCESSOR_NAMES, SAMPLER_KEY, guide_args, sampler_args

@@ -26,7 +26,7 @@ require_vllm()
 
 from services.worker.engine import EngineRequest, Sampling  # noqa: E402
 from services.worker.vllm import VllmEngine  # noqa: E402
-from services.worker.vllm.engine import open_vllm_client  # noqa: E402
+from services.worker.vllm.client import open_vllm_client  # noqa: E402
 from tests.engine_conformance import (  # noqa: E402
     PROSE, EngineConformance, EngineFactory, decoder, factory_fixture, run,
 )

@@ -1,6 +1,9 @@
 """One model pool's scheduler: tiered queues, admission, dispatch to worker slots, preemption.
 
-Pure and synchronous: no I/O, no tasks, time from an injected clock (monotonic seconds). The
+Pure and synchronous: no I/O, no tasks, time from an injected clock (monotonic seconds).
+Longer than most modules on purpose: admission, the tier order, tenant fairness, preemption
+and dispatch share one queue state, and splitting them would spread its invariants over
+several files. The
 caller hands in a snapshot of the pool's workers (advertised capacity and published
 in-flight) and gets back which queued ticket goes to which worker; `AsyncGate` wraps this for coroutines.
 

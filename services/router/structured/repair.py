@@ -10,6 +10,8 @@ through nested objects and arrays. Nothing is invented beyond that: a value that
 wrong (out of range, unknown enum member) makes the result FAILED, never silently "fixed".
 
 Pure and synchronous: no I/O, so the router can run it inline when a stream finishes.
+Longer than most modules on purpose: the repairs are one recursive walk over the schema and
+the value, each step needing the others (fill, coerce, match, drop) at every depth.
 """
 
 from __future__ import annotations

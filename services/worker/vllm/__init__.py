@@ -10,6 +10,7 @@ Modules:
   processors   the logits processors vLLM loads: position-seeded sampling, resumed guidance
   errors       vLLM exceptions -> Ballast typed errors (pure)
   stats        vLLM scheduler stats -> EngineStats, through a stat logger
+  client       the engine arguments, the engine client over AsyncLLM, starting vLLM
   engine       VllmEngine itself
   kv_keys      session KV: block names and block layout shared with the torch engine (pure)
   kv_pages     vLLM's CPU KV pages <-> stored blocks (torch)
