@@ -36,10 +36,18 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
+def openai_curl(base_url: str, api_key: str) -> str:
+    """A curl line that streams a chat answer from the OpenAI-compatible HTTP API."""
+    body = '{"model": "tiny", "stream": true, "messages": [{"role": "user", "content": "Hello!"}]}'
+    return (f"curl -N {base_url}/chat/completions -H 'Authorization: Bearer {api_key}' "
+            f"-H 'Content-Type: application/json' -d '{body}'")
+
+
 def cmd_up(args) -> int:
     if running_state(args.state_dir):
         state = read_state(args.state_dir)
-        print(f"mesh already running (router {state['router']}); `ballast down` stops it")
+        http = f", OpenAI-compatible HTTP {state['http']}" if state.get("http") else ""
+        print(f"mesh already running (router {state['router']}{http}); `ballast down` stops it")
         return 0
     if read_state(args.state_dir):
         # A mesh that died without `down`: clean up what is left of it first.
@@ -50,7 +58,8 @@ def cmd_up(args) -> int:
         print(f"building the tiny model in {args.model_dir}")
         build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
     spec = MeshSpec(state_dir=args.state_dir, model_dir=args.model_dir, workers=args.workers,
-                    router_port=args.router_port, engine=args.engine, secure=args.secure)
+                    router_port=args.router_port, router_http_port=args.http_port or None, engine=args.engine,
+                    secure=args.secure)
     mesh = Mesh(spec)
     print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers) ...", flush=True)
     started = time.monotonic()
@@ -62,6 +71,8 @@ def cmd_up(args) -> int:
     print(f"mesh up in {time.monotonic() - started:.1f}s; router at {mesh.router_address}"
           + (f" (mutual TLS, certificates in {mesh.certs_dir})" if spec.secure else ""))
     print(f"  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
+    print(f"  OpenAI-compatible HTTP API at {mesh.http_base_url}; a streamed answer:")
+    print(f"  {openai_curl(mesh.http_base_url, LOCAL_API_KEY)}")
     return 0
 
 

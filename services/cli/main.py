@@ -24,6 +24,8 @@ def _add_up(sub) -> None:
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--router-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=0,
+                   help="port of the router's OpenAI-compatible HTTP API (default: a free one, printed)")
     p.add_argument("--engine", choices=["torch", "vllm", "sim"], default="torch",
                    help="workers' engine: torch (small Llama on CPU), vllm (vLLM; its CPU build here) or sim "
                         "(a timing model: no model compute)")

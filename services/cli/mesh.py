@@ -38,6 +38,8 @@ class MeshSpec:
     model_dir: Path
     workers: int = 2
     router_port: int | None = None
+    # The router's OpenAI-compatible HTTP front: on in a local mesh (a free port unless set).
+    router_http_port: int | None = None
     etcd_port: int | None = None
     redis_port: int | None = None
     kafka_port: int | None = None
@@ -124,6 +126,7 @@ class Mesh:
         self.redis = RedisServer(self.state_dir, spec.redis_port, maxmemory=256 * 1024 * 1024)
         self.kafka = KafkaBroker(self.state_dir, spec.kafka_port)
         self.router_port = spec.router_port or free_port()
+        self.router_http_port = spec.router_http_port or free_port()
         self.cache_port = spec.cache_port or free_port()
         self.backfill_port = spec.backfill_port or free_port()
         self.config_path = self.state_dir / CONFIG_FILE
@@ -144,7 +147,8 @@ class Mesh:
             "kafka": {"bootstrap": f"{self.kafka.host}:{self.kafka.port}"},
             "auth": {"enabled": spec.auth_enabled, "api_keys": spec.api_keys},
             # Subscribe and GetBackfill on the router relay to this mesh's backfill service.
-            "router": {"port": self.router_port, "backfill_address": f"127.0.0.1:{self.backfill_port}"},
+            "router": {"port": self.router_port, "http_port": self.router_http_port,
+                       "backfill_address": f"127.0.0.1:{self.backfill_port}"},
             "cache": {"port": self.cache_port},
             "backfill": {"port": self.backfill_port},
             "worker": {
@@ -307,6 +311,11 @@ class Mesh:
     def router_address(self) -> str:
         return f"127.0.0.1:{self.router_port}"
 
+    @property
+    def http_base_url(self) -> str:
+        """Base URL of the router's OpenAI-compatible API (what an OpenAI SDK takes as base_url)."""
+        return f"http://127.0.0.1:{self.router_http_port}/v1"
+
     def workers(self) -> list[ServiceProcess]:
         return [s for s in self.services if s.name.startswith("worker-")]
 
@@ -328,7 +337,8 @@ class Mesh:
                                 "address": service.address, "metrics_port": service.metrics_port,
                                 "log": str(service.process.log_path)})
         (self.state_dir / STATE_FILE).write_text(json.dumps(
-            {"config": str(self.config_path), "router": self.router_address, "processes": entries}, indent=2))
+            {"config": str(self.config_path), "router": self.router_address,
+             "http": self.http_base_url, "processes": entries}, indent=2))
 
     def stop(self) -> None:
         """Stops services (workers first: they drain), then the router, then infra."""

@@ -1,4 +1,5 @@
-"""The router process: membership watch + the public Inference server.
+"""The router process: membership watch + the public Inference server, and (with
+router.http_port set) the OpenAI-compatible HTTP front on the same request path.
 
 Stateless: run as many replicas as needed behind any L4/L7 balancer. Shutdown order:
 health NOT_SERVING, server.stop(grace) lets open streams finish, then the membership
@@ -24,6 +25,7 @@ from services.router.autoscale.controller import AutoscalerController
 from services.router.autoscale.runtime import router_identity, start_autoscaler
 from services.router.backfill_proxy import BackfillProxy
 from services.router.metrics import RouterMetrics
+from services.router.openai.server import OpenAIFront
 from services.router.scheduling.tagging import TIERING_KEY
 from services.router.servicer import InferenceServicer
 from services.router.worker_clients import WorkerClients
@@ -47,10 +49,16 @@ class RouterApp:
     _sweeper: asyncio.Task | None = None
     # The autoscaler's reports, leader campaign and (while leader) decisions; None when off.
     autoscaler: AutoscalerController | None = None
+    # The OpenAI-compatible HTTP front; None when router.http_port is unset.
+    http: OpenAIFront | None = None
 
     @property
     def address(self) -> str:
         return f"{self.config.router.host}:{self.port}"
+
+    @property
+    def http_address(self) -> str | None:
+        return None if self.http is None else f"{self.config.router.host}:{self.http.port}"
 
     async def _sweep_channels(self) -> None:
         # Close channels of workers that left, whenever the membership changes.
@@ -64,7 +72,10 @@ class RouterApp:
     async def shutdown(self, grace_s: float | None = None) -> None:
         grace = self.config.router.shutdown_grace_s if grace_s is None else grace_s
         await set_serving(self.health, [SERVICE_NAME], False)
-        await self.server.stop(grace)
+        if self.http is not None:
+            await asyncio.gather(self.server.stop(grace), self.http.stop())
+        else:
+            await self.server.stop(grace)
         await self.servicer.degrader.stop()
         if self.autoscaler is not None:
             # Resigns leadership at once, so another router decides without waiting a TTL.
@@ -104,6 +115,10 @@ async def create_server(config: BallastConfig) -> RouterApp:
     telemetry.start()
     await set_serving(health, [SERVICE_NAME], True)
     app = RouterApp(config, server, port, membership, clients, servicer, telemetry, health, rules_watch)
+    if config.router.http_port is not None:
+        app.http = OpenAIFront(servicer)
+        await app.http.start(config.router.host, config.router.http_port)
+        log.info("router OpenAI-compatible HTTP on http://%s/v1", app.http_address)
     app._sweeper = asyncio.create_task(app._sweep_channels())
     app.autoscaler = await start_autoscaler(config, membership, servicer, telemetry, router_identity(port))
     log.info("router serving on %s", app.address)

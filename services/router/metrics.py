@@ -21,7 +21,7 @@ class RouterMetrics:
     def __init__(self, telemetry: Telemetry) -> None:
         meter = telemetry.meter
         self.requests = meter.create_counter(
-            "ballast_router_requests", description="Generate calls by tier and outcome."
+            "ballast_router_requests", description="Generate calls by tier, outcome and protocol (grpc, http)."
         )
         self.tokens = meter.create_counter(
             "ballast_router_streamed_tokens", description="Tokens relayed to clients."

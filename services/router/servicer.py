@@ -1,7 +1,9 @@
 """`ballast.v1.Inference`: authenticate, validate, classify, then hand the request to the runner.
 
 The runner yields plain events; here, at the gRPC edge, they become `GenerateEvent` messages
-(`events_pb`) before the degradation ladder and the client see them.
+(`events_pb`) before the degradation ladder and the client see them. `generate` is that whole
+request path; the gRPC `Generate` and the OpenAI-compatible HTTP front (`router.openai`) both
+call it, so authentication, validation, tiers, admission, failover and degradation are one code.
 
 The client's deadline bounds everything downstream: each worker call gets the time that is
 left. When the client goes away, the worker call is cancelled, which aborts generation on
@@ -11,10 +13,11 @@ the worker and frees its slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable, Protocol
 
 import grpc
 from opentelemetry import trace
@@ -46,6 +49,15 @@ from services.router.turns import classify_turn
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
+
+
+class CallInfo(Protocol):
+    """What the request path needs of a call, whatever its protocol: a gRPC servicer context
+    has both methods, the HTTP front adapts its request to them."""
+
+    def invocation_metadata(self) -> Iterable[tuple[str, str | bytes]] | None: ...
+
+    def time_remaining(self) -> float | None: ...
 
 
 def _outcome(error: BaseException) -> str:
@@ -143,8 +155,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return
         raise NotFound(f"unknown model {model!r}; this router serves {sorted(self.router_config.models)}")
 
-    def _deadline(self, context: grpc.aio.ServicerContext) -> float:
-        remaining = context.time_remaining()
+    def _deadline(self, call: CallInfo) -> float:
+        remaining = call.time_remaining()
         budget = self.router_config.default_deadline_s
         if remaining is not None:
             budget = min(budget, remaining)
@@ -160,6 +172,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        async with contextlib.aclosing(self.generate(request, context, "grpc")) as events:
+            async for event in events:
+                yield event
+
+    async def generate(
+        self, request: inference_pb2.GenerateRequest, call: CallInfo, protocol: str
+    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        """The request path every edge shares (gRPC `Generate`, the OpenAI-compatible HTTP
+        front): authenticate, validate, classify, run with degradation. `call` gives the
+        caller's metadata and remaining time; `protocol` labels the request metrics.
+        Closing the stream cancels the request on its worker at once."""
         started = time.perf_counter()
         tier = "unknown"
         outcome = "ok"
@@ -168,7 +191,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finished: inference_pb2.Finished | None = None
         self.metrics.in_flight.add(1)
         try:
-            tenant = self.auth.tenant_for(context.invocation_metadata())
+            tenant = self.auth.tenant_for(call.invocation_metadata())
             inference = request_from_pb(request, tenant, self.router_config)
             self._check_model_known(inference.model)
             model = inference.model
@@ -179,7 +202,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             trace.get_current_span().set_attributes(
                 {"ballast.request_id": inference.request_id, "ballast.tier": tier, "ballast.model": model}
             )
-            deadline = self._deadline(context)
+            deadline = self._deadline(call)
 
             def pool_stream(request: InferenceRequest) -> AsyncIterator[inference_pb2.GenerateEvent]:
                 return events_to_pb(self.runner.run(RequestRun(request, tier, reason, weight, deadline, started)))
@@ -200,8 +223,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if finished is not None:
                 self.quotas.charge_tokens(tenant, finished.usage.prompt_tokens + finished.usage.completion_tokens)
             self.metrics.in_flight.add(-1)
-            self.metrics.requests.add(1, {"tier": tier, "outcome": outcome})
-            remaining = context.time_remaining()
+            self.metrics.requests.add(1, {"tier": tier, "outcome": outcome, "protocol": protocol})
+            remaining = call.time_remaining()
             self.metrics.turns.record(classify_turn(
                 failure, finished is not None,
                 finished is not None and finished.structured_status == common_pb2.STRUCTURED_FAILED,

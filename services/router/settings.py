@@ -21,6 +21,18 @@ class RouterConfig(Section):
     )
     host: str = Field("127.0.0.1", description="Bind address of the public API.")
     port: int = Field(50051, ge=0, le=65535, description="Port of the public API; 0 picks one.")
+    http_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="Port of the OpenAI-compatible HTTP front (/v1/chat/completions, /v1/completions, "
+                    "/v1/models); unset: off (a router opens no listener it was not asked for; "
+                    "`ballast up` turns it on); 0 picks one. Binds to `host`.",
+    )
+    http_max_body_bytes: int = Field(
+        4 << 20, gt=0, description="Largest HTTP request body the front reads (bytes); larger is 413."
+    )
+    http_keepalive_s: float = Field(
+        5.0, gt=0, description="While a stream waits for a token, an SSE comment goes out this often."
+    )
     default_max_tokens: int = Field(128, gt=0, description="max_tokens when a request sets none.")
     max_tokens_limit: int = Field(4096, gt=0, description="Largest max_tokens a request may ask.")
     max_request_bytes: int = Field(

@@ -242,7 +242,7 @@ async def test_health_and_reflection(router_app, worker_app):
 async def test_metrics_count_requests_by_tier_and_outcome(router_stub, router_app, worker_app):
     await collect(router_stub, chat_request(PROMPT, max_tokens=4, raw_prompt=True, tier="S"), API_KEY)
     text = router_app.telemetry.render()
-    assert 'ballast_router_requests_total{outcome="ok",tier="S"}' in text
+    assert 'ballast_router_requests_total{outcome="ok",protocol="grpc",tier="S"}' in text
     assert "ballast_router_ttft_milliseconds_bucket" in text
     assert 'ballast_dependency_up{dependency="etcd"} 1.0' in text
     deadline = asyncio.get_running_loop().time() + 30

@@ -1,0 +1,259 @@
+"""OpenAI request bodies as Ballast `GenerateRequest`s (pure: no I/O).
+
+Chat messages become a conversation, a completions prompt a raw prompt; sampling fields map
+one to one. `response_format` json_schema / json_object becomes Ballast's JSON Schema (guided
+and validated); `service_tier` (priority -> S, default/auto -> AUTO, flex -> B) or the
+`x-ballast-tier` header sets the tier (the header wins); `x-ballast-session-id` sets the
+session (KV affinity); `x-ballast-allow-degraded: false` refuses degraded answers. `user`,
+`metadata` and `store` are accepted and ignored. Fields Ballast does not serve (n > 1, tools,
+logprobs...) are refused naming the field, never silently dropped. Everything the gRPC path
+checks (limits, roles, schema) is left to it, so both edges refuse alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ballast.v1 import common_pb2, inference_pb2
+from services.router.openai.errors import InvalidField, NotJson, UnsupportedField
+
+MAX_JSON_DEPTH = 64
+TIER_HEADER = "x-ballast-tier"
+SESSION_HEADER = "x-ballast-session-id"
+ALLOW_DEGRADED_HEADER = "x-ballast-allow-degraded"
+SERVICE_TIERS = {"auto": common_pb2.TIER_AUTO, "default": common_pb2.TIER_AUTO,
+                 "priority": common_pb2.TIER_S, "flex": common_pb2.TIER_B}
+HEADER_TIERS = {"auto": common_pb2.TIER_AUTO, "s": common_pb2.TIER_S, "a": common_pb2.TIER_A, "b": common_pb2.TIER_B}
+# Fields refused unless they hold their neutral value (absent, null, or the value listed).
+UNSUPPORTED_UNLESS = {
+    "n": (1,), "best_of": (1,), "tools": ((),), "tool_choice": ("none",), "functions": ((),),
+    "function_call": ("none",), "parallel_tool_calls": (), "logprobs": (False, 0), "top_logprobs": (0,),
+    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "echo": (False,),
+    "suffix": ("",), "audio": (), "modalities": ((), ("text",)), "prediction": (),
+}
+# OpenAI's newer name for the system role.
+ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How the answer goes back: which endpoint, streamed or not, with a usage chunk or not."""
+
+    chat: bool
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The body as JSON; raises NotJson when it does not parse or nests deeper than `max_depth`."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise NotJson(f"the body is not valid JSON: {exc.__class__.__name__}") from None
+    if _depth(value) > max_depth:
+        raise NotJson(f"the body nests deeper than {max_depth} levels")
+    return value
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in item.values())
+        elif isinstance(item, list):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in item)
+    return deepest
+
+
+def _neutral(value: Any, allowed: tuple) -> bool:
+    if value is None:
+        return True
+    for neutral in allowed:
+        if isinstance(neutral, tuple) and isinstance(value, list) and tuple(value) == neutral:
+            return True
+        if not isinstance(neutral, tuple) and type(value) is type(neutral) and value == neutral:
+            return True
+    return False
+
+
+def _int(body: Mapping, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidField(name, f"{name} must be an integer")
+    return value
+
+
+def _number(body: Mapping, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidField(name, f"{name} must be a number")
+    return float(value)
+
+
+def _bool(body: Mapping, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidField(name, f"{name} must be a boolean")
+    return value
+
+
+def _content(message: Mapping, index: int) -> str:
+    content = message.get("content")
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidField(param, f"{param}: only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidField(param, f"{param} must be a string or a list of text parts")
+
+
+def _messages(body: Mapping) -> list[inference_pb2.ChatMessage]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidField("messages", "messages must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidField(f"messages[{i}]", f"messages[{i}] must be an object")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidField(f"messages[{i}].role", f"messages[{i}].role must be a string")
+        for name in ("tool_calls", "function_call"):
+            if message.get(name):
+                raise UnsupportedField(f"messages[{i}].{name}")
+        out.append(inference_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=_content(message, i)))
+    return out
+
+
+def _prompt(body: Mapping) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise UnsupportedField("prompt")  # several prompts: one answer each, like n > 1
+    if not isinstance(prompt, str):
+        raise InvalidField("prompt", "prompt must be a string")
+    return prompt
+
+
+def _stop(body: Mapping) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise InvalidField("stop", "stop must be a string or a list of strings")
+
+
+def response_schema(value: Any) -> str:
+    """Ballast's response_format (JSON Schema text, "" for free text) of OpenAI's."""
+    if value is None:
+        return ""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidField("response_format", "response_format must be an object with a type")
+    kind = value["type"]
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidField("response_format.json_schema.schema", "json_schema.schema must be an object")
+        return json.dumps(schema)
+    raise InvalidField("response_format.type", f"unknown response_format type {kind!r}")
+
+
+def _tier(body: Mapping, headers: Mapping[str, str]) -> int:
+    header = headers.get(TIER_HEADER)
+    if header is not None:
+        tier = HEADER_TIERS.get(header.strip().lower())
+        if tier is None:
+            raise InvalidField(TIER_HEADER, f"{TIER_HEADER} must be one of S, A, B or AUTO")
+        return tier
+    service_tier = body.get("service_tier")
+    if service_tier is None:
+        return common_pb2.TIER_AUTO
+    if not isinstance(service_tier, str) or service_tier not in SERVICE_TIERS:
+        raise InvalidField("service_tier", f"service_tier must be one of {sorted(SERVICE_TIERS)}")
+    return SERVICE_TIERS[service_tier]
+
+
+def _allow_degraded(headers: Mapping[str, str]) -> bool | None:
+    value = headers.get(ALLOW_DEGRADED_HEADER)
+    if value is None:
+        return None
+    flag = value.strip().lower()
+    if flag not in ("true", "false"):
+        raise InvalidField(ALLOW_DEGRADED_HEADER, f"{ALLOW_DEGRADED_HEADER} must be true or false")
+    return flag == "true"
+
+
+def to_generate_request(body: Any, headers: Mapping[str, str], *, chat: bool) -> tuple[inference_pb2.GenerateRequest, Shape]:
+    """The GenerateRequest of an OpenAI body and how to shape its answer. `headers` has
+    lower-case names. Raises InvalidField (or UnsupportedField) naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidField("body", "the body must be a JSON object")
+    for name, allowed in UNSUPPORTED_UNLESS.items():
+        if name in body and not _neutral(body[name], allowed):
+            raise UnsupportedField(name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidField("model", "model must be a non-empty string")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise InvalidField("stream_options", "stream_options must be an object, and only with stream")
+    include_usage = _bool(options or {}, "include_usage")
+    request = inference_pb2.GenerateRequest(
+        model=model, tier=_tier(body, headers), response_format=response_schema(body.get("response_format")),
+        session_id=headers.get(SESSION_HEADER, ""),
+    )
+    if chat:
+        request.conversation.messages.extend(_messages(body))
+    else:
+        request.prompt = _prompt(body)
+    max_tokens = _int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens")
+    sampling = request.sampling
+    if max_tokens is not None:
+        if not 0 < max_tokens < 1 << 31:
+            raise InvalidField("max_tokens", "max_tokens must be > 0 and fit 32 bits")
+        sampling.max_tokens = max_tokens
+    for name in ("temperature", "top_p"):
+        value = _number(body, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    seed = _int(body, "seed")
+    if seed is not None:
+        if not 0 <= seed < 1 << 64:
+            raise InvalidField("seed", "seed must be >= 0 and fit 64 bits")
+        sampling.seed = seed
+    sampling.stop.extend(_stop(body))
+    allow_degraded = _allow_degraded(headers)
+    if allow_degraded is not None:
+        request.allow_degraded = allow_degraded
+    return request, Shape(chat=chat, model=model, stream=stream, include_usage=include_usage)

@@ -1,0 +1,258 @@
+"""The HTTP listener of the OpenAI-compatible front, in the router process.
+
+Built on aiohttp rather than starlette + uvicorn: on loopback, a JSON round trip cost a median
+of about 70 us with aiohttp against 80-115 us, and an 11-event SSE stream about 120 us against
+200-250 us; aiohttp also cancels a handler the moment its client disconnects
+(`handler_cancellation`), which is exactly what frees a worker slot at once, streamed or not.
+
+Every completion runs on `InferenceServicer.generate`, the gRPC path itself; this module only
+reads HTTP, shapes the answer (`responses`) and writes errors in OpenAI's shape (`errors`).
+A stream's 200 is held back until its first event, so refusals before it (429 with
+Retry-After, 503, 400...) get their own status; after it, an error is a `data: {"error"}`
+event and `data: [DONE]`. While no event comes, `: keep-alive` comments go out every
+`router.http_keepalive_s`. A `traceparent` header is continued in a server span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from aiohttp import web
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+
+from ballast.v1 import backfill_answers_pb2, inference_pb2
+from services.common.errors import BallastError
+from services.common.tracing import context_from_headers, tracer
+from services.router.openai.backfill import answer_json
+from services.router.openai.errors import BodyTooLarge, HttpRefusal, RouteNotFound, error_reply
+from services.router.openai.mapping import Shape, parse_json, to_generate_request
+from services.router.openai.responses import Answer, degraded_headers
+from services.router.servicer import InferenceServicer
+
+log = logging.getLogger(__name__)
+
+_TRACER = tracer("http")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+# Events a stream may run ahead of a slow client.
+STREAM_BUFFER = 64
+
+
+class HttpCall:
+    """What the request path needs of a call (see servicer.CallInfo), read from HTTP headers.
+    HTTP has no deadline header: the router's default deadline applies."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._metadata = [(name.lower(), value) for name, value in request.headers.items()]
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+@dataclass(frozen=True)
+class _End:
+    error: BaseException | None = None
+
+
+def _sse(value: dict) -> bytes:
+    return b"data: " + json.dumps(value, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error_response(error: BaseException) -> web.Response:
+    reply = error_reply(error)
+    return web.json_response(reply.body, status=reply.status, headers=reply.headers)
+
+
+def _refusal_of(error: web.HTTPException) -> HttpRefusal:
+    if isinstance(error, web.HTTPRequestEntityTooLarge):
+        return BodyTooLarge("the request body is too large")
+    refusal = RouteNotFound(f"no such endpoint: {error.reason}")
+    refusal.status = error.status
+    return refusal
+
+
+class OpenAIFront:
+    """The aiohttp application and its listener."""
+
+    def __init__(self, servicer: InferenceServicer) -> None:
+        self.servicer = servicer
+        self.config = servicer.router_config
+        self.keepalive_s = self.config.http_keepalive_s
+        self.app = web.Application(client_max_size=self.config.http_max_body_bytes, middlewares=[self._middleware])
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/ballast/backfill/{ticket}", self.backfill)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens on host:port (0 picks one); returns the port."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.config.shutdown_grace_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, shutdown_timeout=self.config.shutdown_grace_s)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops listening; open requests get router.shutdown_grace_s to finish."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- middleware: tracing and errors ---------------------------------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        parent = context_from_headers(request.headers.items())
+        route = request.match_info.route.resource
+        name = f"{request.method} {route.canonical if route is not None else request.path}"
+        span = _TRACER.start_span(name, context=parent, kind=SpanKind.SERVER,
+                                  attributes={"http.request.method": request.method, "url.path": request.path})
+        token = otel_context.attach(set_span_in_context(span, parent))
+        status = 500
+        try:
+            try:
+                response = await handler(request)
+            except web.HTTPException as error:
+                if error.status < 400:
+                    raise
+                response = _error_response(_refusal_of(error))
+            except (BallastError, HttpRefusal) as error:
+                response = _error_response(error)
+            except Exception:
+                log.exception("bug in %s", name)
+                response = _error_response(RuntimeError())
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500 and status != 503:
+                span.set_status(Status(StatusCode.ERROR, str(status)))
+            otel_context.detach(token)
+            span.end()
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.servicer.auth.tenant_for(HttpCall(request).invocation_metadata())
+        names = set(self.config.models) | {w.model for w in self.servicer.membership.workers().values()}
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "ballast"} for name in sorted(names)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def backfill(self, request: web.Request) -> web.Response:
+        call = HttpCall(request)
+        answer = await self.servicer.GetBackfill(backfill_answers_pb2.GetAnswerRequest(ticket=request.match_info["ticket"]), call)
+        return web.json_response(answer_json(answer))
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.http_max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BodyTooLarge(f"the request body is {request.content_length} bytes; the limit is {limit}")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise BodyTooLarge(f"the request body is over {limit} bytes") from None
+
+    async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        call = HttpCall(request)
+        # Authentication comes first, as on gRPC: a bad key is 401 whatever the body.
+        self.servicer.auth.tenant_for(call.invocation_metadata())
+        body = parse_json(await self._read_body(request))
+        # aiohttp's headers are case-insensitive: the mapping's lower-case names find them.
+        generate_request, shape = to_generate_request(body, request.headers, chat=chat)
+        events = self.servicer.generate(generate_request, call, "http")
+        if shape.stream:
+            return await self._stream(request, shape, events)
+        return await self._whole(shape, events)
+
+    async def _whole(self, shape: Shape, events: AsyncIterator[inference_pb2.GenerateEvent]) -> web.Response:
+        answer = Answer(shape)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                answer.feed(event)
+        headers = degraded_headers(answer.finished) if answer.finished is not None else {}
+        return web.json_response(answer.response(), headers=headers)
+
+    async def _stream(self, request: web.Request, shape: Shape,
+                      events: AsyncIterator[inference_pb2.GenerateEvent]) -> web.StreamResponse:
+        answer = Answer(shape)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER)
+        pump = asyncio.create_task(_pump(events, queue), name="http-stream")
+        response: web.StreamResponse | None = None
+
+        async def opened() -> web.StreamResponse:
+            opening = web.StreamResponse(headers=SSE_HEADERS)
+            await opening.prepare(request)
+            first = answer.first_chunk()
+            if first is not None:
+                await opening.write(_sse(first))
+            return opening
+
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.keepalive_s)
+                except TimeoutError:
+                    response = response or await opened()
+                    await response.write(KEEPALIVE)
+                    continue
+                if isinstance(item, _End):
+                    break
+                text = answer.feed(item)
+                if response is None and item.WhichOneof("event") != "started":
+                    response = await opened()
+                if text:
+                    await response.write(_sse(answer.text_chunk(text)))
+            if item.error is not None:
+                if response is None:
+                    return _error_response(item.error)
+                await response.write(_sse(error_reply(item.error).body))
+                await response.write(DONE)
+                return response
+            response = response or await opened()
+            for chunk in answer.final_chunks():
+                await response.write(_sse(chunk))
+            await response.write(DONE)
+            await response.write_eof()
+            return response
+        finally:
+            if not pump.done():
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+
+
+async def _pump(events: AsyncIterator[inference_pb2.GenerateEvent], queue: asyncio.Queue) -> None:
+    """Moves a request's events into `queue`, then an `_End` (with the error, if any).
+    Cancelling it cancels the request on its worker."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                await queue.put(event)
+    except (BallastError, Exception) as error:
+        if not isinstance(error, BallastError):
+            log.exception("bug in a streamed request")
+        await queue.put(_End(error))
+        return
+    await queue.put(_End())

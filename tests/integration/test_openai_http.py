@@ -1,0 +1,201 @@
+"""The router's OpenAI-compatible HTTP front on a real local mesh, through the official
+`openai` SDK: the same answers as gRPC, errors in OpenAI's shape, keep-alives while queued,
+429 with Retry-After under admission refusal, and a client that leaves frees its worker slot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from services.cli.client import chat_request, collect
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.common.degraded.codec import make_ticket
+from tests.integration.test_mesh import metric_value, scrape
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
+
+PROMPT = "Is the red charger in stock, and what does it cost?"
+# Near the tiny model's 2048-token context: a stream that lasts seconds.
+LONG_TOKENS = 1800
+KEEPALIVE_S = 0.2
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_model_dir):
+    # One worker with two slots and room for one queued B request: admission refusal is cheap.
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("mesh"),
+        model_dir=tiny_model_dir,
+        workers=1,
+        worker_capacity=2,
+        overrides={"router": {"http_keepalive_s": KEEPALIVE_S,
+                              "scheduling": {"tiers": {"B": {"max_queue": 1}}}}},
+    )
+    running = Mesh(spec).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+async def client(mesh):
+    async with openai.AsyncOpenAI(base_url=mesh.http_base_url, api_key=LOCAL_API_KEY, max_retries=0) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+async def http(mesh):
+    async with httpx.AsyncClient(base_url=mesh.http_base_url, timeout=60,
+                                 headers={"Authorization": f"Bearer {LOCAL_API_KEY}"}) as session:
+        yield session
+
+
+async def worker_in_flight(mesh) -> float:
+    return metric_value(await scrape(mesh.workers()[0].metrics_port), "ballast_worker_in_flight")
+
+
+async def wait_in_flight(mesh, predicate, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while not predicate(value := await worker_in_flight(mesh)):
+        assert time.monotonic() < deadline, f"worker in-flight stayed at {value}"
+        await asyncio.sleep(0.05)
+    return value
+
+
+async def test_chat_equals_grpc_answer_streamed_and_not(mesh, router, client):
+    reference = await collect(router, chat_request(PROMPT, max_tokens=32), LOCAL_API_KEY)
+    whole = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=32, temperature=0)
+    assert whole.choices[0].message.content == reference.text
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens == len(reference.token_ids)
+    assert whole.model_extra["ballast"]["degradation"] == "none"
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=32, temperature=0, stream=True)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference.text
+    assert chunks[-1].choices[0].finish_reason is not None and chunks[-1].usage is None
+    assert chunks[-1].model_extra["ballast"]["degradation"] == "none"
+
+
+async def test_completions_equal_grpc_prompt_answer(router, client):
+    reference = await collect(router, chat_request(PROMPT, max_tokens=16, raw_prompt=True), LOCAL_API_KEY)
+    answer = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    assert answer.choices[0].text == reference.text
+    stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == reference.text
+
+
+async def test_include_usage_adds_a_final_usage_chunk(client):
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_json_schema_answer_validates(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "in_stock": {"type": "boolean"}},
+              "required": ["answer", "in_stock"], "additionalProperties": False}
+    answer = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=96, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "stock", "schema": schema}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    assert answer.model_extra["ballast"]["structured"]["status"] in ("valid", "repaired")
+
+
+async def test_models_lists_tiny(client):
+    assert "tiny" in [model.id async for model in client.models.list()]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+async def test_bad_requests_get_openai_errors(http, client):
+    assert_error(await http.post("/chat/completions", content=b"{not json",
+                                 headers={"Content-Type": "application/json"}), 400)
+    assert_error(await http.post("/chat/completions", content=b"[" * 200 + b"]" * 200), 400)
+    good = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert_error(await http.post("/chat/completions", json={**good, "max_tokens": "four"}), 400, "max_tokens")
+    assert_error(await http.post("/chat/completions", json={**good, "messages": "hi"}), 400, "messages")
+    assert_error(await http.post("/chat/completions", json={**good, "n": 2}), 400, "n")
+    assert_error(await http.post("/chat/completions", json={**good, "tools": [{"type": "function"}]}), 400, "tools")
+    assert_error(await http.post("/chat/completions", json={**good, "model": "huge"}), 404)
+    assert_error(await http.post("/chat/completions", json=good, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(await http.post("/chat/completions", content=b" " * (5 << 20)), 413)
+    assert_error(await http.get(f"/ballast/backfill/{make_ticket('local', 'never-degraded')}"), 404)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
+    assert caught.value.body["param"] == "n"
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="huge", messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_queued_stream_keeps_alive_and_full_queue_is_429(mesh, router, http):
+    holders = [asyncio.create_task(collect(router, chat_request(f"{PROMPT} #{i}", max_tokens=LONG_TOKENS,
+                                                                  raw_prompt=True, tier="B"), LOCAL_API_KEY))
+               for i in range(2)]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    headers = {"x-ballast-tier": "B", "x-ballast-allow-degraded": "false"}
+    try:
+        await wait_in_flight(mesh, lambda value: value >= 2, timeout=20)
+        async with http.stream("POST", "/completions", json=body, headers=headers) as queued:
+            assert queued.status_code == 200
+            lines = queued.aiter_lines()
+            assert await asyncio.wait_for(anext(lines), 5) == ": keep-alive"
+            refused = await http.post("/completions", json=body, headers=headers)
+            error = assert_error(refused, 429)
+            assert error["code"] == "overloaded" and int(refused.headers["Retry-After"]) >= 1
+    finally:
+        for task in holders:
+            task.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+    await wait_in_flight(mesh, lambda value: value == 0, timeout=10)
+
+
+async def cancelled_on_worker(mesh) -> float:
+    text = await scrape(mesh.workers()[0].metrics_port)
+    return metric_value(text, "ballast_worker_requests_total", outcome="cancelled")
+
+
+async def test_client_leaving_frees_the_worker_slot(mesh, http):
+    # A raw prompt (the chat-trained model ends a chat answer on its own within tokens) at
+    # tier B, allowed no degraded answer: the worker answers, for as long as the context allows.
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG_TOKENS}
+    headers = {"x-ballast-tier": "B", "x-ballast-allow-degraded": "false"}
+    await wait_in_flight(mesh, lambda value: value == 0, timeout=10)
+    cancelled = await cancelled_on_worker(mesh)
+    async with http.stream("POST", "/completions", json={**body, "stream": True}, headers=headers) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                break  # the first token comes at once; the worker goes on
+        assert await worker_in_flight(mesh) == 1
+    await wait_in_flight(mesh, lambda value: value == 0, timeout=1)
+    # Not streamed: the client gives up while the worker generates; the worker stops as well.
+    waiting = asyncio.create_task(http.post("/completions", json=body, headers=headers))
+    await wait_in_flight(mesh, lambda value: value == 1, timeout=5)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await wait_in_flight(mesh, lambda value: value == 0, timeout=1)
+    assert await cancelled_on_worker(mesh) == cancelled + 2
+
+
+async def test_requests_are_counted_by_protocol(mesh):
+    router = next(s for s in mesh.services if s.name == "router")
+    text = await scrape(router.metrics_port)
+    assert metric_value(text, "ballast_router_requests_total", protocol="http") > 0
+    assert metric_value(text, "ballast_router_requests_total", protocol="grpc") > 0
