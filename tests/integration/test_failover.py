@@ -217,7 +217,13 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
         asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
         for p in PROMPTS
     ]
-    await asyncio.sleep(0.3 * references.duration_s)
+    # Kill it while it serves streams that are under way (read from its in-flight gauge: the
+    # router may place fewer streams on it than on the others).
+    deadline = time.monotonic() + references.duration_s + 5
+    while metric_value(await scrape(kept.metrics_port), "ballast_worker_in_flight") < 1:
+        assert time.monotonic() < deadline, "the respawning worker got no stream"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1 * references.duration_s)
     killed_at = time.monotonic()
     os.kill(first, signal.SIGKILL)
     results = await asyncio.gather(*streams)
