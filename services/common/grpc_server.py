@@ -13,8 +13,9 @@ them for metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -96,19 +97,27 @@ async def _refuse_malformed(request, context) -> None:
                         f"the request frame does not parse as {request.type_name}")
 
 
+@contextlib.asynccontextmanager
+async def _statuses(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    """Typed errors become their status; anything else escaping a handler is a bug: INTERNAL,
+    logged with its traceback."""
+    try:
+        yield
+    except BallastError as error:
+        await abort_with(context, error)
+    except (grpc.aio.AbortError, grpc.aio.UsageError):
+        raise
+    except Exception:
+        log.exception("bug in %s", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+
+
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
     async def wrapper(request, context):
         if isinstance(request, MalformedRequest):
             await _refuse_malformed(request, context)
-        try:
+        async with _statuses(context, method):
             return await behavior(request, context)
-        except BallastError as error:
-            await abort_with(context, error)
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
-            raise
-        except Exception:
-            log.exception("bug in %s", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
 
     return wrapper
 
@@ -117,16 +126,9 @@ def _wrap_stream(behavior: Callable[..., Any], method: str):
     async def wrapper(request, context):
         if isinstance(request, MalformedRequest):
             await _refuse_malformed(request, context)
-        try:
+        async with _statuses(context, method):
             async for item in behavior(request, context):
                 yield item
-        except BallastError as error:
-            await abort_with(context, error)
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
-            raise
-        except Exception:
-            log.exception("bug in %s", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
 
     return wrapper
 
@@ -140,15 +142,8 @@ def _wrap_client_stream(behavior: Callable[..., Awaitable[Any]], method: str):
                     raise InvalidArgument(f"a request frame does not parse as {request.type_name}")
                 yield request
 
-        try:
+        async with _statuses(context, method):
             return await behavior(parsed(), context)
-        except BallastError as error:
-            await abort_with(context, error)
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
-            raise
-        except Exception:
-            log.exception("bug in %s", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
 
     return wrapper
 

@@ -12,7 +12,10 @@ they replay them silently and then emit only what the new tokens add.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from services.worker.engine import TokenDelta
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -137,3 +140,16 @@ class TextStream:
         """Everything held back, when generation ends for a reason other than a stop string."""
         text, stopped = self._stops.feed(self._detok.flush())
         return text if stopped else text + self._stops.flush()
+
+
+def finished_before_start(text: TextStream, max_tokens: int) -> TokenDelta | None:
+    """The only delta of a stream with nothing left to generate, or None: an earlier replica
+    already reached a stop string (finish at once), or max_tokens is 0 (release the text held
+    back for a stop string that never came). Every engine starts its streams with this."""
+    from services.worker.engine import FinishReason, TokenDelta
+
+    if text.stopped:
+        return TokenDelta([], "", FinishReason.STOP, prefill_tokens=0)
+    if max_tokens == 0:
+        return TokenDelta([], text.finish(), FinishReason.LENGTH, prefill_tokens=0)
+    return None

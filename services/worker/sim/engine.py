@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 from services.common.errors import Unavailable
-from services.worker.detokenizer import TextStream
+from services.worker.detokenizer import TextStream, finished_before_start
 from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, TokenDelta
 from services.worker.model_files import describe_model
 from services.worker.sim.prefix import PrefixCache
@@ -120,11 +120,9 @@ class SimEngine:
     async def _generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         s = request.sampling
         text = TextStream(self._tokenizer, s.stop, initial_ids=request.generated_ids)
-        if text.stopped:  # the earlier replica already reached a stop string
-            yield TokenDelta([], "", FinishReason.STOP, prefill_tokens=0)
-            return
-        if s.max_tokens == 0:
-            yield TokenDelta([], text.finish(), FinishReason.LENGTH, prefill_tokens=0)
+        done = finished_before_start(text, s.max_tokens)
+        if done is not None:
+            yield done
             return
         if not self._serving:
             raise Unavailable("the sim engine is not running")

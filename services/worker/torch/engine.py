@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Sequence
 import torch
 
 from services.common.errors import ResourceExhausted, Unavailable
-from services.worker.detokenizer import TextStream
+from services.worker.detokenizer import TextStream, finished_before_start
 from services.worker.guided import GuideCompiler, GuideMismatch
 from services.worker.engine import (
     EngineRequest,
@@ -228,11 +228,9 @@ class TorchEngine:
     async def _generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         s = request.sampling
         text = TextStream(self._tokenizer, s.stop, initial_ids=request.generated_ids)
-        if text.stopped:  # the earlier replica already reached a stop string
-            yield TokenDelta([], "", FinishReason.STOP, prefill_tokens=0)
-            return
-        if s.max_tokens == 0:  # nothing left to generate: release held-back text
-            yield TokenDelta([], text.finish(), FinishReason.LENGTH, prefill_tokens=0)
+        done = finished_before_start(text, s.max_tokens)
+        if done is not None:
+            yield done
             return
         seed = fresh_seed() if s.seed is None else s.seed
         # A resumed stream (it carries tokens generated elsewhere) broke mid-answer: its user

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from services.common.errors import BallastError, InvalidArgument, ResourceExhausted, Unavailable
-from services.worker.detokenizer import TextStream
+from services.worker.detokenizer import TextStream, finished_before_start
 from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, TokenDelta
 from services.worker.guided import GuideCompiler, GuideMismatch
 from services.worker.model_files import describe_model
@@ -259,11 +259,9 @@ class VllmEngine:
     async def _generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         s = request.sampling
         text = TextStream(self._tokenizer, s.stop, initial_ids=request.generated_ids)
-        if text.stopped:  # the earlier replica already reached a stop string
-            yield TokenDelta([], "", FinishReason.STOP, prefill_tokens=0)
-            return
-        if s.max_tokens == 0:  # nothing left to generate: release held-back text
-            yield TokenDelta([], text.finish(), FinishReason.LENGTH, prefill_tokens=0)
+        done = finished_before_start(text, s.max_tokens)
+        if done is not None:
+            yield done
             return
         client = self._require_client()
         if self._in_flight >= self._max_in_flight:
