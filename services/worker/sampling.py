@@ -22,6 +22,10 @@ def position_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
+# Temperatures below this are greedy: a logit divided by them overflows float32.
+MIN_TEMPERATURE = 1e-5
+
+
 def position_generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(position_seed(seed, position))
 
@@ -35,14 +39,17 @@ def select_token(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
                  generator: torch.Generator | None = None) -> int:
     """Pick the next token from a 1-D logits vector.
 
-    temperature == 0 is greedy (argmax, lowest id on ties). Otherwise logits are divided by
+    temperature == 0 is greedy (argmax, lowest id on ties), and so is any temperature below
+    MIN_TEMPERATURE (as in vLLM: dividing by it would overflow float32). Otherwise logits are divided by
     the temperature, restricted to the smallest set of most likely tokens whose probability
     reaches `top_p`, and one token is drawn with `generator`.
     """
     logits = logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-    if temperature <= 0.0:
+    if temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # Shifted so the largest logit is 0: a small temperature then sends the others towards
+    # -inf (probability 0), never to +inf (which would make every probability NaN).
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     if top_p < 1.0:
         probs = _nucleus(probs, top_p)
     return int(torch.multinomial(probs, 1, generator=generator))

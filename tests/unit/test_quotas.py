@@ -7,18 +7,11 @@ import pytest
 
 from services.common.errors import Fault, QuotaExceeded
 from services.router.quotas import QuotaConfig, TenantLimits, TenantQuotas
+from tests.unit.fake_clock import FakeClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def quotas(**default) -> tuple[TenantQuotas, Clock]:
-    clock = Clock()
+def quotas(**default) -> tuple[TenantQuotas, FakeClock]:
+    clock = FakeClock(1000.0)
     config = QuotaConfig(default=TenantLimits(**default), tenants={"vip": TenantLimits(requests_per_minute=100)})
     return TenantQuotas(config, clock), clock
 
@@ -31,7 +24,7 @@ def test_requests_per_minute_burst_then_refuse_with_when_to_retry():
         q.admit("acme")
     assert refused.value.fault is Fault.QUOTA_EXCEEDED
     assert refused.value.retry_after_s == pytest.approx(20.0)  # one request refills in 60/3 s
-    clock.now += 20.0
+    clock.advance(20.0)
     q.admit("acme")
     with pytest.raises(QuotaExceeded):
         q.admit("acme")
@@ -54,7 +47,7 @@ def test_tokens_are_charged_after_the_answer_and_debt_blocks_until_repaid():
     with pytest.raises(QuotaExceeded) as refused:
         q.admit("acme")
     assert refused.value.retry_after_s == pytest.approx(10.1)  # back above zero: 101 tokens at 10/s
-    clock.now += 10.2
+    clock.advance(10.2)
     q.admit("acme")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 import torch
 
 from services.worker.sampling import (
@@ -74,3 +75,10 @@ def test_low_temperature_approaches_greedy():
 
 def test_unseeded_requests_get_fresh_seeds():
     assert len({fresh_seed() for _ in range(20)}) == 20
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-7, 1e-5, 1e-3])
+def test_tiny_temperatures_pick_the_most_likely_token_and_never_fail(temperature):
+    logits = torch.tensor([1.0, 7.5, 7.25, -3.0, float("-inf")])
+    for seed in range(20):
+        assert select_token(logits, temperature, 0.9, torch.Generator().manual_seed(seed)) == 1

@@ -7,6 +7,7 @@ from services.common.membership import WorkerRecord
 from services.router.resilience.breaker import BreakerBoard, BreakerConfig, Outcome
 from services.router.resilience.health_view import Unroutable, WorkerHealthView
 from services.router.resilience.temperature import TemperatureConfig, TemperatureGate
+from tests.unit.fake_clock import FakeClock
 
 
 def test_hysteresis():
@@ -39,14 +40,6 @@ def test_workers_are_independent_and_forgotten():
 def test_marks_must_be_ordered(fields):
     with pytest.raises(ValidationError):
         TemperatureConfig(**fields)
-
-
-class FakeClock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def worker(worker_id: str, **fields) -> WorkerRecord:
@@ -102,7 +95,7 @@ class TestHealthView:
         view = make_view(clock)
         w = worker("w")
         view.acquire("w").record(Outcome.FAULT)
-        clock.now += 5
+        clock.advance(5)
         assert view.is_routable(w)
         probe = view.acquire("w")
         assert view.reason(w) is Unroutable.PROBES_BUSY and view.acquire("w") is None

@@ -10,6 +10,7 @@ from services.common.config import TelemetryConfig
 from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.telemetry import Telemetry
 from services.router.turns import SlidingWindowRate, TurnMetrics, TurnOutcome, classify_turn
+from tests.unit.fake_clock import FakeClock
 
 
 @pytest.mark.parametrize("error, finished, structured_failed, deadline_passed, outcome", [
@@ -33,38 +34,30 @@ def test_only_outcomes_the_service_answers_for_count_in_the_rate():
     assert {o for o in TurnOutcome if not o.counts_in_rate} == {TurnOutcome.CANCELLED, TurnOutcome.REJECTED}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_window_rate_slides_and_forgets_old_turns():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     window = SlidingWindowRate(window_s=60, buckets=6, clock=clock)
     assert window.rate() is None
     for success in (True, True, True, False):
         window.record(success)
     assert window.rate() == 0.75
-    clock.now += 30
+    clock.advance(30)
     window.record(False)
     assert window.rate() == 0.6
-    clock.now += 40  # the first four are now older than the window
+    clock.advance(40)  # the first four are now older than the window
     assert window.rate() == 0.0
-    clock.now += 600
+    clock.advance(600)
     assert window.rate() is None
     window.record(True)
     assert window.rate() == 1.0
 
 
 def test_window_memory_is_bounded_by_its_buckets():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     window = SlidingWindowRate(window_s=10, buckets=5, clock=clock)
     for _ in range(10_000):
         window.record(True)
-        clock.now += 0.01
+        clock.advance(0.01)
     assert len(window._buckets) == 5 and window.rate() == 1.0
 
 

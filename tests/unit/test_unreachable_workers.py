@@ -12,14 +12,7 @@ from services.router.generation import WorkerLeaseLost, worker_gone
 from services.router.resilience.breaker import BreakerBoard, BreakerConfig, is_connection_lost
 from services.router.resilience.health_view import Unroutable, WorkerHealthView
 from services.router.resilience.temperature import TemperatureConfig, TemperatureGate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.fake_clock import FakeClock
 
 
 def record(worker_id: str, lease_id: int) -> WorkerRecord:
@@ -28,26 +21,26 @@ def record(worker_id: str, lease_id: int) -> WorkerRecord:
     return worker
 
 
-def view(clock: Clock) -> WorkerHealthView:
+def view(clock: FakeClock) -> WorkerHealthView:
     return WorkerHealthView(BreakerBoard(BreakerConfig(), clock), TemperatureGate(TemperatureConfig()),
                             unreachable_hold_s=10.0, clock=clock)
 
 
 def test_marked_incarnation_is_out_until_the_hold_lapses():
-    clock = Clock()
+    clock = FakeClock(100.0)
     health = view(clock)
     dead, other = record("w1", 7), record("w2", 9)
     health.mark_unreachable(dead)
     assert health.reason(dead) is Unroutable.UNREACHABLE
     assert health.routable([dead, other]) == [other]
-    clock.now += 9.9
+    clock.advance(9.9)
     assert not health.is_routable(dead)
-    clock.now += 0.2
+    clock.advance(0.2)
     assert health.is_routable(dead)  # tried again: a passing network fault must not last
 
 
 def test_the_same_worker_restarted_with_a_new_lease_is_routable_at_once():
-    clock = Clock()
+    clock = FakeClock(100.0)
     health = view(clock)
     health.mark_unreachable(record("w1", 7))
     assert health.is_routable(record("w1", 8))
@@ -56,7 +49,7 @@ def test_the_same_worker_restarted_with_a_new_lease_is_routable_at_once():
 
 
 def test_leaving_membership_forgets_the_mark_and_success_clears_it():
-    clock = Clock()
+    clock = FakeClock(100.0)
     health = view(clock)
     dead = record("w1", 7)
     health.mark_unreachable(dead)
