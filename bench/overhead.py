@@ -1,10 +1,12 @@
-"""What the router adds: the same requests direct to a worker and through the router.
+"""What the router adds: the same requests direct to a worker, through the router over gRPC,
+and through the router's OpenAI-compatible HTTP front (SSE).
 
-One run starts a local mesh with one worker, then sends N requests alternating between
-the two paths (direct, routed, direct, ...) so both see the same machine state. The direct
-client sends prompt token ids it prepared beforehand; the routed client sends text, so the
-router's authentication, validation, tokenization, balancing and relaying all count as
-overhead. The measurement is repeated (`--reps`, on the same mesh): added latencies and the
+One run starts a local mesh with one worker, then sends N requests rotating over the three
+paths (direct, gRPC, HTTP, in an order that changes every round) so all see the same machine
+state. The direct client sends prompt token ids it prepared beforehand; the routed clients
+send text, so the router's authentication, validation, tokenization, balancing and relaying
+all count as overhead; the HTTP client (aiohttp, one kept-alive connection, as an SDK keeps
+one) streams `/v1/completions` and its time to first token is the first SSE chunk with text. The measurement is repeated (`--reps`, on the same mesh): added latencies and the
 relay ratio are judged on the median of the repetitions, their range reported beside it.
 Prints a table and writes bench/results/overhead.json; exits 1 when a goal is missed.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 import time
@@ -31,8 +34,10 @@ GOALS = (
     Goal("added TTFT p50 through the router", "added_ttft_p50_ms", 0.5, LOWER, " ms"),
     Goal("added TTFT p99 through the router", "added_ttft_p99_ms", 3.0, LOWER, " ms"),
     Goal("router tokens/s over direct tokens/s", "relay_ratio", 0.9, HIGHER),
+    Goal("added TTFT p50 of HTTP/SSE over gRPC, same router", "http_added_ttft_p50_ms", 1.0, LOWER, " ms"),
 )
-REPEATED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_e2e_p50_ms", "added_e2e_p99_ms", "relay_ratio")
+REPEATED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_e2e_p50_ms", "added_e2e_p99_ms", "relay_ratio",
+            "http_added_ttft_p50_ms", "http_added_ttft_p99_ms")
 
 PROMPTS = [
     "Where is my order? I paid for a blue phone case yesterday.",
@@ -56,9 +61,31 @@ async def _timed(stream) -> tuple[float, float, int]:
     return ((first or end) - start) * 1000, (end - start) * 1000, tokens
 
 
+async def _timed_http(session, url: str, body: dict) -> tuple[float, float, int]:
+    """(ttft_ms, e2e_ms, chunks with text) of one streamed completion over HTTP."""
+    start = time.perf_counter()
+    first = None
+    chunks = 0
+    async with session.post(url, json=body, headers={"Authorization": f"Bearer {LOCAL_API_KEY}"}) as reply:
+        reply.raise_for_status()
+        async for line in reply.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            if any(choice.get("text") for choice in event.get("choices", ())):
+                if first is None:
+                    first = time.perf_counter()
+                chunks += 1
+    end = time.perf_counter()
+    return ((first or end) - start) * 1000, (end - start) * 1000, chunks
+
+
 async def _measure(mesh: Mesh, requests: int, max_tokens: int) -> dict:
+    import aiohttp
+
     worker = mesh.workers()[0]
-    async with open_channel(worker.address) as wchan, open_channel(mesh.router_address) as rchan:
+    async with open_channel(worker.address) as wchan, open_channel(mesh.router_address) as rchan, \
+            aiohttp.ClientSession() as http:
         worker_stub = worker_pb2_grpc.WorkerStub(wchan)
         router_stub = inference_pb2_grpc.InferenceStub(rchan)
         tokenizer = ModelTokenizer.from_model_info(await worker_stub.GetModelInfo(worker_pb2.ModelInfoRequest()))
@@ -71,17 +98,23 @@ async def _measure(mesh: Mesh, requests: int, max_tokens: int) -> dict:
             )
             for i, p in enumerate(PROMPTS)
         ]
+        http_bodies = [{"model": "tiny", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+                       for p in PROMPTS]
+        http_url = f"{mesh.http_base_url}/completions"
         metadata = (("x-api-key", LOCAL_API_KEY),)
-        samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "router": []}
+        samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "router": [], "http": []}
         warmup = 10
+        paths = ("direct", "router", "http")
         for i in range(requests + warmup):
             k = i % len(PROMPTS)
-            order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
+            order = paths[i % 3:] + paths[:i % 3]
             for path in order:
                 if path == "direct":
                     sample = await _timed(lambda: worker_stub.Generate(direct_requests[k], timeout=30))
-                else:
+                elif path == "router":
                     sample = await _timed(lambda: router_stub.Generate(routed_requests[k], metadata=metadata, timeout=30))
+                else:
+                    sample = await _timed_http(http, http_url, http_bodies[k])
                 if i >= warmup:
                     samples[path].append(sample)
     return samples
@@ -98,10 +131,14 @@ def _summarise(samples: dict) -> dict:
             "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
             "tokens_per_s": tokens / (sum(e2e) / 1000), "requests": len(rows),
         }
-    d, r = out["direct"], out["router"]
+    d, r, h = out["direct"], out["router"], out["http"]
     return {
         "direct": d,
         "router": r,
+        "http": h,
+        "http_added_ttft_p50_ms": h["ttft_p50_ms"] - r["ttft_p50_ms"],
+        "http_added_ttft_p99_ms": h["ttft_p99_ms"] - r["ttft_p99_ms"],
+        "http_added_over_direct_ttft_p50_ms": h["ttft_p50_ms"] - d["ttft_p50_ms"],
         "added_ttft_p50_ms": r["ttft_p50_ms"] - d["ttft_p50_ms"],
         "added_ttft_p99_ms": r["ttft_p99_ms"] - d["ttft_p99_ms"],
         "added_e2e_p50_ms": r["e2e_p50_ms"] - d["e2e_p50_ms"],
@@ -115,7 +152,7 @@ def run_benchmark(requests: int = 200, max_tokens: int = 32, preset: str = "tiny
     model_dir = model_dir_for(preset)
     runs = []
     with tempfile.TemporaryDirectory(prefix="ballast-bench-") as state:
-        mesh = Mesh(MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=1))
+        mesh = Mesh(MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=1, router_http_port=0))
         mesh.start()
         try:
             for _ in range(reps):
@@ -129,12 +166,12 @@ def run_benchmark(requests: int = 200, max_tokens: int = 32, preset: str = "tiny
     result.update({"requests": requests, "reps": reps, "max_tokens": max_tokens, "preset": preset,
                    "engine": "torch", "runs": runs, **judge(GOALS, measured)})
     rows = []
-    for metric in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "tokens_per_s"):
-        d, r = result["direct"][metric], result["router"][metric]
-        rows.append([metric, d, r, r - d])
+    for metric in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
+        d, r, h = result["direct"][metric], result["router"][metric], result["http"][metric]
+        rows.append([metric, d, r, r - d, h, h - r])
     print(f"\nrouter overhead: {reps} x {requests} requests per path, {max_tokens} tokens each, {preset} model "
           "(the median run)")
-    print_table(["metric", "direct", "router", "added"], rows)
+    print_table(["metric", "direct", "gRPC router", "added", "HTTP router", "HTTP over gRPC"], rows)
     print_goals(result)
     print(f"wrote {write_result(out, result)}")
     return 0 if result["met"] else 1

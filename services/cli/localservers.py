@@ -405,23 +405,10 @@ class KafkaBroker(LocalServer):
 
 def create_topics(bootstrap: str, names: Iterable[str], partitions: int = 1,
                   replication: int = 1, timeout: float = 10.0) -> None:
-    """Create topics, ignoring any that already exist."""
-    from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic
+    """Create topics, ignoring any that already exist (the services' own `ensure_topics`)."""
+    from services.common.kafka import ensure_topics
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    topics = [NewTopic(n, num_partitions=partitions, replication_factor=replication)
-              for n in names]
-    if not topics:
-        return
-    futures = admin.create_topics(topics, operation_timeout=timeout, request_timeout=timeout)
-    for name, fut in futures.items():
-        try:
-            fut.result(timeout=timeout)
-        except KafkaException as e:
-            if e.args and e.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
-                continue
-            raise
+    ensure_topics(bootstrap, names, partitions, replication, timeout_s=timeout)
 
 
 # -- all three together ------------------------------------------------------------------------
