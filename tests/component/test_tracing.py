@@ -82,7 +82,7 @@ async def router(etcd_server, tiny_model_dir, etcd_prefix, cache, spans):
         BALLAST__WORKER__KV_RESTORE_POLICY="always",
     ))
     await worker.registration.registered.wait()
-    app = await create_router(make_config(etcd_server, tiny_model_dir, etcd_prefix))
+    app = await create_router(make_config(etcd_server, tiny_model_dir, etcd_prefix, BALLAST__ROUTER__HTTP_PORT="0"))
     assert await app.membership.wait_for(lambda workers: worker.worker_id in workers, timeout=10)
     yield app
     await app.shutdown(grace_s=1.0)
@@ -166,6 +166,27 @@ async def test_one_request_is_one_trace_through_router_worker_and_cache(router, 
     # Every span of the request is in the one trace; none ended in error.
     assert {s.context.trace_id for s in found} == {trace_id}
     assert all(s.status.status_code is not StatusCode.ERROR for s in found)
+
+
+async def test_an_http_request_continues_the_callers_traceparent(router, spans):
+    import aiohttp
+
+    with TEST_TRACER.start_as_current_span("http client") as client:
+        context = client.get_span_context()
+        traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{router.http.port}/v1/completions",
+                                    json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+                                    headers={"Authorization": f"Bearer {API_KEY}", "traceparent": traceparent}) as reply:
+                assert reply.status == 200, await reply.text()
+    found = await wait_for_spans(spans, context.trace_id, {"POST /v1/completions", "router.worker_attempt",
+                                                           "ballast.v1.Worker/Generate"})
+    http_span = only(found, "POST /v1/completions")
+    assert http_span.kind is SpanKind.SERVER and http_span.parent.span_id == context.span_id
+    assert http_span.attributes["http.response.status_code"] == 200
+    attempt = only(found, "router.worker_attempt")
+    only(found, "ballast.v1.Worker/Generate", parent=attempt)
+    assert {s.context.trace_id for s in found} == {context.trace_id}
 
 
 async def test_a_request_without_trace_context_starts_its_own_trace(router, spans):

@@ -1,10 +1,13 @@
 """A worker killed with SIGKILL while it streams an answer over the OpenAI-compatible HTTP
 front: the SSE stream goes on from another worker, and the text the client assembles equals
-the uninterrupted gRPC answer, no gap and nothing repeated; the last chunk counts the resume."""
+the uninterrupted gRPC answer, no gap and nothing repeated; the last chunk counts the resume.
+With every worker gone mid-answer, the stream ends with an error event in OpenAI's shape and
+then `[DONE]`, as SDKs expect."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -55,3 +58,30 @@ async def test_an_sse_stream_continues_without_a_gap_when_its_worker_is_killed(m
     extras = last.model_extra["ballast"]
     assert extras["resumes"] >= 1 and extras["degradation"] == "none"
     await asyncio.to_thread(mesh.restart_service, victim)
+
+
+async def test_an_error_after_the_stream_began_is_an_sse_error_event_then_done(mesh):
+    import httpx
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {LOCAL_API_KEY}", "x-ballast-allow-degraded": "false"}
+    events: list[str] = []
+    async with httpx.AsyncClient(base_url=mesh.http_base_url, timeout=60) as client:
+        async with client.stream("POST", "/completions", json=body, headers=headers) as reply:
+            assert reply.status_code == 200
+            texts, killed = 0, False
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if '"text"' in line:
+                    texts += 1
+                if texts >= 10 and not killed:
+                    for worker in mesh.workers():  # nowhere left to resume
+                        worker.process.kill()
+                    killed = True
+    assert killed
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] and error["message"] and error["type"]
+    assert not any('"error"' in event for event in events[:-2])
