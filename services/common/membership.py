@@ -197,6 +197,16 @@ class WorkerRegistration:
 Listener = Callable[[dict[str, WorkerRecord]], Awaitable[None] | None]
 
 
+class GoneEvent(asyncio.Event):
+    """Set when a worker's record leaves etcd. `draining` says the worker said goodbye: its
+    last record was marked draining, so it revoked its lease after finishing (or handing
+    back) its streams, and a stream still being relayed from it is ending, not lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draining = False
+
+
 class MembershipWatcher:
     """The router's live view of workers: a full read, then a prefix watch; resyncs after loss."""
 
@@ -210,7 +220,7 @@ class MembershipWatcher:
         # Bumped on every change, so waiters can tell "changed since I looked".
         self.version = 0
         # One event per worker that someone waits on, set when its record disappears.
-        self._gone: dict[str, asyncio.Event] = {}
+        self._gone: dict[str, GoneEvent] = {}
 
     def workers(self) -> dict[str, WorkerRecord]:
         return dict(self._workers)
@@ -218,19 +228,21 @@ class MembershipWatcher:
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
 
-    def gone_event(self, worker_id: str) -> asyncio.Event:
+    def gone_event(self, worker_id: str) -> GoneEvent:
         """An event set once the worker's record leaves etcd (lease expired or revoked)."""
         event = self._gone.get(worker_id)
         if event is None:
-            event = self._gone[worker_id] = asyncio.Event()
+            event = self._gone[worker_id] = GoneEvent()
             if worker_id not in self._workers:
                 event.set()
         return event
 
-    def _mark_gone(self, worker_ids) -> None:
-        for worker_id in worker_ids:
+    def _mark_gone(self, gone: dict[str, WorkerRecord | None]) -> None:
+        """`gone`: each worker that left, with its last record."""
+        for worker_id, last in gone.items():
             event = self._gone.pop(worker_id, None)
             if event is not None:
+                event.draining = last is not None and last.draining
                 event.set()
 
     async def start(self) -> None:
@@ -273,7 +285,7 @@ class MembershipWatcher:
                 fresh[self._worker_id(kv.key)] = WorkerRecord.from_json(kv.value, kv.lease)
             except (ValueError, TypeError) as exc:
                 log.warning("ignoring malformed worker record %s: %s", kv.key, exc)
-        self._mark_gone([w for w in self._workers if w not in fresh])
+        self._mark_gone({w: record for w, record in self._workers.items() if w not in fresh})
         self._workers = fresh
         self._dependencies.set("etcd", True)
         self.synced.set()
@@ -282,8 +294,7 @@ class MembershipWatcher:
         async for event in watch:
             worker_id = self._worker_id(event.kv.key)
             if event.kind == "DELETE":
-                self._workers.pop(worker_id, None)
-                self._mark_gone([worker_id])
+                self._mark_gone({worker_id: self._workers.pop(worker_id, None)})
             else:
                 try:
                     self._workers[worker_id] = WorkerRecord.from_json(event.kv.value, event.kv.lease)

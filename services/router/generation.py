@@ -382,7 +382,12 @@ class GenerationRunner:
             raise error
 
     async def _watch_lease(self, worker_id: str, control: AttemptControl) -> None:
-        await self.membership.gone_event(worker_id).wait()
+        gone = self.membership.gone_event(worker_id)
+        await gone.wait()
+        if gone.draining:
+            # A drained worker revokes its lease once its streams are finished or handed back
+            # (as Draining errors); the end of one may still be on its way here.
+            return
         control.interrupt("lease_lost")
 
     async def _attempt(

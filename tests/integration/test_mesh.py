@@ -110,10 +110,17 @@ async def test_sigterm_drain_finishes_in_flight_streams(mesh, router):
     references = await asyncio.gather(*(collect(router, r, LOCAL_API_KEY, timeout=60) for r in requests))
     tasks = [asyncio.create_task(collect(router, r, LOCAL_API_KEY, timeout=60)) for r in requests]
     victim = mesh.workers()[0]
+    # SIGTERM once every stream has reached a worker (one arriving at a draining worker would
+    # rightly move), and the one to drain holds some of them.
     deadline = time.monotonic() + 10
-    while not (held := metric_value(await scrape(victim.metrics_port), "ballast_worker_in_flight")):
-        assert time.monotonic() < deadline, "the worker to drain never held a stream"
+    while True:
+        loads = {w.name: metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight")
+                 for w in mesh.workers()}
+        if sum(loads.values()) >= len(requests) and loads[victim.name] > 0:
+            break
+        assert time.monotonic() < deadline, f"the streams never all reached the workers: {loads}"
         await asyncio.sleep(0.02)
+    held = loads[victim.name]
     os.kill(victim.pid, signal.SIGTERM)
     results = await asyncio.gather(*tasks)
     assert held > 0
