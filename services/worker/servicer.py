@@ -201,7 +201,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         )
                     )
                     break
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A caller that goes away while this generator waits at a `yield` closes it
+            # (GeneratorExit) rather than cancelling it: cancelled all the same.
             outcome = "cancelled"
             raise
         except InvalidArgument:

@@ -179,18 +179,25 @@ async def test_client_leaving_frees_the_worker_slot(mesh, http):
     headers = {"x-ballast-tier": "B", "x-ballast-allow-degraded": "false"}
     await wait_in_flight(mesh, lambda value: value == 0, timeout=10)
     cancelled = await cancelled_on_worker(mesh)
-    async with http.stream("POST", "/completions", json={**body, "stream": True}, headers=headers) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                break  # the first token comes at once; the worker goes on
-        assert await worker_in_flight(mesh) == 1
-    await wait_in_flight(mesh, lambda value: value == 0, timeout=1)
     # Not streamed: the client gives up while the worker generates; the worker stops as well.
     waiting = asyncio.create_task(http.post("/completions", json=body, headers=headers))
-    await wait_in_flight(mesh, lambda value: value == 1, timeout=5)
+    await wait_in_flight(mesh, lambda value: value == 1, timeout=15)
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     await wait_in_flight(mesh, lambda value: value == 0, timeout=1)
+    # Streamed: the client leaves after the first event.
+    async with http.stream("POST", "/completions", json={**body, "stream": True}, headers=headers) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                break  # the first event comes at once; the worker goes on
+        # The first event can leave the router before the worker has the request in hand.
+        await wait_in_flight(mesh, lambda value: value == 1, timeout=15)
+    await wait_in_flight(mesh, lambda value: value == 0, timeout=1)
+    # The worker counts a request's outcome as its stream closes, next to freeing the slot.
+    deadline = time.monotonic() + 2
+    while await cancelled_on_worker(mesh) < cancelled + 2:
+        assert time.monotonic() < deadline, "the worker did not count both requests as cancelled"
+        await asyncio.sleep(0.05)
     assert await cancelled_on_worker(mesh) == cancelled + 2
 
 
