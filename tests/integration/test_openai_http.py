@@ -173,9 +173,11 @@ async def cancelled_on_worker(mesh) -> float:
 
 
 async def test_client_leaving_frees_the_worker_slot(mesh, http):
-    # A raw prompt (the chat-trained model ends a chat answer on its own within tokens) at
-    # tier B, allowed no degraded answer: the worker answers, for as long as the context allows.
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG_TOKENS}
+    # A raw prompt (the chat-trained model ends a chat answer on its own within tokens),
+    # greedy (a sampled answer may draw the end-of-sequence token after a few tokens and end
+    # before the client leaves), at tier B, allowed no degraded answer: the worker answers
+    # for as long as the context allows.
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0}
     headers = {"x-ballast-tier": "B", "x-ballast-allow-degraded": "false"}
     await wait_in_flight(mesh, lambda value: value == 0, timeout=10)
     cancelled = await cancelled_on_worker(mesh)
