@@ -44,6 +44,30 @@ BENCHMARKS = (
 )
 
 
+# One benchmark never holds the set up for longer than this: past it, it is told to stop
+# (SIGTERM: it stops its mesh), and killed if it does not.
+QUICK_LIMIT_S = 30 * 60
+FULL_LIMIT_S = 90 * 60
+STOP_GRACE_S = 60
+TIMED_OUT = 124
+
+
+def run_bounded(argv: list[str], limit_s: float) -> int:
+    """Runs one benchmark process; its exit status, or TIMED_OUT when it ran past `limit_s`."""
+    process = subprocess.Popen(argv)
+    try:
+        return process.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        print(f"{argv[2]} ran past {limit_s / 60:.0f} minutes: stopping it", flush=True)
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        return TIMED_OUT
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small loads: minutes per benchmark")
@@ -64,11 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = bench.quick if args.quick else bench.full
         print(f"\n=== bench.{bench.name} {' '.join(extra)}", flush=True)
         started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", f"bench.{bench.name}", *extra])
+        code = run_bounded([sys.executable, "-m", f"bench.{bench.name}", *extra],
+                           QUICK_LIMIT_S if args.quick else FULL_LIMIT_S)
         outcomes.append((bench.name, code, time.monotonic() - started))
     print("\nbenchmark         exit  minutes")
     for name, code, seconds in outcomes:
-        verdict = {0: "goals met", 1: "a goal missed"}.get(code, "FAILED")
+        verdict = {0: "goals met", 1: "a goal missed", TIMED_OUT: "TIMED OUT"}.get(code, "FAILED")
         print(f"{name:<17} {code:>4}  {seconds / 60:6.1f}  {verdict}")
     from bench.report import write_report
 

@@ -130,7 +130,10 @@ async def _stop_workers(mesh: Mesh) -> list:
         os.kill(worker.pid, signal.SIGTERM)
     for worker in workers:
         await asyncio.to_thread(worker.process.wait, 60)
+    deadline = time.monotonic() + 60
     while await _registered(mesh):
+        if time.monotonic() > deadline:
+            raise TimeoutError("stopped workers still hold their leases after 60 s")
         await asyncio.sleep(0.2)
     return workers
 
@@ -209,7 +212,10 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
         listener.start()
         await asyncio.sleep(2.0)  # subscriptions open before the pool comes back
         restarts = [asyncio.create_task(asyncio.to_thread(mesh.restart_service, w)) for w in workers]
+        deadline = time.monotonic() + 120
         while not await _registered(mesh):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no restarted worker registered within 120 s")
             await asyncio.sleep(0.05)
         recovered_at = time.time()
         await asyncio.gather(*restarts)

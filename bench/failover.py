@@ -187,6 +187,10 @@ def _in_flight(worker) -> float:
                if line.startswith("ballast_worker_in_flight ") or line.startswith("ballast_worker_in_flight{"))
 
 
+# The longest the kill loop waits for its last victims to serve again.
+RESTART_LIMIT_S = 120
+
+
 class Killer:
     """Every interval SIGKILLs a random worker process among those serving at least one
     stream at that moment, and waits, in a thread, for it to serve again: started by its
@@ -225,7 +229,13 @@ class Killer:
         return offset
 
     async def run(self, stop: asyncio.Event) -> None:
+        # A phase where workers stop serving (restarts failing) ends instead of waiting for
+        # a busy worker forever: the result then reports fewer kills than asked.
+        give_up_at = time.monotonic() + self.kills * self.interval * 4 + 60
         while self.done < self.kills:
+            if time.monotonic() > give_up_at:
+                print(f"  gave up after {self.done}/{self.kills} kills: too few workers serving streams", flush=True)
+                break
             await asyncio.sleep(self.interval)
             serving = self.serving()
             if len(serving) <= self.min_serving:
@@ -245,7 +255,8 @@ class Killer:
             if self.done % 10 == 0:
                 print(f"  {self.done}/{self.kills} kills", flush=True)
             threading.Thread(target=self._restart, args=(victim, killed_at, offset), daemon=True).start()
-        while self.restarting:
+        restarts_due = time.monotonic() + RESTART_LIMIT_S
+        while self.restarting and time.monotonic() < restarts_due:
             await asyncio.sleep(0.2)
         stop.set()
 

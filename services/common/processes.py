@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import errno
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -262,17 +263,45 @@ def wait_until_ready(
 # -- ports -------------------------------------------------------------------------------------
 
 
+# Listening ports are picked below the kernel's ephemeral range: every outgoing connection
+# (to etcd, Redis, a peer) takes its local port from that range, and one that lands on a port
+# picked for a server a moment earlier makes that server's bind fail (address in use).
+LISTEN_PORTS_FLOOR = 20000
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_floor() -> int | None:
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports the kernel reports free right now.
+    """`count` distinct ports free on `host` right now, below the ephemeral range where the
+    kernel says what it is (else whatever port 0 gives).
 
     All sockets stay bound until every port is picked, so the ports differ from each other.
     Another process can still take one before it is used: start servers soon after.
     """
+    ceiling = _ephemeral_floor()
+    rng = random.SystemRandom()
+    below_ephemeral = ceiling is not None and ceiling > LISTEN_PORTS_FLOOR + 100 * count
     socks: list[socket.socket] = []
+    misses = 0
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+        while len(socks) < count:
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            # After many taken ports in a row, port 0 (which raises if nothing is free).
+            port = rng.randrange(LISTEN_PORTS_FLOOR, ceiling) if below_ephemeral and misses < 100 else 0
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                if port == 0:
+                    raise
+                misses += 1
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

@@ -96,6 +96,29 @@ class RouterMetrics:
             description="Circuit-breaker state per worker: 0 closed, 1 half-open, 2 open.",
         )
 
+    def observe_routing(self, snapshot: Callable[[], Mapping[str, object]]) -> None:
+        """Exports whether each worker takes new requests: 1 routable, 0 not, labelled with
+        the reason it is out ("none" while routable), so a hot or draining worker shows."""
+
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            for worker_id, health in snapshot().items():
+                reason = health.reason.value if health.reason is not None else "none"
+                yield Observation(1 if health.routable else 0, {"worker": worker_id, "reason": reason})
+
+        def temperature(_options: CallbackOptions) -> Iterable[Observation]:
+            for worker_id, health in snapshot().items():
+                if health.temperature_c is not None:
+                    yield Observation(health.temperature_c, {"worker": worker_id})
+
+        self._meter.create_observable_gauge(
+            "ballast_router_worker_routable", callbacks=[observe],
+            description="Whether the router sends a worker new requests (1) or not (0), and why not.",
+        )
+        self._meter.create_observable_gauge(
+            "ballast_router_worker_temperature_celsius", callbacks=[temperature], unit="Cel",
+            description="The GPU temperature each worker last published, as the router routes by it.",
+        )
+
     def observe_queues(self, snapshots: Callable[[], Mapping[str, object]]) -> None:
         """Exports queued and running requests per pool and tier from scheduler snapshots."""
 

@@ -116,7 +116,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         # Subscribe and GetBackfill relay to the backfill service; the app starts and closes it.
         self.backfill: BackfillProxy | None = None
         metrics.observe_breakers(self.health.breakers.snapshot)
+        metrics.observe_routing(self._routing_snapshot)
         metrics.observe_queues(lambda: {m: g.scheduler.snapshot() for m, g in self.pools.gates().items()})
+
+    def _routing_snapshot(self) -> dict:
+        workers = self.membership.workers()
+        self.health.update(workers)
+        return self.health.snapshot(workers)
 
     def _encoder_for(self, model: str):
         """The tokenizer of a model whose version this router already knows, else None."""

@@ -3,7 +3,6 @@ its KV, and move when that worker overheats."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import pytest
@@ -14,6 +13,7 @@ from services.cli.client import chat_request, collect, open_channel
 from services.router.app import create_server as create_router
 from services.worker.app import create_server as create_worker
 from tests.component.conftest import API_KEY, make_config
+from tests.polling import poll
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
@@ -39,6 +39,13 @@ async def mesh(etcd_server, tiny_model_dir, tmp_path_factory):
         await worker.shutdown(grace_s=1.0)
 
 
+def published(router, worker_id: str) -> float | None:
+    """The temperature the router's membership holds for a worker (a heartbeat and a watch
+    after the worker read it)."""
+    record = router.membership.get(worker_id)
+    return record.temperature_c if record is not None else None
+
+
 def served_by(workers, before):
     return {wid: w.state.served - before[wid] for wid, w in workers.items()}
 
@@ -56,14 +63,14 @@ async def test_session_turns_stick_to_one_worker_until_it_overheats(mesh):
         other = next(wid for wid in workers if wid != home)
         # Another session spreads to the idle worker; the first one still sticks.
         (folder / f"{home}.temperature").write_text("85")
-        await asyncio.sleep(0.8)  # a few heartbeats
+        assert await poll(lambda: published(router, home) == 85, 15), "the router never saw 85"
         before = {wid: w.state.served for wid, w in workers.items()}
         for turn in range(3):
             await collect(stub, chat_request(f"hot turn {turn}", max_tokens=4, session_id="s-1"), API_KEY)
         assert served_by(workers, before) == {home: 0, other: 3}
         # The session now lives on the other worker, and stays there.
         (folder / f"{home}.temperature").write_text("60")
-        await asyncio.sleep(0.8)
+        assert await poll(lambda: published(router, home) == 60, 15), "the router never saw 60"
         before = {wid: w.state.served for wid, w in workers.items()}
         for turn in range(3):
             await collect(stub, chat_request(f"cool turn {turn}", max_tokens=4, session_id="s-1"), API_KEY)

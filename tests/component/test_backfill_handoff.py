@@ -23,6 +23,7 @@ from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.ladder import Reason
 from services.router.degrade.outbox import OutboxFull
 from services.router.requests import InferenceRequest, Message
+from tests.polling import poll
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -247,8 +248,9 @@ async def test_broker_down_fills_the_outbox_and_back_drains_in_order(tmp_path, t
         # Concurrent submits share commits; each returns once its row is on disk.
         await asyncio.gather(*(handoff.submit(b"s", v) for v in values))
         assert handoff.depth().rows == 10
-        await asyncio.sleep(3)  # the drainer tries, fails, backs off: nothing is lost meanwhile
-        assert handoff.depth().rows == 10 and not handoff.stats.broker_up
+        # The drainer tries, fails, backs off: nothing is lost meanwhile.
+        assert await poll(lambda: not handoff.stats.broker_up, 15), "the drainer never noticed the broker gone"
+        assert handoff.depth().rows == 10
         await handoff.submit(b"s", b"during-10")
         await handoff.submit(b"s", b"during-11")
         with pytest.raises(OutboxFull):

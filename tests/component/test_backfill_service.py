@@ -24,6 +24,7 @@ from services.common.grpc_server import CHANNEL_OPTIONS
 from services.config import load_config
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.requests import InferenceRequest, Message
+from tests.polling import poll
 from tests.component.conftest import API_KEY, TENANT
 from tests.component.test_backfill_handoff import read_topic
 
@@ -290,7 +291,7 @@ async def test_replay_waiting_for_a_down_pool_wakes_when_etcd_shows_it_back(back
     record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="no_worker",
                                  degraded_text="x", degraded_by="rules", received_at=time.time())
     handling = asyncio.create_task(processor.handle(Record("t", 0, 0, None, record.SerializeToString(), ())))
-    await asyncio.sleep(0.5)
+    assert await poll(lambda: replayer.calls == 1, 15), "the processor never tried the replay"
     assert not handling.done() and replayer.calls == 1  # waiting out the down pool
 
     etcd_config = backfill_app.config.etcd

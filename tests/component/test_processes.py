@@ -213,6 +213,10 @@ def test_wait_until_ready_returns_elapsed(procs, tmp_path):
 def test_port_helpers():
     a, b, c = free_ports(3)
     assert len({a, b, c}) == 3
+    # Below the range outgoing connections take their local ports from: a client socket
+    # cannot take a port picked for a server before the server binds it.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(port < low for port in free_ports(50))
     port = free_port()
     assert port_is_free("127.0.0.1", port)
     assert not port_is_open("127.0.0.1", port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -92,8 +93,14 @@ async def test_client_cancellation_frees_the_worker(router_stub, worker_app):
 
 async def test_deadline_is_passed_downstream(router_stub, worker_app):
     request = chat_request(PROMPT, max_tokens=1500, raw_prompt=True)
+    # The deadline is a quarter of the whole answer's time measured here: it ends the
+    # stream midway on a fast machine and on a slow one alike.
+    started = time.monotonic()
+    whole = await collect(router_stub, request, API_KEY, timeout=60)
+    answer_s = time.monotonic() - started
+    assert whole.finished.usage.completion_tokens == 1500
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await collect(router_stub, request, API_KEY, timeout=0.3)
+        await collect(router_stub, request, API_KEY, timeout=answer_s / 4)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert await _wait_until(lambda: worker_app.state.in_flight == 0)
 

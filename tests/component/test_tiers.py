@@ -72,12 +72,13 @@ async def test_s_request_preempts_b_and_b_still_completes_exactly(mesh, stub):
                                              on_tokens=lambda _tokens, i=i: decoding.add(i))) for i in range(2)]
     while worker.state.in_flight < 2 or len(decoding) < 2:  # both slots taken by B, both decoding
         await asyncio.sleep(0.01)
-    started = time.monotonic()
     s_result = await collect(stub, chat_request(S_PROMPT, max_tokens=8, raw_prompt=True, tier="S"), API_KEY, timeout=10)
-    s_elapsed = time.monotonic() - started
+    # S was served while both B streams still ran: it took a slot from one, it did not wait
+    # for one to end (however fast this machine decodes).
+    b_running_when_s_ended = not any(t.done() for t in b_streams)
     b_results = await asyncio.gather(*b_streams)
     assert_served(s_result)
-    assert s_elapsed < 0.8  # the S budget to first token, and here to the whole answer
+    assert b_running_when_s_ended, "S waited for a B stream to end"
     preempted = [r for r in b_results if r.finished.resumes]
     assert preempted, "no B stream was preempted"
     for result, reference in zip(b_results, references):
@@ -86,19 +87,26 @@ async def test_s_request_preempts_b_and_b_still_completes_exactly(mesh, stub):
     assert 'ballast_router_preemptions_total{tier="B"}' in router.telemetry.render()
 
 
+def queued(router, tier: str) -> float:
+    """Requests of `tier` waiting in the router's queue, as its metrics say."""
+    line_start = "ballast_router_queue_length{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in router.telemetry.render().splitlines()
+               if line.startswith(line_start) and f'tier="{tier}"' in line)
+
+
 async def test_full_queue_refuses_at_once(mesh, stub):
-    _, worker, _ = mesh
     b_streams = [asyncio.create_task(collect(stub, b_request(10 + i), API_KEY, timeout=60)) for i in range(3)]
-    while worker.state.in_flight < 2:
+    router, worker, _ = mesh
+    # Both slots taken, and the third waits in B's queue (bound 1).
+    while worker.state.in_flight < 2 or queued(router, "B") < 1:
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.1)  # the third waits in B's queue (bound 1)
     started = time.monotonic()
     refused = b_request(99)
     refused.allow_degraded = False  # the error itself, not a degraded answer
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await collect(stub, refused, API_KEY, timeout=30)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert time.monotonic() - started < 1.0  # at once, not after B's 15 s budget
+    assert time.monotonic() - started < 5.0  # at once, not after B's 15 s budget
     trailers = dict(err.value.trailing_metadata() or ())
     assert int(trailers["retry-after-ms"]) > 0
     for task in b_streams:

@@ -249,7 +249,9 @@ async def test_concurrent_sequences_match_sequential(endless):
         (RAW, {"temperature": 0.0}),
         (CHAT_ZH, {"temperature": 0.0}),
     ]
-    sequential = [await run(endless, p, max_tokens=30, **s) for p, s in requests]
+    # Answers long enough that the four run side by side for many samples of the watcher,
+    # on a machine much faster than this one too.
+    sequential = [await run(endless, p, max_tokens=150, **s) for p, s in requests]
     peak = 0
 
     async def watch():
@@ -260,7 +262,7 @@ async def test_concurrent_sequences_match_sequential(endless):
             await asyncio.sleep(0.002)
 
     watcher = asyncio.create_task(watch())
-    concurrent = await asyncio.gather(*(run(endless, p, max_tokens=30, **s) for p, s in requests))
+    concurrent = await asyncio.gather(*(run(endless, p, max_tokens=150, **s) for p, s in requests))
     watcher.cancel()
     assert [r.tokens for r in concurrent] == [r.tokens for r in sequential]
     assert [r.text for r in concurrent] == [r.text for r in sequential]
@@ -362,10 +364,10 @@ async def test_concurrent_sequences_decode_in_pool_slots_that_all_come_back(endl
 
     watcher = asyncio.create_task(watch())
     try:
-        results = await asyncio.gather(*(run(endless, CHAT, max_tokens=24) for _ in range(8)))
+        results = await asyncio.gather(*(run(endless, CHAT, max_tokens=120) for _ in range(8)))
     finally:
         watcher.cancel()
-    assert all(len(r.tokens) == 24 for r in results)
+    assert all(len(r.tokens) == 120 for r in results)
     assert len({tuple(r.tokens) for r in results}) == 1  # greedy: one answer, batched or not
     assert max(seen_taken) >= 2  # sequences ran side by side in slots
     gc.collect()

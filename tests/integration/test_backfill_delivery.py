@@ -157,12 +157,13 @@ async def stop_primary(mesh):
 async def test_a_backfill_killed_mid_batch_loses_and_repeats_nothing(mesh, router, handoff):
     stored_before = await stored_count(mesh)
     sessions = [f"kill-{i}-{uuid.uuid4().hex[:6]}" for i in range(8)]
-    tickets = [await hand_off(handoff, sessions[i % 8], f"{PROMPT} #{i}", max_tokens=32) for i in range(40)]
+    # Answers long enough that the batch lasts seconds here, and still lasts on a faster machine.
+    tickets = [await hand_off(handoff, sessions[i % 8], f"{PROMPT} #{i}", max_tokens=128) for i in range(40)]
     service = backfill_service(mesh)
     deadline = time.monotonic() + 90
     while (done := await stored_count(mesh) - stored_before) < 3:
         assert time.monotonic() < deadline, "the backfill did not start on the batch"
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.02)
     os.kill(service.pid, signal.SIGKILL)
     await asyncio.to_thread(service.process.wait, 10)
     assert done < len(tickets), "the batch was over before the kill"

@@ -25,7 +25,7 @@ from services.common.generation import Sampling
 from services.config import BallastConfig
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.requests import InferenceRequest
-from tests.integration.test_mesh import registered_ids
+from tests.integration.test_mesh import wait_router_forgets
 
 # The mesh (and the tiny model on first use) take a while to start on a busy machine.
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(400)]
@@ -94,11 +94,7 @@ async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back
     expected = await collect(router, chat_request(PROMPT, max_tokens=16, raw_prompt=True), LOCAL_API_KEY)
     os.kill(primary.pid, signal.SIGTERM)
     await asyncio.to_thread(primary.process.wait, 30)
-    deadline = time.monotonic() + 15
-    while primary.name in await registered_ids(mesh):
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.2)
-    await asyncio.sleep(0.5)
+    await wait_router_forgets(mesh, primary.name)
 
     session = f"s-{uuid.uuid4().hex[:8]}"
     degraded = await collect(router, chat_request(PROMPT, max_tokens=16, raw_prompt=True, session_id=session), LOCAL_API_KEY)
@@ -109,7 +105,7 @@ async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back
 
     os.kill(light.pid, signal.SIGTERM)
     await asyncio.to_thread(light.process.wait, 30)
-    await asyncio.sleep(4)  # the light worker's lease goes too
+    await wait_router_forgets(mesh, light.name)  # the light worker's lease goes too
     ruled = await collect(router, chat_request("我的手机壳有货吗？", max_tokens=16, session_id=session), LOCAL_API_KEY)
     assert ruled.finished.degradation == common_pb2.DEGRADATION_RULES and ruled.finished.backfill_ticket
     assert "手机壳" in ruled.text
@@ -127,7 +123,7 @@ async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back
     # allow_degraded=false: the client gets the error instead.
     os.kill(primary.pid, signal.SIGTERM)
     await asyncio.to_thread(primary.process.wait, 30)
-    await asyncio.sleep(4)
+    await wait_router_forgets(mesh, primary.name)
     strict = chat_request(PROMPT, max_tokens=8, raw_prompt=True)
     strict.allow_degraded = False
     with pytest.raises(grpc.aio.AioRpcError) as refused:

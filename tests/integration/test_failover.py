@@ -54,9 +54,8 @@ def mesh(tmp_path_factory, tiny_model_dir):
 
 
 class References(list):
-    """The greedy token ids per prompt, and how long the batch of all of them took: faults
-    are timed as fractions of it, so they hit streams in flight on a fast machine and a slow
-    one alike."""
+    """The greedy token ids per prompt, and how long the batch of all of them took (a bound
+    for waits; faults are timed by the tokens received, see Progress)."""
 
     duration_s: float = 0.0
 
@@ -97,29 +96,72 @@ async def wait_registered(mesh, names, timeout=30.0):
         await asyncio.sleep(0.2)
 
 
+async def in_flight_by_worker(mesh) -> dict:
+    return {worker.name: metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight")
+            for worker in mesh.workers()}
+
+
 async def busiest_worker(mesh):
     """The worker with the most streams in flight now: the router may keep a just-restarted
     worker in slow start, so a fixed choice of victim can hold no stream at all."""
-    counts = {}
-    for worker in mesh.workers():
-        counts[worker.name] = metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight")
+    counts = await in_flight_by_worker(mesh)
     busiest = max(mesh.workers(), key=lambda w: counts[w.name])
     assert counts[busiest.name] > 0, f"no worker has a stream in flight: {counts}"
     return busiest
 
 
+class Progress:
+    """Tokens received so far by a batch of streams: faults are timed by how far the batch
+    has come, not by the clock, so they hit streams in flight on a fast machine and a slow
+    one alike."""
+
+    def __init__(self, streams: int, tokens_each: int) -> None:
+        self.received = [0] * streams
+        self.tokens_each = tokens_each
+
+    def counter(self, index: int):
+        def on_tokens(tokens) -> None:
+            self.received[index] += len(tokens.token_ids)
+        return on_tokens
+
+    def fraction(self) -> float:
+        return sum(self.received) / (len(self.received) * self.tokens_each)
+
+    async def until(self, fraction: float, streams: list[asyncio.Task], timeout: float = 60.0) -> bool:
+        """Waits until the batch has received `fraction` of its tokens; False if every
+        stream ended first."""
+        deadline = time.monotonic() + timeout
+        while self.fraction() < fraction:
+            if all(s.done() for s in streams):
+                return False
+            assert time.monotonic() < deadline, f"the batch stalled at {self.fraction():.2f} of its tokens"
+            await asyncio.sleep(0.01)
+        return True
+
+
+def start_streams(router, prompts, progress: Progress) -> list[asyncio.Task]:
+    return [
+        asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY,
+                                    timeout=90, on_tokens=progress.counter(i)))
+        for i, p in enumerate(prompts)
+    ]
+
+
 async def test_kill9_at_random_points_loses_no_stream(mesh, router, references):
     rng = random.Random(20261129)
-    streams = [
-        asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
-        for p in PROMPTS
-    ]
+    progress = Progress(len(PROMPTS), STREAM_TOKENS)
+    streams = start_streams(router, PROMPTS, progress)
     kills = 0
-    for _ in range(2):
-        await asyncio.sleep(rng.uniform(0.15, 0.5) * references.duration_s)
-        if all(s.done() for s in streams):
+    # Two kills at random points of the batch: the first before a third of its tokens, the
+    # second before two thirds; each hits a worker holding streams at that moment.
+    for low, high in ((0.1, 0.3), (0.4, 0.65)):
+        if not await progress.until(rng.uniform(low, high), streams):
             break
-        victim = rng.choice(mesh.workers())
+        counts = await in_flight_by_worker(mesh)
+        busy = [w for w in mesh.workers() if counts[w.name] > 0]
+        if not busy:
+            continue
+        victim = rng.choice(busy)
         victim.process.kill()
         kills += 1
         await asyncio.to_thread(mesh.restart_service, victim)
@@ -131,11 +173,9 @@ async def test_kill9_at_random_points_loses_no_stream(mesh, router, references):
 
 
 async def test_stalled_worker_is_detected_and_streams_resume(mesh, router, references):
-    streams = [
-        asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
-        for p in PROMPTS[:9]
-    ]
-    await asyncio.sleep(0.2 * references.duration_s)
+    progress = Progress(9, STREAM_TOKENS)
+    streams = start_streams(router, PROMPTS[:9], progress)
+    assert await progress.until(0.2, streams), "every stream ended before the stall"
     victim = await busiest_worker(mesh)
     os.kill(victim.pid, signal.SIGSTOP)
     try:
@@ -150,28 +190,59 @@ async def test_stalled_worker_is_detected_and_streams_resume(mesh, router, refer
     await wait_registered(mesh, [victim.name])
 
 
+async def wait_routing(mesh, worker: str, reason: str, timeout: float = 15.0) -> None:
+    """Until the router's metrics show `worker` out for `reason` ("none": routable again):
+    the temperature goes through a heartbeat and the router's watch, as fast as the machine."""
+    line_start = 'ballast_router_worker_routable{'
+    deadline = time.monotonic() + timeout
+    while True:
+        text = await scrape(router_metrics_port(mesh))
+        if any(line.startswith(line_start) and f'worker="{worker}"' in line and f'reason="{reason}"' in line
+               for line in text.splitlines()):
+            return
+        assert time.monotonic() < deadline, f"the router never showed {worker} as {reason}"
+        await asyncio.sleep(0.1)
+
+
 async def test_hot_worker_gets_no_new_requests_until_it_cools(mesh, router):
     hot = mesh.workers()[1]
     temperature = mesh.temperature_file(hot.name)
     temperature.write_text("80")
-    await asyncio.sleep(1.5)  # one heartbeat to publish, plus the watch
+    await wait_routing(mesh, hot.name, "hot")
     before = metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total")
     await asyncio.gather(*[
         collect(router, chat_request(f"hot {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)
     ])
     assert metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total") == before
     temperature.write_text("76")  # between the marks: still hot (hysteresis)
-    await asyncio.sleep(1.5)
+    # The reading reaches the router with the next heartbeat and its watch.
+    deadline = time.monotonic() + 15
+    while await routed_temperature(mesh, hot.name) != 76:
+        assert time.monotonic() < deadline, "the router never saw 76"
+        await asyncio.sleep(0.1)
+    await wait_routing(mesh, hot.name, "hot")
     await asyncio.gather(*[
         collect(router, chat_request(f"warm {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)
     ])
     assert metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total") == before
     temperature.write_text("74")
-    await asyncio.sleep(1.5)
-    await asyncio.gather(*[
-        collect(router, chat_request(f"cool {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)
-    ])
-    assert metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total") > before
+    await wait_routing(mesh, hot.name, "none")
+    # Back from being out, it is in slow start: its share of requests grows over
+    # router.scheduling.slow_start_s, so batches go out until it takes one.
+    deadline = time.monotonic() + SLOW_START_S + 15
+    while metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total") == before:
+        assert time.monotonic() < deadline, "the cooled worker took no request"
+        await asyncio.gather(*[
+            collect(router, chat_request(f"cool {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)
+        ])
+
+
+async def routed_temperature(mesh, name: str) -> float | None:
+    text = await scrape(router_metrics_port(mesh))
+    for line in text.splitlines():
+        if line.startswith("ballast_router_worker_temperature_celsius{") and f'worker="{name}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 async def test_rolling_sigterm_restart_breaks_no_stream(mesh, router, references):
@@ -188,7 +259,12 @@ async def test_rolling_sigterm_restart_breaks_no_stream(mesh, router, references
 
     clients = [asyncio.create_task(client(k)) for k in range(6)]
     for worker in list(mesh.workers()):
-        await asyncio.sleep(0.5)
+        # Each worker drains with streams of its own in flight (one restarted just before
+        # may still be in slow start: the wait lasts until the router trusts it).
+        deadline = time.monotonic() + 30
+        while metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight") < 1:
+            assert time.monotonic() < deadline, f"{worker.name} never held a stream"
+            await asyncio.sleep(0.02)
         os.kill(worker.pid, signal.SIGTERM)
         assert await asyncio.to_thread(worker.process.wait, 30) == 0
         await asyncio.to_thread(mesh.restart_service, worker)
@@ -213,17 +289,16 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
     await asyncio.gather(*[
         collect(router, chat_request(f"warm {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY) for i in range(48)
     ])
-    streams = [
-        asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90))
-        for p in PROMPTS
-    ]
+    progress = Progress(len(PROMPTS), STREAM_TOKENS)
+    streams = start_streams(router, PROMPTS, progress)
     # Kill it while it serves streams that are under way (read from its in-flight gauge: the
-    # router may place fewer streams on it than on the others).
+    # router may place fewer streams on it than on the others), a little way into them.
     deadline = time.monotonic() + references.duration_s + 5
     while metric_value(await scrape(kept.metrics_port), "ballast_worker_in_flight") < 1:
         assert time.monotonic() < deadline, "the respawning worker got no stream"
         await asyncio.sleep(0.02)
-    await asyncio.sleep(0.1 * references.duration_s)
+    await progress.until(progress.fraction() + 0.05, streams)
+    assert metric_value(await scrape(kept.metrics_port), "ballast_worker_in_flight") >= 1, "its streams ended first"
     killed_at = time.monotonic()
     os.kill(first, signal.SIGKILL)
     results = await asyncio.gather(*streams)

@@ -66,6 +66,17 @@ def metric_value(text: str, name: str, **labels) -> float:
     return total
 
 
+async def wait_router_forgets(mesh, worker_name: str, timeout: float = 20.0) -> None:
+    """Until the router's watch has applied a worker's departure (its lease revoked or
+    expired): the worker leaves the router's routing gauge."""
+    port = next(s for s in mesh.services if s.name == "router").metrics_port
+    deadline = time.monotonic() + timeout
+    while any(line.startswith("ballast_router_worker_routable{") and f'worker="{worker_name}"' in line
+              for line in (await scrape(port)).splitlines()):
+        assert time.monotonic() < deadline, f"the router still routes by {worker_name}"
+        await asyncio.sleep(0.05)
+
+
 async def direct_greedy(address: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
     async with open_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
@@ -147,8 +158,7 @@ async def test_killed_worker_gets_no_requests_after_lease_ttl(mesh, router):
         assert time.monotonic() - killed_at < LEASE_TTL_S + 2, "lease did not expire in time"
         await asyncio.sleep(0.1)
     gone_after = time.monotonic() - killed_at
-    # Give the router's watch a moment to apply the delete it was sent.
-    await asyncio.sleep(0.2)
+    await wait_router_forgets(mesh, victim.name)
     retries_before = metric_value(await scrape(router_metrics_port), "ballast_router_worker_retries_total")
     survivor_before = metric_value(await scrape(survivor.metrics_port), "ballast_worker_requests_total")
     # One after another: this is about where requests go, not about admission under load.

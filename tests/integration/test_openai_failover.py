@@ -50,7 +50,8 @@ async def test_an_sse_stream_continues_without_a_gap_when_its_worker_is_killed(m
             if chunks >= 10 and not killed:
                 loads = {w.name: metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight")
                          for w in mesh.workers()}
-                victim = next(w for w in mesh.workers() if loads[w.name] > 0)
+                victim = next((w for w in mesh.workers() if loads[w.name] > 0), None)
+                assert victim is not None, f"no worker holds the stream any more: {loads}"
                 victim.process.kill()
                 killed = True
     assert killed

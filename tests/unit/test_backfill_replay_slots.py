@@ -106,21 +106,24 @@ async def test_a_backoff_does_not_hold_a_replay_slot():
 
     activity = Activity()
     busy_once = {"left": 1}
+    refused = asyncio.Event()
 
     class BusyFirst(SlowReplayer):
         async def replay(self, degraded):
             if degraded.ticket == make_ticket("acme", "req-0") and busy_once["left"]:
                 busy_once["left"] -= 1
-                raise ReplayError(ReplayErrorKind.BUSY, "RESOURCE_EXHAUSTED: full", retry_after_s=0.3)
+                refused.set()
+                raise ReplayError(ReplayErrorKind.BUSY, "RESOURCE_EXHAUSTED: full", retry_after_s=1.0)
             return await super().replay(degraded)
 
-    settings = BackfillSettings(replay_concurrency=1, busy_backoff_s=0.3, busy_backoff_max_s=0.3)
+    # A backoff many times longer than a replay (its fakes sleep a few tens of ms).
+    settings = BackfillSettings(replay_concurrency=1, busy_backoff_s=1.0, busy_backoff_max_s=1.0)
     store = MemoryStore()
     processor = Processor(settings, store, BusyFirst(activity), SlowAckProducer(activity))
 
     first = asyncio.create_task(processor.handle(degraded_record(0)))
-    await asyncio.sleep(0.01)  # record 0 was refused and is backing off
+    await refused.wait()  # record 0 was refused and is backing off
     # With the only slot free, record 1 replays and is stored before record 0 tries again.
-    assert await asyncio.wait_for(processor.handle(degraded_record(1)), 0.25) == "stored"
+    assert await processor.handle(degraded_record(1)) == "stored"
     assert make_ticket("acme", "req-0") not in store.answers
     assert await first == "stored"

@@ -168,16 +168,22 @@ class TestVllmEngineConformance(EngineConformance):
         assert other == len(prompt), "another tenant reused this tenant's cached prefix"
 
     async def test_reports_vllm_kv_use_and_fragmentation(self, endless):
-        request = EngineRequest("kv", tuple(endless.tokenize("The customer paid")), (), Sampling(max_tokens=300))
+        prompt = tuple(endless.tokenize("The customer paid"))
+        request = EngineRequest("kv", prompt, (), Sampling(max_tokens=300))
         stream = endless.generate(request)
-        for _ in range(20):
-            await stream.__anext__()
+        received = 0
+        while received < 20:  # a delta may carry several tokens when the engine runs ahead
+            received += len((await stream.__anext__()).token_ids)
         stats = endless.stats()
         await stream.aclose()
         assert stats.running == 1 and stats.kv_capacity_tokens > endless.model.max_context
         assert 0.0 < stats.kv_used < 1.0, stats
-        # One request of about 25 tokens in a 128-token block: most of its block is empty.
-        assert 0.5 < stats.extra["kv_fragmentation"] < 1.0, stats.extra
+        assert 0.0 < stats.extra["kv_fragmentation"] < 1.0, stats.extra
+        # The tokens the worker has seen, in vLLM's 128-token blocks: while they fill under
+        # half a block, most of what the request holds is empty (the engine may be ahead of
+        # the reader: that only adds held, unfilled room).
+        if len(prompt) + received < 64:
+            assert stats.extra["kv_fragmentation"] > 0.5, (received, stats.extra)
 
 
 def test_the_plan_is_a_cpu_plan(tiny_model_dir):
