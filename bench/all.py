@@ -38,7 +38,7 @@ BENCHMARKS = (
     Benchmark("structured", quick=("--quick",)),
     Benchmark("context"),
     Benchmark("degrade_handoff", quick=("--handoffs", "500")),
-    Benchmark("backfill", quick=("--requests", "200", "--sessions", "20")),
+    Benchmark("backfill", quick=("--requests", "200", "--sessions", "20", "--reps", "1")),
     Benchmark("engines", quick=("--rounds", "1", "--trials", "20")),
     Benchmark("fuzz", quick=("--cases", "500")),
 )

@@ -11,7 +11,8 @@ One run starts a local mesh (two tiny-model workers) and measures, in order:
    router. Lag = when each better answer is pushed (and when it was ready) minus recovery
    (the first worker registered again). Exactly once: every ticket pushed once, stored once.
 Prints a table and writes bench/results/backfill.json. Goal: 100 % replayed exactly once,
-push lag p99 <= 10 s for K = 1000.
+push lag p99 <= 10 s for K = 1000, judged on the median of `--reps` repetitions (each on a
+fresh mesh; counts are summed over them).
 
 Two workers of 16 slots each (the torch engine batches their decode steps), replays 32 at once.
 
@@ -264,22 +265,48 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
     }
 
 
-def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency: int = 32, concurrency: int = 8,
-                  timeout_s: float = 600.0, out: str = "bench/results/backfill.json", worker_capacity: int = 16) -> int:
+def _one_run(requests: int, sessions: int, replay_concurrency: int, concurrency: int, timeout_s: float,
+             worker_capacity: int) -> dict:
     model_dir = model_dir_for("tiny")
     with tempfile.TemporaryDirectory(prefix="bench-backfill-") as state:
         spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=2, lease_ttl_s=3, worker_capacity=worker_capacity,
                         overrides={"backfill": {"replay_concurrency": replay_concurrency}})
         mesh = Mesh(spec).start()
         try:
-            result = asyncio.run(_measure(mesh, requests, sessions, concurrency, timeout_s))
+            return asyncio.run(_measure(mesh, requests, sessions, concurrency, timeout_s))
         finally:
             mesh.stop()
+
+
+# Counts that add up over repetitions; the lag p99 is kept per repetition and judged on the median.
+SUMMED = ("degraded", "replayed_once", "duplicates", "lost", "stored")
+
+
+def _combined(runs: list[dict]) -> dict:
+    """The repetition with the median lag p99 as the one shown, with counts summed over every
+    repetition and the lag p99 of each."""
+    ordered = sorted(runs, key=lambda r: r["lag_p99_s"])
+    result = dict(ordered[len(ordered) // 2])
+    for key in SUMMED:
+        result[key] = sum(r[key] for r in runs)
+    result["lag_p99_per_run_s"] = [r["lag_p99_s"] for r in runs]
+    result["reps"] = len(runs)
+    return result
+
+
+def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency: int = 32, concurrency: int = 8,
+                  timeout_s: float = 600.0, out: str = "bench/results/backfill.json", worker_capacity: int = 16,
+                  reps: int = 3) -> int:
+    runs = []
+    for rep in range(reps):
+        print(f"\n-- repetition {rep + 1} of {reps}", flush=True)
+        runs.append(_one_run(requests, sessions, replay_concurrency, concurrency, timeout_s, worker_capacity))
+    result = _combined(runs)
     result["replay_concurrency"] = replay_concurrency
     result["worker_capacity"] = worker_capacity
     result["engine"] = "torch"
     result["replayed_once_share"] = result["replayed_once"] / max(1, result["degraded"])
-    result.update(judge(GOALS, result))
+    result.update(judge(GOALS, {**result, "lag_p99_s": result["lag_p99_per_run_s"]}))
     latency = result["latency_ms"]
     base = latency["primary_baseline"]["p50"]
     print_table(["request path", "p50 ms", "p99 ms", "p50 x baseline"], [
@@ -315,11 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="clients sending requests at once")
     parser.add_argument("--worker-capacity", type=int, default=16, help="worker.max_concurrency of each of the two workers")
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for every answer (s)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions, each on a fresh mesh; lag p99 judged on the median")
     parser.add_argument("--out", default="bench/results/backfill.json")
     args = parser.parse_args(argv)
     stop_on_sigterm()
     return run_benchmark(args.requests, args.sessions, args.replay_concurrency, args.concurrency, args.timeout,
-                         args.out, args.worker_capacity)
+                         args.out, args.worker_capacity, args.reps)
 
 
 if __name__ == "__main__":

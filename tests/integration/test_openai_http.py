@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import httpx
 import jsonschema
@@ -136,6 +137,7 @@ async def test_bad_requests_get_openai_errors(http, client):
     assert_error(await http.post("/chat/completions", json=good, headers={"Authorization": "Bearer wrong"}), 401)
     assert_error(await http.post("/chat/completions", content=b" " * (5 << 20)), 413)
     assert_error(await http.get(f"/ballast/backfill/{make_ticket('local', 'never-degraded')}"), 404)
+    assert_error(await http.get("/ballast/sessions/s-1/backfill", headers={"Authorization": "Bearer wrong"}), 401)
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
     assert caught.value.body["param"] == "n"
@@ -203,6 +205,58 @@ async def test_client_leaving_frees_the_worker_slot(mesh, http):
         assert time.monotonic() < deadline, "the worker did not count both requests as cancelled"
         await asyncio.sleep(0.05)
     assert await cancelled_on_worker(mesh) == cancelled + 2
+
+
+async def router_queued(mesh, tier: str) -> float:
+    router = next(s for s in mesh.services if s.name == "router")
+    return metric_value(await scrape(router.metrics_port), "ballast_router_queue_length", tier=tier)
+
+
+async def test_a_degraded_answer_is_backfilled_and_streamed_to_its_session(mesh, router, http):
+    session = f"sse-{uuid.uuid4().hex[:8]}"
+    pushed: list[dict] = []
+
+    async def subscribe() -> None:
+        async with http.stream("GET", f"/ballast/sessions/{session}/backfill") as reply:
+            assert reply.status_code == 200 and reply.headers["Content-Type"] == "text/event-stream"
+            async for line in reply.aiter_lines():
+                if line.startswith("data: "):
+                    pushed.append(json.loads(line.removeprefix("data: ")))
+                    return
+
+    subscription = asyncio.create_task(subscribe())
+    # Both worker slots and B's one queue place taken: the next B request is refused
+    # admission and answered degraded, with a ticket for the better answer.
+    holders = [asyncio.create_task(collect(router, chat_request(f"{PROMPT} hold {i}", max_tokens=LONG_TOKENS,
+                                                                  raw_prompt=True, tier="B"), LOCAL_API_KEY))
+               for i in range(3)]
+    body = {"model": "tiny", "prompt": "Where is order 5512?", "max_tokens": 16, "temperature": 0}
+    try:
+        await wait_in_flight(mesh, lambda value: value >= 2, timeout=20)
+        deadline = time.monotonic() + 20
+        while await router_queued(mesh, "B") < 1:
+            assert time.monotonic() < deadline, "the third B request never queued"
+            await asyncio.sleep(0.05)
+        degraded = await http.post("/completions", json=body,
+                                   headers={"x-ballast-tier": "B", "x-ballast-session-id": session})
+    finally:
+        for task in holders:
+            task.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+    assert degraded.status_code == 200, degraded.text
+    ticket = degraded.headers["x-ballast-backfill-ticket"]
+    assert degraded.headers["x-ballast-degraded"] != "none"
+    assert degraded.json()["ballast"]["backfill_ticket"] == ticket
+    # With the pool free again, the backfill replays the request; the subscription gets it.
+    await asyncio.wait_for(subscription, 90)
+    (answer,) = pushed
+    assert answer["ticket"] == ticket and answer["session_id"] == session
+    fetched = await http.get(f"/ballast/backfill/{ticket}")
+    assert fetched.status_code == 200 and fetched.json() == answer
+    # The better answer is the model's own greedy answer to the same request.
+    direct = await collect(router, chat_request(body["prompt"], max_tokens=16, raw_prompt=True, allow_degraded=False),
+                           LOCAL_API_KEY)
+    assert answer["text"] == direct.text and answer["degraded_level"] != "none"
 
 
 async def test_requests_are_counted_by_protocol(mesh):

@@ -9,7 +9,8 @@ Every completion runs on `InferenceServicer.generate`, the gRPC path itself; thi
 reads HTTP, shapes the answer (`responses`) and writes errors in OpenAI's shape (`errors`).
 A stream's 200 is held back until its first event, so refusals before it (429 with
 Retry-After, 503, 400...) get their own status; after it, an error is a `data: {"error"}`
-event and `data: [DONE]`. While no event comes, `: keep-alive` comments go out every
+event and `data: [DONE]`. A session's backfilled answers stream the same way
+(`GET /v1/ballast/sessions/{session_id}/backfill`). While no event comes, `: keep-alive` comments go out every
 `router.http_keepalive_s`. A `traceparent` header is continued in a server span.
 """
 
@@ -93,6 +94,7 @@ class OpenAIFront:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/ballast/backfill/{ticket}", self.backfill)
+        self.app.router.add_get("/v1/ballast/sessions/{session_id}/backfill", self.backfill_subscription)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -165,6 +167,40 @@ class OpenAIFront:
         answer = await self.servicer.GetBackfill(backfill_answers_pb2.GetAnswerRequest(ticket=request.match_info["ticket"]), call)
         return web.json_response(answer_json(answer))
 
+    async def backfill_subscription(self, request: web.Request) -> web.StreamResponse:
+        """An SSE stream of a session's better answers as the backfill completes them (each
+        ticket reaches one subscription once), until the client leaves or
+        router.backfill_subscribe_max_s passes; then `data: [DONE]`."""
+        call = HttpCall(request)
+        self.servicer.auth.tenant_for(call.invocation_metadata())
+        subscription = backfill_answers_pb2.SubscribeRequest(session_id=request.match_info["session_id"])
+        answers = self.servicer.Subscribe(subscription, call)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER)
+        pump = asyncio.create_task(_pump(answers, queue), name="http-backfill-subscription")
+        response: web.StreamResponse | None = None
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.keepalive_s)
+                except TimeoutError:
+                    response = response or await _open_sse(request)
+                    await response.write(KEEPALIVE)
+                    continue
+                if isinstance(item, _End):
+                    break
+                response = response or await _open_sse(request)
+                await response.write(_sse(answer_json(item)))
+            if item.error is not None:
+                if response is None:
+                    return _error_response(item.error)
+                await response.write(_sse(error_reply(item.error).body))
+            response = response or await _open_sse(request)
+            await response.write(DONE)
+            await response.write_eof()
+            return response
+        finally:
+            await _stop_pump(pump)
+
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.config.http_max_body_bytes
         if request.content_length is not None and request.content_length > limit:
@@ -202,8 +238,7 @@ class OpenAIFront:
         response: web.StreamResponse | None = None
 
         async def opened() -> web.StreamResponse:
-            opening = web.StreamResponse(headers=SSE_HEADERS)
-            await opening.prepare(request)
+            opening = await _open_sse(request)
             first = answer.first_chunk()
             if first is not None:
                 await opening.write(_sse(first))
@@ -237,15 +272,27 @@ class OpenAIFront:
             await response.write_eof()
             return response
         finally:
-            if not pump.done():
-                pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pump
+            await _stop_pump(pump)
 
 
-async def _pump(events: AsyncIterator[inference_pb2.GenerateEvent], queue: asyncio.Queue) -> None:
-    """Moves a request's events into `queue`, then an `_End` (with the error, if any).
-    Cancelling it cancels the request on its worker."""
+async def _open_sse(request: web.Request) -> web.StreamResponse:
+    """Sends a 200 with SSE headers: from here on, errors are events."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    return response
+
+
+async def _stop_pump(pump: asyncio.Task) -> None:
+    if not pump.done():
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
+
+
+async def _pump(events: AsyncIterator, queue: asyncio.Queue) -> None:
+    """Moves a stream's items (a request's events, a subscription's answers) into `queue`,
+    then an `_End` (with the error, if any). Cancelling it cancels the stream at its source:
+    the request on its worker, the subscription on the backfill service."""
     try:
         async with contextlib.aclosing(events):
             async for event in events:
