@@ -171,6 +171,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         prefill = TRACER.start_span("worker.prefill", attributes={
             "ballast.context_tokens": context_tokens, "ballast.resume_from": index})
         decode = None
+        tallied = False
         try:
             async for delta in stream:
                 if delta.prefill_tokens is not None and not prefill_counted:
@@ -192,6 +193,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         await stream.settle(flush_s)  # the next deltas merge meanwhile
                 if delta.finish_reason is not None:
                     outcome = delta.finish_reason.value
+                    # Counted before the caller sees the end: a client holding Finished finds
+                    # the request in the worker's metrics, whatever it does with the stream then.
+                    tallied = self._tally(outcome, started, index - len(engine_request.generated_ids),
+                                          None if prefill_counted else context_tokens)
                     yield worker_pb2.WorkerGenerateEvent(
                         finished=worker_pb2.WorkerFinished(
                             reason=FINISH_TO_PB[delta.finish_reason],
@@ -203,8 +208,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     break
         except (asyncio.CancelledError, GeneratorExit):
             # A caller that goes away while this generator waits at a `yield` closes it
-            # (GeneratorExit) rather than cancelling it: cancelled all the same.
-            outcome = "cancelled"
+            # (GeneratorExit) rather than cancelling it: cancelled all the same (unless it
+            # already had the whole answer).
+            if not tallied:
+                outcome = "cancelled"
             raise
         except InvalidArgument:
             outcome = "invalid"
@@ -220,8 +227,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.state.streams.discard(stream)
             await stream.aclose()
             self.state.release()
-            if not prefill_counted:
-                self.metrics.prefill_tokens.add(context_tokens)
-            self.metrics.tokens.add(index - len(engine_request.generated_ids))
-            self.metrics.requests.add(1, {"outcome": outcome})
-            self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"outcome": outcome})
+            if not tallied:
+                self._tally(outcome, started, index - len(engine_request.generated_ids),
+                            None if prefill_counted else context_tokens)
+
+    def _tally(self, outcome: str, started: float, generated: int, uncounted_prefill: int | None) -> bool:
+        """Counts one request in the worker's metrics; `uncounted_prefill`: context tokens to
+        count as prefill when the engine reported none. True, for the caller's bookkeeping."""
+        if uncounted_prefill is not None:
+            self.metrics.prefill_tokens.add(uncounted_prefill)
+        self.metrics.tokens.add(generated)
+        self.metrics.requests.add(1, {"outcome": outcome})
+        self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"outcome": outcome})
+        return True

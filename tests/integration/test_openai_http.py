@@ -162,6 +162,13 @@ async def test_queued_stream_keeps_alive_and_full_queue_is_429(mesh, router, htt
             refused = await http.post("/completions", json=body, headers=headers)
             error = assert_error(refused, 429)
             assert error["code"] == "overloaded" and int(refused.headers["Retry-After"]) >= 1
+            assert await router_queued(mesh, "B") == 1
+        # Its client left before its first token: the request leaves the router's queue.
+        deadline = time.monotonic() + 10
+        while await router_queued(mesh, "B") > 0:
+            assert time.monotonic() < deadline, "the queued request stayed after its client left"
+            await asyncio.sleep(0.05)
+        assert not any(task.done() for task in holders)
     finally:
         for task in holders:
             task.cancel()
@@ -191,12 +198,13 @@ async def test_client_leaving_frees_the_worker_slot(mesh, http):
     # Freed long before the answer would have ended (it lasts seconds here); the bound only
     # keeps a broken cancellation from hanging the test.
     await wait_in_flight(mesh, lambda value: value == 0, timeout=10)
-    # Streamed: the client leaves after the first event.
+    # Streamed: the client leaves once the stream began. Its 200 and headers go out with the
+    # first tokens event (a text chunk may come later: the tiny model's first tokens can
+    # decode to nothing), so the stream is under way; the client leaves while the worker
+    # still holds the request.
     async with http.stream("POST", "/completions", json={**body, "stream": True}, headers=headers) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                break  # the first event comes at once; the worker goes on
-        # The first event can leave the router before the worker has the request in hand.
+        assert response.status_code == 200, (await response.aread()).decode()
+        assert response.headers["Content-Type"] == "text/event-stream"
         await wait_in_flight(mesh, lambda value: value == 1, timeout=15)
     await wait_in_flight(mesh, lambda value: value == 0, timeout=10)
     # The worker counts a request's outcome as its stream closes, next to freeing the slot.

@@ -136,7 +136,8 @@ async def test_a_session_whose_vllm_worker_died_continues_on_the_other_from_the_
     first = await collect(router, conversation([("user", question)], "vllm-session"), LOCAL_API_KEY, timeout=120)
     assert_served(first)
     served = {w.name: await worker_metric(w, "ballast_worker_requests_total") for w in mesh.workers()}
-    victim = next(w for w in mesh.workers() if served[w.name] > served_before[w.name])
+    victim = next((w for w in mesh.workers() if served[w.name] > served_before[w.name]), None)
+    assert victim is not None, f"no worker counted the turn: {served_before} -> {served}"
     # The worker that served the turn saves the session's blocks through the KV connector, in
     # the background: wait until the cache holds them. (Its save counts reach /metrics with
     # vLLM's next engine step, so they are not the thing to wait on.)
