@@ -33,7 +33,7 @@ BENCHMARKS = (
     Benchmark("overhead", quick=("--requests", "60", "--reps", "3")),
     Benchmark("tiers", quick=("--seconds", "8", "--reps", "3")),
     Benchmark("failover", quick=("--kills", "12", "--interval", "2.0")),
-    Benchmark("scale"),
+    Benchmark("scale", quick=("--reps", "1")),
     Benchmark("kv_restore", quick=("--contexts", "256,1024", "--reps", "3")),
     Benchmark("structured", quick=("--quick",)),
     Benchmark("context"),
@@ -59,13 +59,22 @@ def run_bounded(argv: list[str], limit_s: float) -> int:
         return process.wait(timeout=limit_s)
     except subprocess.TimeoutExpired:
         print(f"{argv[2]} ran past {limit_s / 60:.0f} minutes: stopping it", flush=True)
-        process.terminate()
-        try:
-            process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process)
         return TIMED_OUT
+    except BaseException:
+        # This run was told to stop (SIGTERM, Ctrl-C): the benchmark stops its mesh too.
+        _stop(process)
+        raise
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM (a benchmark then stops the mesh it started), SIGKILL after STOP_GRACE_S."""
+    process.terminate()
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

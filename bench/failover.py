@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import math
 import os
+import statistics
 import random
 import signal
 import sys
@@ -378,7 +379,9 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
         "streams": routed.streams, "interrupted": routed.interrupted,
         "lost_tokens": routed.lost_tokens, "duplicated_tokens": routed.duplicated_tokens,
         "wrong_tokens": routed.wrong_tokens, "resumes": routed.resumes, "degraded": routed.degraded,
-        "resume_gap_p50_ms": percentile(routed.gaps_ms, 50), "resume_gap_p99_ms": gap_p99_per_rep,
+        "resume_gap_p50_ms": percentile(routed.gaps_ms, 50),
+        # Judged (and shown) on the median of the repetitions' p99s; the list beside it.
+        "resume_gap_p99_ms": statistics.median(gap_p99_per_rep), "resume_gap_p99_per_rep_ms": gap_p99_per_rep,
         "resume_gap_p99_pooled_ms": percentile(routed.gaps_ms, 99), "reps": reps,
         "error_rate": routed.interrupted / max(1, routed.streams),
         "restart": restart,
@@ -398,7 +401,8 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
         "errors": routed.errors, "baseline_errors": direct.errors, "retry_baseline_errors": careful.errors,
         "clients": clients, "workers": workers, "interval_s": interval, "engine": "torch",
     }
-    result.update(judge(GOALS, {k: v for k, v in result.items() if isinstance(v, (int, float, list))}))
+    measured = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+    result.update(judge(GOALS, {**measured, "resume_gap_p99_ms": gap_p99_per_rep}))
     for name, (tally, _killer, _secs) in phases.items():
         for error, count in sorted(tally.errors.items(), key=lambda kv: -kv[1]):
             print(f"  {name} error x{count}: {error}")

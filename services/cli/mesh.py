@@ -20,7 +20,7 @@ import yaml
 
 from services.cli.certs import CA_CERT, cert_path, init_certs, key_path, role_env
 from services.cli.localservers import EtcdServer, KafkaBroker, LocalServer, RedisServer
-from services.common.processes import ManagedProcess, ProcessStartError, free_port, stop_pid, wait_until_ready
+from services.common.processes import ManagedProcess, ProcessStartError, free_ports, stop_pid, wait_until_ready
 
 STATE_FILE = "mesh.json"
 CONFIG_FILE = "ballast.yaml"
@@ -125,10 +125,12 @@ class Mesh:
         self.etcd = EtcdServer(self.state_dir, spec.etcd_port)
         self.redis = RedisServer(self.state_dir, spec.redis_port, maxmemory=256 * 1024 * 1024)
         self.kafka = KafkaBroker(self.state_dir, spec.kafka_port)
-        self.router_port = spec.router_port or free_port()
-        self.router_http_port = spec.router_http_port or free_port()
-        self.cache_port = spec.cache_port or free_port()
-        self.backfill_port = spec.backfill_port or free_port()
+        # Picked together, so no two of them are the same port.
+        picked = iter(free_ports(4))
+        self.router_port = spec.router_port or next(picked)
+        self.router_http_port = spec.router_http_port or next(picked)
+        self.cache_port = spec.cache_port or next(picked)
+        self.backfill_port = spec.backfill_port or next(picked)
         self.config_path = self.state_dir / CONFIG_FILE
         self.certs_dir = self.state_dir / CERTS_DIR
         self.infra: list[LocalServer] = [self.etcd, self.redis, self.kafka]

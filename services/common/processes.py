@@ -310,7 +310,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """One port free on `host` right now (bind to port 0 and read back what was given)."""
+    """One port free on `host` right now (see free_ports)."""
     return free_ports(1, host)[0]
 
 

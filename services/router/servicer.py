@@ -43,6 +43,7 @@ from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.retry_budget import RetryBudget
 from services.router.resilience.temperature import TemperatureGate
 from services.router.rollout.controller import RolloutController
+from services.router.routing_view import RoutingViewPublisher
 from services.router.scheduling.tagging import RuleError, TagInput, TierClassifier, default_rules, load_rules
 from services.router.scheduling.tiers import TierPolicy
 from services.router.turns import classify_turn
@@ -115,14 +116,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.degrader.register_metrics(metrics.meter)
         # Subscribe and GetBackfill relay to the backfill service; the app starts and closes it.
         self.backfill: BackfillProxy | None = None
-        metrics.observe_breakers(self.health.breakers.snapshot)
-        metrics.observe_routing(self._routing_snapshot)
-        metrics.observe_queues(lambda: {m: g.scheduler.snapshot() for m, g in self.pools.gates().items()})
-
-    def _routing_snapshot(self) -> dict:
-        workers = self.membership.workers()
-        self.health.update(workers)
-        return self.health.snapshot(workers)
+        # The gauges read a view the event loop publishes: scrapes run on another thread.
+        self.routing_view = RoutingViewPublisher(
+            membership, self.health, lambda: {m: g.scheduler.snapshot() for m, g in self.pools.gates().items()})
+        metrics.observe_breakers(lambda: self.routing_view.current.breakers())
+        metrics.observe_routing(lambda: self.routing_view.current.workers)
+        metrics.observe_queues(lambda: self.routing_view.current.queues)
 
     def _encoder_for(self, model: str):
         """The tokenizer of a model whose version this router already knows, else None."""

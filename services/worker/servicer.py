@@ -195,8 +195,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     outcome = delta.finish_reason.value
                     # Counted before the caller sees the end: a client holding Finished finds
                     # the request in the worker's metrics, whatever it does with the stream then.
-                    tallied = self._tally(outcome, started, index - len(engine_request.generated_ids),
-                                          None if prefill_counted else context_tokens)
+                    tallied = True
+                    self._tally(outcome, started, index - len(engine_request.generated_ids),
+                                None if prefill_counted else context_tokens)
                     yield worker_pb2.WorkerGenerateEvent(
                         finished=worker_pb2.WorkerFinished(
                             reason=FINISH_TO_PB[delta.finish_reason],
@@ -231,12 +232,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._tally(outcome, started, index - len(engine_request.generated_ids),
                             None if prefill_counted else context_tokens)
 
-    def _tally(self, outcome: str, started: float, generated: int, uncounted_prefill: int | None) -> bool:
+    def _tally(self, outcome: str, started: float, generated: int, uncounted_prefill: int | None) -> None:
         """Counts one request in the worker's metrics; `uncounted_prefill`: context tokens to
-        count as prefill when the engine reported none. True, for the caller's bookkeeping."""
+        count as prefill when the engine reported none."""
         if uncounted_prefill is not None:
             self.metrics.prefill_tokens.add(uncounted_prefill)
         self.metrics.tokens.add(generated)
         self.metrics.requests.add(1, {"outcome": outcome})
         self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"outcome": outcome})
-        return True

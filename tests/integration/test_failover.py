@@ -344,7 +344,10 @@ async def test_breaker_opens_on_worker_errors_not_on_client_errors(mesh, router)
             results.append(await collect(router, chat_request(f"q {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY))
         for result in results:  # retried elsewhere, and answered by the model
             assert_served(result)
-        assert await breaker_state(mesh, faulty.name) == 2  # open
+        deadline = time.monotonic() + 10  # the router's gauges are refreshed four times a second
+        while await breaker_state(mesh, faulty.name) != 2:  # open
+            assert time.monotonic() < deadline, "the faulty worker's breaker did not open"
+            await asyncio.sleep(0.05)
     finally:
         fault.unlink()
     deadline = time.monotonic() + 20

@@ -162,7 +162,11 @@ async def test_queued_stream_keeps_alive_and_full_queue_is_429(mesh, router, htt
             refused = await http.post("/completions", json=body, headers=headers)
             error = assert_error(refused, 429)
             assert error["code"] == "overloaded" and int(refused.headers["Retry-After"]) >= 1
-            assert await router_queued(mesh, "B") == 1
+            # The router's gauges are refreshed four times a second.
+            deadline = time.monotonic() + 10
+            while await router_queued(mesh, "B") != 1:
+                assert time.monotonic() < deadline, "the router's queue gauge never showed the queued request"
+                await asyncio.sleep(0.05)
         # Its client left before its first token: the request leaves the router's queue.
         deadline = time.monotonic() + 10
         while await router_queued(mesh, "B") > 0:

@@ -94,7 +94,9 @@ class OpenAIFront:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/ballast/backfill/{ticket}", self.backfill)
-        self.app.router.add_get("/v1/ballast/sessions/{session_id}/backfill", self.backfill_subscription)
+        # No HEAD: it would open a subscription (claiming the session's answers) nobody reads.
+        self.app.router.add_get("/v1/ballast/sessions/{session_id}/backfill", self.backfill_subscription,
+                                allow_head=False)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -175,7 +177,9 @@ class OpenAIFront:
         self.servicer.auth.tenant_for(call.invocation_metadata())
         subscription = backfill_answers_pb2.SubscribeRequest(session_id=request.match_info["session_id"])
         answers = self.servicer.Subscribe(subscription, call)
-        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER)
+        # One answer in hand at a time: an answer the backfill counts as pushed waits in no
+        # buffer a leaving client would drop (it stays readable by ticket either way).
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1)
         pump = asyncio.create_task(_pump(answers, queue), name="http-backfill-subscription")
         response: web.StreamResponse | None = None
         try:
