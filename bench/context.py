@@ -92,6 +92,16 @@ def _fit_stats(cases, encode, policy: ContextPolicy) -> dict:
     }
 
 
+def _shown_path(path: Path) -> str:
+    """The evaluation set as a result names it: relative to the repository when inside it, so
+    a result says nothing of the machine it ran on."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        return str(path.resolve().relative_to(repo))
+    except ValueError:
+        return path.name
+
+
 def run_benchmark(cases_path: Path, out: Path) -> int:
     encode = _encoder(model_dir_for("tiny"))
     cases = load_cases(cases_path)
@@ -106,7 +116,7 @@ def run_benchmark(cases_path: Path, out: Path) -> int:
         "cases": len(cases) // len(FRACTIONS),
         "fits_per_policy": len(cases),
         "fractions": list(FRACTIONS),
-        "evaluation_set": str(cases_path),
+        "evaluation_set": _shown_path(cases_path),
         "messages_per_conversation": {"min": min(turns), "max": max(turns), "mean": statistics.mean(turns)},
         "entity_aware_retention": aware["retention"],
         "drop_oldest_retention": oldest["retention"],
