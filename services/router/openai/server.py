@@ -7,20 +7,19 @@ of about 70 us with aiohttp against 80-115 us, and an 11-event SSE stream about 
 
 Every completion runs on `InferenceServicer.generate`, the gRPC path itself; this module only
 reads HTTP, shapes the answer (`responses`) and writes errors in OpenAI's shape (`errors`).
-A stream's 200 is held back until its first event, so refusals before it (429 with
-Retry-After, 503, 400...) get their own status; after it, an error is a `data: {"error"}`
-event and `data: [DONE]`. A session's backfilled answers stream the same way
-(`GET /v1/ballast/sessions/{session_id}/backfill`). While no event comes, `: keep-alive` comments go out every
-`router.http_keepalive_s`. A `traceparent` header is continued in a server span.
+Streams (a completion, a session's backfilled answers at
+`GET /v1/ballast/sessions/{session_id}/backfill`) are relayed by `sse.SseRelay`: a stream's 200
+is held back until its first event, so refusals before it (429 with Retry-After, 503, 400...)
+get their own status; after it, an error is a `data: {"error"}` event and `data: [DONE]`;
+`: keep-alive` comments every `router.http_keepalive_s` while no event comes. A `traceparent`
+header is continued in a server span.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -31,17 +30,15 @@ from ballast.v1 import backfill_answers_pb2, inference_pb2
 from services.common.errors import BallastError
 from services.common.tracing import context_from_headers, tracer
 from services.router.openai.backfill import answer_json
-from services.router.openai.errors import BodyTooLarge, HttpRefusal, RouteNotFound, error_reply
+from services.router.openai.errors import BodyTooLarge, HttpRefusal, RouteNotFound
 from services.router.openai.mapping import Shape, parse_json, to_generate_request
 from services.router.openai.responses import Answer, degraded_headers
+from services.router.openai.sse import SseRelay, error_response, sse_event
 from services.router.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
 
 _TRACER = tracer("http")
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-KEEPALIVE = b": keep-alive\n\n"
-DONE = b"data: [DONE]\n\n"
 # Events a stream may run ahead of a slow client.
 STREAM_BUFFER = 64
 
@@ -60,18 +57,6 @@ class HttpCall:
         return None
 
 
-@dataclass(frozen=True)
-class _End:
-    error: BaseException | None = None
-
-
-def _sse(value: dict) -> bytes:
-    return b"data: " + json.dumps(value, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _error_response(error: BaseException) -> web.Response:
-    reply = error_reply(error)
-    return web.json_response(reply.body, status=reply.status, headers=reply.headers)
 
 
 def _refusal_of(error: web.HTTPException) -> HttpRefusal:
@@ -132,12 +117,12 @@ class OpenAIFront:
             except web.HTTPException as error:
                 if error.status < 400:
                     raise
-                response = _error_response(_refusal_of(error))
+                response = error_response(_refusal_of(error))
             except (BallastError, HttpRefusal) as error:
-                response = _error_response(error)
+                response = error_response(error)
             except Exception:
                 log.exception("bug in %s", name)
-                response = _error_response(RuntimeError())
+                response = error_response(RuntimeError())
             status = response.status
             return response
         except asyncio.CancelledError:
@@ -179,31 +164,13 @@ class OpenAIFront:
         answers = self.servicer.Subscribe(subscription, call)
         # One answer in hand at a time: an answer the backfill counts as pushed waits in no
         # buffer a leaving client would drop (it stays readable by ticket either way).
-        queue: asyncio.Queue = asyncio.Queue(maxsize=1)
-        pump = asyncio.create_task(_pump(answers, queue), name="http-backfill-subscription")
-        response: web.StreamResponse | None = None
+        relay = SseRelay(request, answers, self.keepalive_s, 1, name="http-backfill-subscription")
         try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), self.keepalive_s)
-                except TimeoutError:
-                    response = response or await _open_sse(request)
-                    await response.write(KEEPALIVE)
-                    continue
-                if isinstance(item, _End):
-                    break
-                response = response or await _open_sse(request)
-                await response.write(_sse(answer_json(item)))
-            if item.error is not None:
-                if response is None:
-                    return _error_response(item.error)
-                await response.write(_sse(error_reply(item.error).body))
-            response = response or await _open_sse(request)
-            await response.write(DONE)
-            await response.write_eof()
-            return response
+            while (answer := await relay.next()) is not None:
+                await relay.write(sse_event(answer_json(answer)))
+            return await relay.finish()
         finally:
-            await _stop_pump(pump)
+            await relay.close()
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.config.http_max_body_bytes
@@ -237,73 +204,20 @@ class OpenAIFront:
     async def _stream(self, request: web.Request, shape: Shape,
                       events: AsyncIterator[inference_pb2.GenerateEvent]) -> web.StreamResponse:
         answer = Answer(shape)
-        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER)
-        pump = asyncio.create_task(_pump(events, queue), name="http-stream")
-        response: web.StreamResponse | None = None
 
-        async def opened() -> web.StreamResponse:
-            opening = await _open_sse(request)
+        async def first_chunk(response: web.StreamResponse) -> None:
             first = answer.first_chunk()
             if first is not None:
-                await opening.write(_sse(first))
-            return opening
+                await response.write(sse_event(first))
 
+        relay = SseRelay(request, events, self.keepalive_s, STREAM_BUFFER, on_open=first_chunk, name="http-stream")
         try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), self.keepalive_s)
-                except TimeoutError:
-                    response = response or await opened()
-                    await response.write(KEEPALIVE)
-                    continue
-                if isinstance(item, _End):
-                    break
-                text = answer.feed(item)
-                if response is None and item.WhichOneof("event") != "started":
-                    response = await opened()
+            while (event := await relay.next()) is not None:
+                text = answer.feed(event)
+                if relay.response is None and event.WhichOneof("event") != "started":
+                    await relay.open()
                 if text:
-                    await response.write(_sse(answer.text_chunk(text)))
-            if item.error is not None:
-                if response is None:
-                    return _error_response(item.error)
-                await response.write(_sse(error_reply(item.error).body))
-                await response.write(DONE)
-                return response
-            response = response or await opened()
-            for chunk in answer.final_chunks():
-                await response.write(_sse(chunk))
-            await response.write(DONE)
-            await response.write_eof()
-            return response
+                    await relay.write(sse_event(answer.text_chunk(text)))
+            return await relay.finish(answer.final_chunks() if relay.error is None else ())
         finally:
-            await _stop_pump(pump)
-
-
-async def _open_sse(request: web.Request) -> web.StreamResponse:
-    """Sends a 200 with SSE headers: from here on, errors are events."""
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
-    return response
-
-
-async def _stop_pump(pump: asyncio.Task) -> None:
-    if not pump.done():
-        pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pump
-
-
-async def _pump(events: AsyncIterator, queue: asyncio.Queue) -> None:
-    """Moves a stream's items (a request's events, a subscription's answers) into `queue`,
-    then an `_End` (with the error, if any). Cancelling it cancels the stream at its source:
-    the request on its worker, the subscription on the backfill service."""
-    try:
-        async with contextlib.aclosing(events):
-            async for event in events:
-                await queue.put(event)
-    except (BallastError, Exception) as error:
-        if not isinstance(error, BallastError):
-            log.exception("bug in a streamed request")
-        await queue.put(_End(error))
-        return
-    await queue.put(_End())
+            await relay.close()
