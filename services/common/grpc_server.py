@@ -13,6 +13,7 @@ them for metrics.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -42,6 +43,9 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+# How long, and how many frames, a refused client stream is read on before its status goes out.
+DRAIN_LIMIT_S = 2.0
+DRAIN_MAX_FRAMES = 256
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -143,9 +147,38 @@ def _wrap_client_stream(behavior: Callable[..., Awaitable[Any]], method: str):
                 yield request
 
         async with _statuses(context, method):
-            return await behavior(parsed(), context)
+            try:
+                return await behavior(parsed(), context)
+            except BallastError:
+                # The client may still be writing (megabytes of KV blocks): answering before
+                # it finishes races its writes in gRPC's transport, and it can then see
+                # INTERNAL "Internal error from Core" instead of our status. Read the rest
+                # first, bounded.
+                await _drain(request_iterator, context)
+                raise
 
     return wrapper
+
+
+async def _drain(request_iterator, context: grpc.aio.ServicerContext) -> None:
+    """Reads and drops what is left of a refused client stream, for at most DRAIN_LIMIT_S
+    (less when the call's deadline is nearer) and DRAIN_MAX_FRAMES frames."""
+    remaining = context.time_remaining()
+    limit = DRAIN_LIMIT_S if remaining is None else min(DRAIN_LIMIT_S, max(0.0, remaining - 0.05))
+    frames = 0
+
+    async def read_rest() -> None:
+        nonlocal frames
+        async for _ in request_iterator:
+            frames += 1
+            if frames >= DRAIN_MAX_FRAMES:
+                return
+
+    try:
+        await asyncio.wait_for(read_rest(), limit)
+    except Exception:
+        # Whatever stops the reading (time, a broken stream), the status still goes out.
+        pass
 
 
 class DomainErrorInterceptor(grpc.aio.ServerInterceptor):

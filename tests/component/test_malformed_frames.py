@@ -59,3 +59,48 @@ async def test_a_client_stream_with_a_frame_that_does_not_parse_is_invalid_argum
         await stats(b"", timeout=10)  # still serving
     assert malformed_requests() - before == 3
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.records[:3]
+
+
+async def test_a_refused_client_stream_still_sending_large_frames_gets_its_status_whole(cache):
+    """The cache refuses the first frame while the client is still writing megabytes: the
+    client must get that INVALID_ARGUMENT every time, not a transport INTERNAL."""
+    from ballast.v1 import kvcache_pb2
+
+    bad_opening = kvcache_pb2.KVPutRequest(
+        open=kvcache_pb2.KVPutOpen(scope=kvcache_pb2.KVScope(model_version="v1", tenant="t"), ttl_s=60),
+        headers=[kvcache_pb2.KVBlockHeader(block_hash=b"\x01" * 32, size=4, crc32=0)],
+    ).SerializeToString()
+    large = kvcache_pb2.KVPutRequest(data=b"\x00" * 1_200_000).SerializeToString()
+    codes = []
+    async with grpc.aio.insecure_channel(cache.address, options=CHANNEL_OPTIONS) as channel:
+        put = channel.stream_unary("/ballast.v1.KVCache/Put",
+                                   request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        for _ in range(300):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await put(iter([bad_opening, large, large, b"\x08\x01"]), timeout=10)
+            codes.append((err.value.code(), err.value.details()))
+    assert all(code == grpc.StatusCode.INVALID_ARGUMENT for code, _ in codes), \
+        [c for c in codes if c[0] != grpc.StatusCode.INVALID_ARGUMENT][:3]
+
+
+async def test_a_refused_client_stream_that_never_ends_is_still_answered(cache):
+    """Reading the rest of a refused stream is bounded: a client that keeps sending after its
+    first frame was refused gets the refusal, not a call held open until its deadline."""
+    import asyncio
+
+    from ballast.v1 import kvcache_pb2
+
+    no_open = kvcache_pb2.KVPutRequest(data=b"\x00" * 16).SerializeToString()
+
+    async def endless():
+        while True:
+            yield no_open
+            await asyncio.sleep(0.05)
+
+    async with grpc.aio.insecure_channel(cache.address, options=CHANNEL_OPTIONS) as channel:
+        put = channel.stream_unary("/ballast.v1.KVCache/Put",
+                                   request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await put(endless(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "open" in err.value.details()
