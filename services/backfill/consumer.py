@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from services.common.tasks import stop_task
@@ -44,8 +44,10 @@ Handler = Callable[[Record], Awaitable[None]]
 
 
 def consumer_config(bootstrap: str, group_id: str, session_timeout_ms: int, heartbeat_interval_ms: int,
-                    max_poll_interval_ms: int) -> dict:
+                    max_poll_interval_ms: int, security: Mapping[str, str] | None = None) -> dict:
+    """librdkafka settings of the replay consumer; `security`: SASL and TLS properties."""
     return {
+        **(security or {}),
         "bootstrap.servers": bootstrap,
         "group.id": group_id,
         "enable.auto.commit": False,

@@ -11,7 +11,7 @@ have lost them.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 from confluent_kafka.admin import AdminClient
 
@@ -22,9 +22,10 @@ from services.common.kafka import AsyncProducer
 LOST_BROKER_TIMEOUT_S = 1.0
 
 
-def admin_client(bootstrap: str) -> AdminClient:
+def admin_client(bootstrap: str, security: Mapping[str, str] | None = None) -> AdminClient:
     # Reconnect soon after the broker is back: the check should not report an outage that is over.
-    return AdminClient({"bootstrap.servers": bootstrap, "log_level": 2, "reconnect.backoff.max.ms": 1000})
+    return AdminClient({"bootstrap.servers": bootstrap, "log_level": 2, "reconnect.backoff.max.ms": 1000,
+                        **(security or {})})
 
 
 class KafkaCheck:

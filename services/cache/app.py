@@ -23,6 +23,7 @@ from ballast.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.cache.metrics import CacheMetrics
 from services.cache.servicer import KVCacheServicer
 from services.cache.store import RedisKVStore, StoreLimits
+from services.common.config import RedisConfig
 from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
@@ -90,11 +91,14 @@ class CacheApp:
         self.telemetry.stop()
 
 
-def redis_client(url: str, timeout_s: float) -> redis_asyncio.Redis:
+def redis_client(config: RedisConfig) -> redis_asyncio.Redis:
+    """A client for `config` (its URL, ACL user and TLS files)."""
+    timeout_s = config.timeout_s
     # One quick retry re-dials a connection Redis dropped (after its restart); more would
     # only delay the UNAVAILABLE a worker needs to fall back to recomputing.
     return redis_asyncio.Redis.from_url(
-        url,
+        config.effective_url,
+        **config.connection_kwargs(),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
@@ -106,7 +110,7 @@ def redis_client(url: str, timeout_s: float) -> redis_asyncio.Redis:
 
 async def create_server(config: BallastConfig) -> CacheApp:
     telemetry = Telemetry("cache", config.telemetry)
-    client = redis_client(config.redis.url, config.redis.timeout_s)
+    client = redis_client(config.redis)
     metrics = CacheMetrics(telemetry)
     cache = config.cache
     store = RedisKVStore(client, StoreLimits(cache.key_prefix, cache.ttl_s, cache.max_ttl_s, cache.batch_bytes),
@@ -127,5 +131,5 @@ async def create_server(config: BallastConfig) -> CacheApp:
     await server.start()
     telemetry.start()
     await probe.start()
-    log.info("cache serving on %s:%d (redis %s)", cache.host, port, config.redis.url)
+    log.info("cache serving on %s:%d (redis %s)", cache.host, port, config.redis.display_url)
     return CacheApp(config, server, port, client, probe, telemetry, health, store, metrics)

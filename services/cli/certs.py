@@ -22,6 +22,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from services.common.tls.roles import ROLES, role_uri
 
 CA_CERT = "ca.crt"
+# Server certificates of a secured local etcd and Redis (`ballast up --secure`).
+BACKING_SERVERS = ("etcd", "redis")
 CA_KEY = "ca.key"
 DEFAULT_DAYS = 365
 LOOPBACK_NAMES = ("localhost",)
@@ -131,8 +133,9 @@ def write_role(directory: Path, authority: Authority, role: str, **validity) -> 
     _write(cert_path(directory, role), _pem_cert(cert))
 
 
-def init_certs(directory: Path, roles: tuple[str, ...] = ROLES) -> Path:
-    """A CA (kept if DIR already has one) and a fresh certificate per role, in `directory`."""
+def init_certs(directory: Path, roles: tuple[str, ...] = ROLES + BACKING_SERVERS) -> Path:
+    """A CA (kept if DIR already has one) and a fresh certificate per role (and per backing
+    server), in `directory`."""
     directory = Path(directory)
     if (directory / CA_CERT).exists() and (directory / CA_KEY).exists():
         authority = load_authority(directory)
@@ -156,8 +159,24 @@ def config_lines(directory: Path, role: str = "cli") -> str:
     ])
 
 
-def role_env(directory: Path, role: str) -> dict[str, str]:
-    """Environment that points one service at its own certificate and key."""
+def role_env(directory: Path, role: str, backing: tuple[str, ...] = ()) -> dict[str, str]:
+    """Environment that points one service at its own certificate and key, for the `tls`
+    section and for each config section named in `backing` (e.g. "etcd": etcd.tls)."""
     directory = Path(directory).resolve()
-    return {"BALLAST__TLS__CERT_FILE": str(cert_path(directory, role)),
-            "BALLAST__TLS__KEY_FILE": str(key_path(directory, role))}
+    env = {}
+    for section in ("TLS", *(f"{name.upper()}__TLS" for name in backing)):
+        env[f"BALLAST__{section}__CERT_FILE"] = str(cert_path(directory, role))
+        env[f"BALLAST__{section}__KEY_FILE"] = str(key_path(directory, role))
+    return env
+
+
+def backing_password(directory: Path) -> str:
+    """The password of the local etcd and Redis user: made once, kept (mode 0600) in
+    `directory`."""
+    import secrets
+
+    path = Path(directory) / "backing.password"
+    if not path.exists():
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        _write(path, secrets.token_urlsafe(24).encode(), private=True)
+    return path.read_text().strip()

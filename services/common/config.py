@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "BALLAST__"
 CONFIG_PATH_ENV = "BALLAST_CONFIG"
@@ -28,6 +28,25 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class BackingTLSConfig(Section):
+    """TLS from a Ballast service to a backing service (etcd, Redis or Kafka). Checked at
+    start-up like the `tls` section: a missing, unreadable, non-PEM or expired file, or a key
+    that is not the certificate's, refuses to start."""
+
+    enabled: bool = Field(False, description="Speak TLS to this server.")
+    ca_file: str = Field("", description="PEM CA bundle that signs the server's certificate; empty: the "
+                                         "system's trust store.")
+    cert_file: str = Field("", description="PEM client certificate, for a server that requires one "
+                                           "(mutual TLS); with key_file.")
+    key_file: str = Field("", description="PEM private key of cert_file.")
+
+    @model_validator(mode="after")
+    def _certificate_with_key(self) -> "BackingTLSConfig":
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+
 class EtcdConfig(Section):
     host: str = Field("127.0.0.1", description="etcd client host.")
     port: int = Field(2379, ge=1, le=65535, description="etcd client port.")
@@ -36,6 +55,10 @@ class EtcdConfig(Section):
     lease_ttl_s: int = Field(3, ge=2, le=60, description="TTL of a worker's membership lease.")
     heartbeat_s: float = Field(1.0, gt=0, description="How often a worker refreshes its record.")
     reconnect_backoff_s: float = Field(0.5, gt=0, description="First wait before reconnecting.")
+    username: str = Field("", description="etcd user (with `auth enable` on the cluster); empty: none, "
+                                          "or the client certificate's CN when etcd checks certificates.")
+    password: str = Field("", description="Password of `username` (BALLAST__ETCD__PASSWORD).")
+    tls: BackingTLSConfig = Field(default_factory=BackingTLSConfig, description="TLS to etcd.")
 
     @field_validator("prefix")
     @classmethod
@@ -44,15 +67,85 @@ class EtcdConfig(Section):
             raise ValueError("must start and end with '/'")
         return value
 
+    @model_validator(mode="after")
+    def _user_with_password(self) -> "EtcdConfig":
+        if bool(self.username) != bool(self.password):
+            raise ValueError("username and password go together")
+        return self
+
 
 class RedisConfig(Section):
-    url: str = Field("redis://127.0.0.1:6379/0", description="Redis (or Redis Cluster seed) URL.")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis (or Redis Cluster seed) URL; "
+                                                             "rediss:// for TLS.")
     timeout_s: float = Field(1.0, gt=0, description="Deadline of each Redis call.")
+    username: str = Field("", description="ACL user (AUTH username password); empty: `default`.")
+    password: str = Field("", description="Password of the ACL user, or requirepass "
+                                          "(BALLAST__REDIS__PASSWORD).")
+    tls: BackingTLSConfig = Field(default_factory=BackingTLSConfig,
+                                  description="TLS to Redis (also turned on by a rediss:// URL).")
+
+    def connection_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of redis-py's from_url() beyond the URL: credentials and TLS."""
+        kwargs: dict[str, Any] = {}
+        if self.username:
+            kwargs["username"] = self.username
+        if self.password:
+            kwargs["password"] = self.password
+        if self.tls.enabled or self.url.startswith("rediss://"):
+            if self.tls.ca_file:
+                kwargs["ssl_ca_certs"] = self.tls.ca_file
+            if self.tls.cert_file:
+                kwargs["ssl_certfile"] = self.tls.cert_file
+                kwargs["ssl_keyfile"] = self.tls.key_file
+        return kwargs
+
+    @property
+    def display_url(self) -> str:
+        """The URL without any user or password in it, for logs."""
+        scheme, sep, rest = self.url.partition("://")
+        return f"{scheme}{sep}{rest.rsplit('@', 1)[-1]}" if sep else self.url
+
+    @property
+    def effective_url(self) -> str:
+        """The URL with its scheme set by `tls.enabled` (redis-py picks TLS by scheme)."""
+        if self.tls.enabled and self.url.startswith("redis://"):
+            return "rediss://" + self.url[len("redis://"):]
+        return self.url
 
 
 class KafkaConfig(Section):
     bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers.")
     timeout_s: float = Field(5.0, gt=0, description="Deadline of admin and produce calls.")
+    sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "", description="SASL mechanism; empty: no SASL.")
+    username: str = Field("", description="SASL user.")
+    password: str = Field("", description="SASL password (BALLAST__KAFKA__PASSWORD).")
+    tls: BackingTLSConfig = Field(default_factory=BackingTLSConfig, description="TLS to the brokers.")
+
+    @model_validator(mode="after")
+    def _sasl_credentials(self) -> "KafkaConfig":
+        if self.sasl_mechanism and not (self.username and self.password):
+            raise ValueError("sasl_mechanism needs username and password")
+        return self
+
+    def security_properties(self) -> dict[str, str]:
+        """librdkafka properties for SASL and TLS (empty for a plaintext broker)."""
+        sasl = bool(self.sasl_mechanism)
+        protocol = {(False, False): "PLAINTEXT", (False, True): "SSL",
+                    (True, False): "SASL_PLAINTEXT", (True, True): "SASL_SSL"}[(sasl, self.tls.enabled)]
+        if protocol == "PLAINTEXT":
+            return {}
+        properties = {"security.protocol": protocol}
+        if sasl:
+            properties.update({"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.username,
+                               "sasl.password": self.password})
+        if self.tls.enabled:
+            if self.tls.ca_file:
+                properties["ssl.ca.location"] = self.tls.ca_file
+            if self.tls.cert_file:
+                properties["ssl.certificate.location"] = self.tls.cert_file
+                properties["ssl.key.location"] = self.tls.key_file
+        return properties
 
 
 class AuthConfig(Section):

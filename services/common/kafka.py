@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
@@ -254,12 +254,13 @@ def _discard(producer: Producer, serve_s: float = 1.0) -> None:
 
 
 def ensure_topics(bootstrap: str, names: Iterable[str], partitions: int = 1, replication: int = 1,
-                  timeout_s: float = 10.0) -> None:
-    """Creates the topics that do not exist yet (blocking: run it in a thread)."""
+                  timeout_s: float = 10.0, security: Mapping[str, str] | None = None) -> None:
+    """Creates the topics that do not exist yet (blocking: run it in a thread). `security`:
+    SASL and TLS properties (KafkaConfig.security_properties())."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 2,
-                         "socket.connection.setup.timeout.ms": 3000})
+                         "socket.connection.setup.timeout.ms": 3000, **(security or {})})
     topics = [NewTopic(n, num_partitions=partitions, replication_factor=replication) for n in names]
     if not topics:
         return

@@ -20,6 +20,7 @@ import aetcd
 import aetcd.exceptions
 
 from services.common.config import EtcdConfig
+from services.common.etcd_client import make_client  # noqa: F401  (re-exported: callers import it from here)
 from services.common.telemetry import DependencyStatus
 from services.common.tasks import stop_task
 
@@ -79,11 +80,6 @@ def workers_prefix(config: EtcdConfig) -> str:
 
 def worker_key(config: EtcdConfig, worker_id: str) -> str:
     return f"{workers_prefix(config)}{worker_id}"
-
-
-def make_client(config: EtcdConfig) -> aetcd.Client:
-    # aetcd's timeout is whole seconds; round up so short configs still get a deadline.
-    return aetcd.Client(host=config.host, port=config.port, timeout=max(1, round(config.timeout_s + 0.49)))
 
 
 async def close_client(client: aetcd.Client | None) -> None:

@@ -110,7 +110,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             on_hit=lambda rule: metrics.rule_hits.add(1, {"rule": rule}),
         )
         self.degrader = Degrader(
-            config.degrade, config.kafka.bootstrap,
+            config.degrade, config.kafka.bootstrap, kafka_security=config.kafka.security_properties(),
             encoder_for=self._encoder_for, on_fallback=lambda labels: metrics.fallbacks.add(1, labels),
         )
         self.degrader.register_metrics(metrics.meter)

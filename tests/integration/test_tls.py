@@ -1,6 +1,8 @@
 """The local mesh under mutual TLS (`ballast up --secure`): requests flow through every
-service, a caller without the right certificate or role is refused before any work, and
-the router's certificate can be replaced on disk while it runs."""
+service, a caller without the right certificate or role is refused before any work, the
+router's certificate can be replaced on disk while it runs, and etcd and Redis are secured
+too (TLS with client certificates, and a password user) with every service still reaching
+them."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import asyncio
 import socket
 import ssl
 
+import aetcd.exceptions
 import grpc
 import pytest
+import redis
 from cryptography import x509
 
 from ballast.v1 import inference_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -17,6 +21,8 @@ from services.cli import certs
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.common.config import EtcdConfig
+from services.common.etcd_client import make_client
 from services.common.tls.credentials import open_channel as open_service_channel
 from services.config import load_config
 from tests.integration.test_mesh import metric_value, scrape
@@ -123,3 +129,51 @@ async def test_the_router_certificate_rotates_without_a_restart(mesh):
     for _ in range(2):
         assert_served(await ask(mesh))
     assert router.pid == pid
+
+
+async def test_etcd_and_redis_are_secured_and_every_service_reaches_them(mesh):
+    config = load_config(mesh.config_path, environ={})
+    # The services reach both: the worker is registered (etcd), the cache and the backfill
+    # service say Redis is up, the router says etcd is.
+    assert [record.address for record, _ in await list_workers(config.etcd)] == [mesh.workers()[0].address]
+    for name, dependency in (("cache", "redis"), ("backfill", "redis"), ("router", "etcd"), ("backfill", "etcd")):
+        service = next(s for s in mesh.services if s.name == name)
+        assert metric_value(await scrape(service.metrics_port), "ballast_dependency_up", dependency=dependency) == 1, \
+            (name, dependency)
+
+    # etcd: no TLS, TLS without a user, a wrong password: each refused.
+    etcd = config.etcd
+    refused = [
+        EtcdConfig(host=etcd.host, port=etcd.port, timeout_s=2),
+        EtcdConfig(host=etcd.host, port=etcd.port, timeout_s=2, tls=etcd.tls),
+        EtcdConfig(host=etcd.host, port=etcd.port, timeout_s=2, tls=etcd.tls,
+                   username=etcd.username, password=etcd.password + "x"),
+    ]
+    for settings in refused:
+        client = make_client(settings)
+        with pytest.raises((aetcd.exceptions.ClientError, OSError, asyncio.TimeoutError)):
+            await client.get(f"{etcd.prefix}workers/".encode())
+        await client.close()
+
+    # Redis: plaintext, TLS without a certificate, a wrong password, no user: each refused.
+    host, port = mesh.redis.host, mesh.redis.port
+    tls_files = {"ssl": True, "ssl_ca_certs": config.redis.tls.ca_file,
+                 "ssl_certfile": config.redis.tls.cert_file, "ssl_keyfile": config.redis.tls.key_file}
+    attempts = [
+        {},
+        {"ssl": True, "ssl_ca_certs": config.redis.tls.ca_file,
+         "username": config.redis.username, "password": config.redis.password},
+        {**tls_files, "username": config.redis.username, "password": config.redis.password + "x"},
+        tls_files,
+    ]
+    for kwargs in attempts:
+        client = redis.Redis(host=host, port=port, socket_timeout=3, socket_connect_timeout=3, **kwargs)
+        with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError,
+                            redis.exceptions.ResponseError, redis.exceptions.TimeoutError)):
+            client.ping()
+        client.close()
+    # And the right files and user get in.
+    client = redis.Redis(host=host, port=port, socket_timeout=3, **tls_files,
+                         username=config.redis.username, password=config.redis.password)
+    assert client.ping()
+    client.close()

@@ -87,14 +87,14 @@ def file_stamp(tls: TLSConfig) -> FileStamp:
     return tuple(stamps)
 
 
-def _read(path: str, field: str) -> bytes:
+def read_file(path: str, field: str) -> bytes:
     file = Path(path)
     if not file.exists():
-        raise TLSFileMissing(f"config field 'tls.{field}': {path} does not exist")
+        raise TLSFileMissing(f"config field '{field}': {path} does not exist")
     try:
         return file.read_bytes()
     except OSError as exc:
-        raise TLSFileUnreadable(f"config field 'tls.{field}': cannot read {path}: {exc.strerror}") from None
+        raise TLSFileUnreadable(f"config field '{field}': cannot read {path}: {exc.strerror}") from None
 
 
 def certificate_role(cert: x509.Certificate) -> str | None:
@@ -109,12 +109,12 @@ def certificate_role(cert: x509.Certificate) -> str | None:
     return role_from_names(names, common_names)
 
 
-def _check_period(cert: x509.Certificate, path: str, field: str, now: dt.datetime) -> None:
+def check_period(cert: x509.Certificate, path: str, field: str, now: dt.datetime) -> None:
     if now < cert.not_valid_before_utc:
-        raise TLSCertNotYetValid(f"config field 'tls.{field}': {path} is valid only from "
+        raise TLSCertNotYetValid(f"config field '{field}': {path} is valid only from "
                                  f"{cert.not_valid_before_utc.isoformat()}")
     if now > cert.not_valid_after_utc:
-        raise TLSCertExpired(f"config field 'tls.{field}': {path} expired at {cert.not_valid_after_utc.isoformat()}")
+        raise TLSCertExpired(f"config field '{field}': {path} expired at {cert.not_valid_after_utc.isoformat()}")
 
 
 def _issued_by_one_of(cert: x509.Certificate, cas: list[x509.Certificate]) -> bool:
@@ -127,16 +127,16 @@ def _issued_by_one_of(cert: x509.Certificate, cas: list[x509.Certificate]) -> bo
     return False
 
 
-def _public_der(key) -> bytes:
+def public_der(key) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def load_identity(tls: TLSConfig, role: str | None = None, now: dt.datetime | None = None) -> Identity:
     """Reads and checks the files; `role`, when given, must be the role the certificate names."""
     now = now or dt.datetime.now(dt.timezone.utc)
-    ca_pem = _read(tls.ca_file, "ca_file")
-    cert_pem = _read(tls.cert_file, "cert_file")
-    key_pem = _read(tls.key_file, "key_file")
+    ca_pem = read_file(tls.ca_file, "tls.ca_file")
+    cert_pem = read_file(tls.cert_file, "tls.cert_file")
+    key_pem = read_file(tls.key_file, "tls.key_file")
     try:
         cas = x509.load_pem_x509_certificates(ca_pem)
     except ValueError:
@@ -150,11 +150,11 @@ def load_identity(tls: TLSConfig, role: str | None = None, now: dt.datetime | No
     except (ValueError, TypeError):
         # TypeError: an encrypted key; services cannot prompt for its password.
         raise TLSNotPEM(f"config field 'tls.key_file': {tls.key_file} holds no unencrypted PEM private key") from None
-    if _public_der(key.public_key()) != _public_der(cert.public_key()):
+    if public_der(key.public_key()) != public_der(cert.public_key()):
         raise TLSKeyMismatch(f"config field 'tls.key_file': {tls.key_file} is not the key of {tls.cert_file}")
     for ca in cas:
-        _check_period(ca, tls.ca_file, "ca_file", now)
-    _check_period(cert, tls.cert_file, "cert_file", now)
+        check_period(ca, tls.ca_file, "tls.ca_file", now)
+    check_period(cert, tls.cert_file, "tls.cert_file", now)
     if not _issued_by_one_of(cert, cas):
         raise TLSCertUntrusted(f"config field 'tls.cert_file': {tls.cert_file} is not signed by a CA of {tls.ca_file}")
     named = certificate_role(cert)

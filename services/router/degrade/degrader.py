@@ -62,6 +62,7 @@ class Degrader:
         config: DegradeConfig,
         kafka_bootstrap: str,
         *,
+        kafka_security: dict | None = None,
         rules: RuleEngine | None = None,
         handoff: HandOff | None = None,
         encoder_for: EncoderLookup | None = None,
@@ -83,6 +84,7 @@ class Degrader:
                 synchronous=config.outbox_synchronous,
                 drain_batch=config.drain_batch,
                 delivery_timeout_s=config.delivery_timeout_s,
+                kafka_security=dict(kafka_security or {}),
             ))
         self.handoff = handoff
         self.encoder_for = encoder_for

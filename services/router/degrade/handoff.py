@@ -48,6 +48,8 @@ class HandOffSettings:
     max_pending: int = 1024
     drain_batch: int = 100
     delivery_timeout_s: float = 10.0
+    # SASL and TLS properties of the brokers (KafkaConfig.security_properties()).
+    kafka_security: dict = field(default_factory=dict)
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 10.0
     client_id: str = "ballast-router"
@@ -75,7 +77,8 @@ class HandOff:
         # One thread for every SQLite call: the connection is used by one thread at a time and
         # calls stay in submission order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox")
-        self._producer = AsyncProducer(settings.bootstrap, settings.delivery_timeout_s, settings.client_id)
+        self._producer = AsyncProducer(settings.bootstrap, settings.delivery_timeout_s, settings.client_id,
+                                       extra=settings.kafka_security)
         # (key, value, trace headers, future) of submits waiting for the next outbox commit.
         self._pending: list[tuple[bytes | None, bytes, list[tuple[str, bytes]], asyncio.Future[int]]] = []
         # Row id -> trace headers of rows not delivered yet (bounded by the outbox's rows).
@@ -233,7 +236,7 @@ class HandOff:
                 # Auto-created topics get the broker's default partitioning; make it ours first.
                 try:
                     await asyncio.to_thread(ensure_topics, s.bootstrap, [s.topic], s.topic_partitions,
-                                            s.topic_replication, s.delivery_timeout_s)
+                                            s.topic_replication, s.delivery_timeout_s, s.kafka_security)
                     self._topic_ready = True
                 except Exception as exc:  # noqa: BLE001 - broker away: try again later
                     self.stats.last_error = f"cannot create topic {s.topic}: {exc!r}"
