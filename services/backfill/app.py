@@ -33,7 +33,7 @@ from services.backfill.settings import BackfillSettings, ReplayTargetError, repl
 from services.backfill.store import AnswerStore, Notices
 from services.common.auth import Authenticator
 from services.common.config import KafkaConfig, RedisConfig
-from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.kafka import AsyncProducer, ensure_topics
 from services.common.membership import MembershipWatcher
 from services.common.probes import DependencyProbe
@@ -143,6 +143,7 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     backfill_pb2_grpc.add_BackfillServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, settings.host, settings.port, server_credentials(config.tls, "backfill"))
+    bind_health_port(server, settings.host, config.tls)
 
     kafka_security = config.kafka.security_properties()
     producer = AsyncProducer(config.kafka.bootstrap, settings.delivery_timeout_s, "ballast-backfill",

@@ -24,7 +24,7 @@ from services.cache.metrics import CacheMetrics
 from services.cache.servicer import KVCacheServicer
 from services.cache.store import RedisKVStore, StoreLimits
 from services.common.config import RedisConfig
-from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.probes import DependencyProbe
 from services.common.telemetry import Telemetry
 from services.common.tls.credentials import server_credentials
@@ -120,6 +120,7 @@ async def create_server(config: BallastConfig) -> CacheApp:
         KVCacheServicer(store, cache, config.redis, metrics), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, cache.host, cache.port, server_credentials(config.tls, "cache"))
+    bind_health_port(server, cache.host, config.tls)
 
     async def on_change(up: bool) -> None:
         await set_serving(health, [SERVICE_NAME], up)

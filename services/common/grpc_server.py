@@ -27,6 +27,7 @@ from services.common.errors import BallastError, InvalidArgument
 from services.common.faults import status_trailers
 from services.common.grpc_tracing import TracingServerInterceptor
 from services.common.tls.interceptor import PeerRoleInterceptor
+from services.common.tls.roles import HEALTH_ONLY
 from services.common.tls.settings import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -212,13 +213,14 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None,
-               tls: TLSConfig | None = None) -> grpc.aio.Server:
+               tls: TLSConfig | None = None, plaintext_services: frozenset[str] = HEALTH_ONLY) -> grpc.aio.Server:
     """A server with the shared interceptors; with `tls` enabled, calls are checked
-    against the peer's role (services.common.tls.roles)."""
+    against the peer's role (services.common.tls.roles), and a call that came without TLS
+    reaches only `plaintext_services`."""
     # Tracing outermost: its span covers the error mapping and sees the final status code.
     shared: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor(), DomainErrorInterceptor()]
     if tls is not None and tls.enabled:
-        shared.append(PeerRoleInterceptor())
+        shared.append(PeerRoleInterceptor(plaintext_services))
     return grpc.aio.server(interceptors=[*shared, *(interceptors or [])], options=SERVER_OPTIONS)
 
 
@@ -242,6 +244,14 @@ async def set_serving(health_servicer, service_names: list[str], serving: bool) 
     )
     for name in ["", *service_names]:
         await health_servicer.set(name, status)
+
+
+def bind_health_port(server: grpc.aio.Server, host: str, tls: TLSConfig) -> int | None:
+    """With TLS on and `tls.health_port` set, binds that port in plaintext (the server's role
+    check lets only health checks through there); returns the port bound, or None."""
+    if not tls.enabled or tls.health_port is None:
+        return None
+    return bind(server, host, tls.health_port)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int,

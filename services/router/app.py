@@ -16,9 +16,10 @@ import grpc
 
 from ballast.v1 import inference_pb2, inference_pb2_grpc
 from services.common.etcd_watch import KeyWatcher
-from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.membership import MembershipWatcher
 from services.common.tls.credentials import public_server_credentials
+from services.common.tls.roles import HEALTH_ONLY, PUBLIC_PLAINTEXT
 from services.common.telemetry import Telemetry
 from services.config import BallastConfig
 from services.router.autoscale.controller import AutoscalerController
@@ -109,10 +110,14 @@ async def create_server(config: BallastConfig) -> RouterApp:
     await rules_watch.start()
     await servicer.rollouts.start()
     credentials = public_server_credentials(config.tls, "router")
-    server = new_server(tls=config.tls)
+    # With a plaintext public port (public_tls off, TLS ended at a balancer) the public API
+    # and reflection are served without TLS too; otherwise only health checks are.
+    server = new_server(tls=config.tls,
+                        plaintext_services=HEALTH_ONLY if config.tls.public_port_secure else PUBLIC_PLAINTEXT)
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, config.router.host, config.router.port, credentials)
+    bind_health_port(server, config.router.host, config.tls)
     await server.start()
     telemetry.start()
     await set_serving(health, [SERVICE_NAME], True)

@@ -17,7 +17,7 @@ import grpc
 
 from ballast.v1 import worker_pb2, worker_pb2_grpc
 from services.config import BallastConfig
-from services.common.grpc_server import add_health_and_reflection, bind, new_server, set_serving
+from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.membership import WorkerRecord, WorkerRegistration
 from services.common.tls.credentials import server_credentials
 from services.common.telemetry import Telemetry
@@ -151,6 +151,7 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
     state = WorkerState(config.worker.max_concurrency, config.worker.max_queue)
     server = new_server(tls=config.tls)
     port = bind(server, config.worker.host, config.worker.port, server_credentials(config.tls, "worker"))
+    bind_health_port(server, config.worker.host, config.tls)
     worker_id = config.worker.id or _default_worker_id(config.worker.host, port)
     metrics = WorkerMetrics(telemetry, engine.stats, lambda: state.in_flight)
     servicer = WorkerServicer(

@@ -175,3 +175,45 @@ def presented_serial_with_client(port: int, cert_dir) -> int:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
         with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls_socket:
             return x509.load_der_x509_certificate(tls_socket.getpeercert(binary_form=True)).serial_number
+
+
+async def test_the_plaintext_health_port_serves_health_checks_only(cert_dir):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.grpc_server import add_health_and_reflection, bind_health_port, set_serving
+
+    tls = tls_for(cert_dir, "worker", health_port=0)
+    calls = Calls()
+    server = new_server(tls=tls)
+    server.add_generic_rpc_handlers(calls.handlers())
+    health = add_health_and_reflection(server, ["ballast.v1.Worker"])
+    port = bind(server, "127.0.0.1", 0, server_credentials(tls, "worker"))
+    health_port = bind_health_port(server, "127.0.0.1", tls)
+    await server.start()
+    await set_serving(health, ["ballast.v1.Worker"], True)
+    try:
+        assert health_port and health_port != port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            for method, kind in (("/ballast.v1.Worker/Generate", "server_stream"), ("/ballast.v1.Worker/GetModelInfo", "unary"),
+                                 ("/ballast.v1.KVCache/Put", "client_stream"),
+                                 ("/ballast.v1.Inference/Generate", "server_stream")):
+                assert await refused(channel, method, kind) == grpc.StatusCode.PERMISSION_DENIED, method
+        # The TLS port still serves the router as before.
+        async with open_channel(f"127.0.0.1:{port}", tls_for(cert_dir, "router")) as channel:
+            assert await call(channel, "/ballast.v1.Worker/GetModelInfo") == b"x"
+        assert calls.count == 1  # nothing that came in plaintext reached a handler
+    finally:
+        await server.stop(0)
+
+
+async def test_no_health_port_unless_asked_or_without_tls(cert_dir):
+    from services.common.grpc_server import bind_health_port
+
+    server = new_server()
+    try:
+        assert bind_health_port(server, "127.0.0.1", tls_for(cert_dir, "worker")) is None
+        assert bind_health_port(server, "127.0.0.1", TLSConfig(health_port=0)) is None
+    finally:
+        await server.stop(0)

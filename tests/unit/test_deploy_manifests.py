@@ -47,7 +47,7 @@ DEPENDENCIES = {
 # The oldest Kubernetes the manifests promise to run on: gRPC probes are GA from 1.27,
 # unhealthyPodEvictionPolicy from 1.27 (beta) and 1.31 (GA); 1.30 is a common floor.
 KUBERNETES_VERSION = "1.30"
-CUSTOM_GROUPS = {"monitoring.coreos.com", "kafka.strimzi.io"}
+CUSTOM_GROUPS = {"monitoring.coreos.com", "kafka.strimzi.io", "cert-manager.io"}
 POD_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
 
 EXISTING_METRICS = {
@@ -514,8 +514,11 @@ def test_probe_and_service_ports_match_the_config(overlay):
         container = pod["containers"][0]
         container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert container_ports == {"grpc": port, "metrics": config.telemetry.metrics_port}
+        # Under TLS the kubelet probes the plaintext health port (its gRPC probes cannot speak TLS).
+        probe_port = config.tls.health_port if config.tls.enabled else port
+        assert probe_port not in (None, 0), f"{name}: TLS on without a fixed tls.health_port"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == port, f"{name} {probe}"
+            assert container[probe]["grpc"]["port"] == probe_port, f"{name} {probe}"
         service = one(objects, "Service", name)
         assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == container_ports
         assert all(p["targetPort"] in container_ports for p in service["spec"]["ports"])
@@ -909,3 +912,32 @@ def test_adapter_serves_desired_replicas_as_external_metric():
     rule = one_list(values["rules"]["external"])
     assert rule["name"]["as"] == "ballast_desired_replicas"
     assert _metric_names(rule["seriesQuery"]) == {"ballast_desired_replicas"}
+
+
+def test_production_runs_mutual_tls_with_a_certificate_per_role():
+    from services.common.tls.roles import role_uri
+
+    objects = rendered(OVERLAYS["production-gpu"])
+    config = overlay_config(objects)
+    assert config.tls.enabled and config.tls.public_tls
+    issuer = one(objects, "Issuer", "ballast-ca")
+    _require(issuer, "spec.ca.secretName")
+    mount = str(PurePosixPath(config.tls.cert_file).parent)
+    assert {str(PurePosixPath(f).parent) for f in (config.tls.ca_file, config.tls.key_file)} == {mount}
+    for role in ("router", "worker", "cache", "backfill"):
+        name = f"ballast-{role}"
+        certificate = one(objects, "Certificate", name)
+        _require(certificate, "spec.secretName", "spec.issuerRef.name", "spec.duration", "spec.renewBefore")
+        spec = certificate["spec"]
+        assert spec["issuerRef"] == {"name": "ballast-ca", "kind": "Issuer"}
+        # The role the peer check reads, and the name clients verify.
+        assert spec["uris"] == [role_uri(role)]
+        assert config.tls.target_name_override in spec["dnsNames"]
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+        pod = one(objects, "Deployment", name)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts[mount]["readOnly"] is True
+        assert volumes[mounts[mount]["name"]]["secret"]["secretName"] == spec["secretName"]
+    # The local overlay stays plaintext, like `ballast up`.
+    assert not overlay_config(rendered(OVERLAYS["local-cpu"])).tls.enabled

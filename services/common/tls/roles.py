@@ -32,6 +32,13 @@ RULES: dict[str, frozenset[str] | None] = {
 }
 
 
+# What a call that arrives without TLS (on `tls.health_port`, or on the router's public port
+# when that port is plaintext) may reach while TLS is on.
+HEALTH_ONLY = frozenset({"grpc.health.v1.Health"})
+PUBLIC_PLAINTEXT = HEALTH_ONLY | {"ballast.v1.Inference", "grpc.reflection.v1alpha.ServerReflection",
+                                  "grpc.reflection.v1.ServerReflection"}
+
+
 def role_uri(role: str) -> str:
     return f"{ROLE_URI_PREFIX}{role}"
 

@@ -23,6 +23,11 @@ class TLSConfig(Section):
     require_client_cert_public: bool = Field(
         False, description="With enabled and public_tls: the router's public port also requires a client "
                            "certificate signed by ca_file.")
+    health_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="With enabled: a plaintext port that serves only grpc.health.v1, for probes that cannot "
+                    "speak TLS (the kubelet's gRPC probes); every other call there is PERMISSION_DENIED. "
+                    "Unset: none.")
     target_name_override: str = Field(
         "", description="Name checked against servers' certificates instead of the dialled host (for "
                         "certificates that name a service rather than each address); empty: the host.")
