@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 RESULTS_DIR = Path("bench/results")
+# The simulated engine's timing in the sim benchmarks: an 8B model on an H100-class GPU.
+SIM_PROFILE = Path("deploy/sim/h100-llama-3.1-8b.json")
+
+
+def sim_worker_settings() -> dict:
+    """The `worker` config of a sim benchmark's workers (the profile by absolute path: the
+    services run in their state folder)."""
+    return {"sim_profile": str(SIM_PROFILE.resolve())}
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -18,7 +18,12 @@ done, no interrupted stream, no lost, duplicated or wrong token, resume gap p99 
 300 ms (the routed phase runs in `--reps` repetitions sharing the kills; the gap p99 is judged
 on their median). Prints a table, writes bench/results/failover.json, exits 1 when a goal is missed.
 
+`--engine sim` runs it on simulated workers (32 by default, a kill every 2 s, the timing of
+bench.common.SIM_PROFILE; waiting is sleeping, so the resume gap is the mesh's and not a re-prefill competing for the cores), and
+writes bench/results/failover_sim.json beside the torch run's failover.json.
+
     python -m bench.failover [--kills 100] [--reps 3] [--interval 2.5] [--clients 8] [--restart keeper|cold]
+                             [--engine torch|sim]
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
+from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
 from bench.goals import LOWER, HIGHER, Goal, judge, print_goals
 from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, open_channel
@@ -332,14 +337,17 @@ class Kills:
 
 
 def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, workers: int = 4,
-                  out: Path = Path("bench/results/failover.json"), restart: str = "keeper", reps: int = 3) -> int:
+                  out: Path = Path("bench/results/failover.json"), restart: str = "keeper", reps: int = 3,
+                  engine: str = "torch") -> int:
     model_dir = model_dir_for("tiny")
     cold = restart == "cold"
     # A keeper may restart its worker every few seconds here: no crash-loop cut-off.
-    overrides = {} if cold else {"worker": {"respawn": True, "respawn_max": 10 * kills}}
+    overrides = {"worker": {} if cold else {"respawn": True, "respawn_max": 10 * kills}}
+    if engine == "sim":
+        overrides["worker"].update(sim_worker_settings())
     with tempfile.TemporaryDirectory(prefix="ballast-failover-") as state:
         spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=workers, lease_ttl_s=3,
-                        worker_capacity=8, overrides=overrides)
+                        worker_capacity=8, overrides=overrides, engine=engine)
         mesh = Mesh(spec).start()
         try:
             references, prompt_ids = asyncio.run(_references(mesh))
@@ -365,7 +373,7 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
         rows.append([name, killer.done, sum(killer.hit), t.streams, t.interrupted, t.degraded, t.lost_tokens,
                      t.duplicated_tokens, t.wrong_tokens, t.resumes, t.retried, t.repeated_tokens,
                      percentile(t.gaps_ms, 99), percentile(killer.restart_s, 50), f"{secs:.0f}s"])
-    print(f"\nstreams under worker kills ({clients} clients, {workers} workers, a kill every {interval}s of a worker "
+    print(f"\nstreams under worker kills ({clients} clients, {workers} {engine} workers, a kill every {interval}s of a worker "
           f"serving a stream, {restart} restarts)")
     print_table(["path", "kills", "streams hit", "streams", "interrupted", "degraded", "lost", "duplicated",
                  "wrong", "resumes", "retried", "repeated tokens", "gap p99 ms", "restart p50 s", "time"], rows)
@@ -399,7 +407,7 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
         "retry_baseline_extra_p99_ms": percentile(careful.retry_extra_ms, 99),
         "retry_baseline_wrong_tokens": careful.wrong_tokens,
         "errors": routed.errors, "baseline_errors": direct.errors, "retry_baseline_errors": careful.errors,
-        "clients": clients, "workers": workers, "interval_s": interval, "engine": "torch",
+        "clients": clients, "workers": workers, "interval_s": interval, "engine": engine,
     }
     measured = {k: v for k, v in result.items() if isinstance(v, (int, float))}
     result.update(judge(GOALS, {**measured, "resume_gap_p99_ms": gap_p99_per_rep}))
@@ -416,15 +424,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--reps", type=int, default=3,
                         help="repetitions of the routed phase, sharing the kills; its gap p99 is judged on the median")
-    parser.add_argument("--interval", type=float, default=2.5)
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/failover.json"))
+    parser.add_argument("--engine", choices=("torch", "sim"), default="torch")
+    parser.add_argument("--interval", type=float, default=None, help="seconds between kills (torch 2.5, sim 2)")
+    parser.add_argument("--clients", type=int, default=None, help="streams at once (torch 8, sim 32)")
+    parser.add_argument("--workers", type=int, default=None, help="torch 4, sim 32")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default bench/results/failover.json (sim: failover_sim.json)")
     parser.add_argument("--restart", choices=("keeper", "cold"), default="keeper",
                         help="who restarts a killed worker: its keeper (worker.respawn) or a new process")
     args = parser.parse_args(argv)
     stop_on_sigterm()
-    return run_benchmark(args.kills, args.interval, args.clients, args.workers, args.out, args.restart, args.reps)
+    sim = args.engine == "sim"
+    interval = args.interval or (2.0 if sim else 2.5)
+    clients = args.clients or (32 if sim else 8)
+    workers = args.workers or (32 if sim else 4)
+    out = args.out or Path("bench/results/failover_sim.json" if sim else "bench/results/failover.json")
+    return run_benchmark(args.kills, interval, clients, workers, out, args.restart, args.reps, args.engine)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,17 @@ counted apart: it is an answer, not the model's. The flood runs in a process of 
 a promotion's traffic comes from other clients than a payment's: the S client's measured
 latency is then the mesh's, not the flood's client work on the same event loop.
 
-Goals, judged in code: S p99 under the flood at most 1.3 x unloaded; FIFO's S p99 at least
-5 x tiered's; no S errors. Prints a table, writes bench/results/tiers.json, exits 1 when a
-goal is missed.
+`--engine sim` runs the same phases on simulated workers (bench.common.SIM_PROFILE, an 8B
+model on an H100-class GPU: waiting is sleeping, so the two cores are left to the mesh and
+the clients) with more slots, and S
+requests arriving open loop too (Poisson, `S_RATE_SIM` per second: at least 1000 S samples
+per phase of 25 s); its result goes to bench/results/tiers_sim.json, beside the torch run's.
 
-    python -m bench.tiers [--seconds 20] [--reps 3] [--preset bench]
+Goals, judged in code: S p99 under the flood at most 1.3 x unloaded; FIFO's S p99 at least
+5 x tiered's; no S errors. Prints a table, writes bench/results/tiers.json (tiers_sim.json),
+exits 1 when a goal is missed.
+
+    python -m bench.tiers [--seconds 20] [--reps 3] [--preset bench] [--engine torch|sim]
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
+from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from ballast.v1 import inference_pb2_grpc
 from services.cli.client import chat_request, open_channel
@@ -45,6 +52,11 @@ WORKERS = 2
 FLOOD_FACTOR = 3.0  # B arrivals per second over the measured B capacity
 MAX_B_IN_FLIGHT = 200
 CAPACITY_SECONDS = 8.0
+# The simulated engine: more slots per worker (a GPU's batch), more B in flight, and S
+# arriving open loop at this rate (each a new request, answered or not).
+CAPACITY_PER_WORKER_SIM = 16
+MAX_B_IN_FLIGHT_SIM = 1000
+S_RATE_SIM = 50.0
 GOALS = (
     Goal("S p99 TTFT under the B flood over unloaded", "loaded_vs_unloaded", 1.3, LOWER, "x"),
     Goal("FIFO's S p99 TTFT over tiered's, same flood", "fifo_vs_tiered", 5.0, HIGHER, "x"),
@@ -66,21 +78,41 @@ async def _ttft(stub, request, timeout: float) -> tuple[float, bool]:
     return ((first or time.perf_counter()) - start) * 1000, degraded
 
 
+async def _s_request(stub, i: int, out: dict) -> None:
+    request = chat_request(f"Confirm payment {i} for order {4000 + i}.", max_tokens=16, raw_prompt=True, tier="S")
+    try:
+        ttft, degraded = await _ttft(stub, request, timeout=30)
+        if degraded:
+            out["s_degraded"] += 1
+        else:
+            out["s_ttft"].append(ttft)
+    except grpc.aio.AioRpcError as exc:
+        out["s_errors"] += 1
+        out["s_error_codes"].append(exc.code().name)
+
+
+async def _s_open_loop(stub, seconds: float, rate: float, out: dict) -> None:
+    """S requests arriving at `rate` per second (Poisson), whether or not earlier ones were answered."""
+    rng = random.Random(20261202)
+    pending: set[asyncio.Task] = set()
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        await asyncio.sleep(rng.expovariate(rate))
+        i += 1
+        task = asyncio.create_task(_s_request(stub, i, out))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+    if pending:
+        await asyncio.wait(pending, timeout=60)
+
+
 async def _s_stream(stub, seconds: float, interval: float, out: dict) -> None:
     end = time.monotonic() + seconds
     i = 0
     while time.monotonic() < end:
         i += 1
-        request = chat_request(f"Confirm payment {i} for order {4000 + i}.", max_tokens=16, raw_prompt=True, tier="S")
-        try:
-            ttft, degraded = await _ttft(stub, request, timeout=30)
-            if degraded:
-                out["s_degraded"] += 1
-            else:
-                out["s_ttft"].append(ttft)
-        except grpc.aio.AioRpcError as exc:
-            out["s_errors"] += 1
-            out["s_error_codes"].append(exc.code().name)
+        await _s_request(stub, i, out)
         await asyncio.sleep(interval)
 
 
@@ -103,7 +135,7 @@ def _new_out() -> dict:
             "b_ttft": [], "b_done": 0, "b_refused": 0, "b_errors": 0, "b_offered": 0, "b_shed_by_client": 0}
 
 
-async def _b_capacity(address: str, seconds: float) -> float:
+async def _b_capacity(address: str, seconds: float, slots: int) -> float:
     """B requests per second the pool completes with every slot busy (closed loop)."""
     out = _new_out()
     end = time.monotonic() + seconds
@@ -117,11 +149,11 @@ async def _b_capacity(address: str, seconds: float) -> float:
     async with open_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         started = time.monotonic()
-        await asyncio.gather(*(client(k) for k in range(CAPACITY_PER_WORKER * WORKERS)))
+        await asyncio.gather(*(client(k) for k in range(slots)))
         return out["b_done"] / (time.monotonic() - started)
 
 
-async def _flood(address: str, seconds: float, rate: float, started) -> dict:
+async def _flood(address: str, seconds: float, rate: float, started, max_in_flight: int = MAX_B_IN_FLIGHT) -> dict:
     """Open-loop B arrivals at `rate` per second for `seconds`; waits for the answers."""
     out = _new_out()
     rng = random.Random(20261201)
@@ -135,7 +167,7 @@ async def _flood(address: str, seconds: float, rate: float, started) -> dict:
             await asyncio.sleep(rng.expovariate(rate))
             i += 1
             out["b_offered"] += 1
-            if len(pending) >= MAX_B_IN_FLIGHT:
+            if len(pending) >= max_in_flight:
                 out["b_shed_by_client"] += 1  # bounded, so the load stays on loopback and in memory
                 continue
             task = asyncio.create_task(_b_request(stub, f"flood-{i}", out))
@@ -146,23 +178,42 @@ async def _flood(address: str, seconds: float, rate: float, started) -> dict:
     return out
 
 
-def _flood_process(address: str, seconds: float, rate: float, started, results) -> None:
-    results.put(asyncio.run(_flood(address, seconds, rate, started)))
+def _flood_process(address: str, seconds: float, rate: float, started, results, max_in_flight: int) -> None:
+    results.put(asyncio.run(_flood(address, seconds, rate, started, max_in_flight)))
 
 
-async def _phase(address: str, seconds: float, flood_rate: float = 0.0) -> dict:
+@dataclass(frozen=True)
+class Setup:
+    """What differs between the engines: slots per worker, B in flight, how S arrives."""
+
+    engine: str
+    capacity_per_worker: int
+    max_b_in_flight: int
+    s_rate: float | None  # None: one S client, a request every 0.25 s after the last answer
+
+
+TORCH = Setup("torch", CAPACITY_PER_WORKER, MAX_B_IN_FLIGHT, None)
+SIM = Setup("sim", CAPACITY_PER_WORKER_SIM, MAX_B_IN_FLIGHT_SIM, S_RATE_SIM)
+
+
+async def _phase(address: str, seconds: float, flood_rate: float = 0.0, setup: Setup = TORCH) -> dict:
     process = None
     if flood_rate:
         context = multiprocessing.get_context("spawn")
         started, results = context.Event(), context.Queue()
-        process = context.Process(target=_flood_process, args=(address, seconds, flood_rate, started, results), daemon=True)
+        process = context.Process(target=_flood_process,
+                                  args=(address, seconds, flood_rate, started, results, setup.max_b_in_flight),
+                                  daemon=True)
         process.start()
         await asyncio.to_thread(started.wait, 60)
     out = _new_out()
     try:
         async with open_channel(address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
-            await _s_stream(stub, seconds, interval=0.25, out=out)
+            if setup.s_rate is None:
+                await _s_stream(stub, seconds, interval=0.25, out=out)
+            else:
+                await _s_open_loop(stub, seconds, setup.s_rate, out)
         if process is not None:
             flood_out = await asyncio.to_thread(results.get, True, seconds + 120)
             for key in ("b_ttft", "b_done", "b_refused", "b_errors", "b_offered", "b_shed_by_client"):
@@ -185,30 +236,33 @@ def _preemptions(mesh: Mesh) -> float:
 
 
 def _run_mode(mode: str, model_dir: Path, seconds: float, with_unloaded: bool, reps: int,
-              flood_rate: float | None = None) -> dict:
+              flood_rate: float | None = None, setup: Setup = TORCH) -> dict:
     """One mesh in `mode`, `reps` repetitions of its phases; measures the B capacity first
     when `flood_rate` is not given."""
     with tempfile.TemporaryDirectory(prefix=f"ballast-tiers-{mode}-") as state:
         spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=WORKERS,
-                        worker_capacity=CAPACITY_PER_WORKER,
-                        overrides={"router": {"scheduling": {"mode": mode}}, "worker": {"model_name": "tiny"}})
+                        worker_capacity=setup.capacity_per_worker, engine=setup.engine,
+                        overrides={"router": {"scheduling": {"mode": mode}},
+                                   "worker": {"model_name": "tiny",
+                                              **(sim_worker_settings() if setup.engine == "sim" else {})}})
         mesh = Mesh(spec).start()
         try:
             result = {}
             # Warm-up, not measured: the first requests load the tokenizer into the router and
             # open connections, which neither reference nor load should be charged for.
-            asyncio.run(_phase(mesh.router_address, 2.0))
+            asyncio.run(_phase(mesh.router_address, 2.0, setup=setup))
             if flood_rate is None:
-                result["b_capacity_per_s"] = asyncio.run(_b_capacity(mesh.router_address, CAPACITY_SECONDS))
+                result["b_capacity_per_s"] = asyncio.run(
+                    _b_capacity(mesh.router_address, CAPACITY_SECONDS, setup.capacity_per_worker * WORKERS))
                 flood_rate = FLOOD_FACTOR * result["b_capacity_per_s"]
             result["flood_rate_per_s"] = flood_rate
             result["runs"] = []
             for _ in range(reps):
                 run = {}
                 if with_unloaded:
-                    run["unloaded"] = asyncio.run(_phase(mesh.router_address, seconds))
+                    run["unloaded"] = asyncio.run(_phase(mesh.router_address, seconds, setup=setup))
                 before = _preemptions(mesh)
-                run["loaded"] = asyncio.run(_phase(mesh.router_address, seconds, flood_rate))
+                run["loaded"] = asyncio.run(_phase(mesh.router_address, seconds, flood_rate, setup))
                 run["preemptions"] = _preemptions(mesh) - before
                 result["runs"].append(run)
             return result
@@ -243,15 +297,16 @@ def _summary(tiered_run: dict, fifo_run: dict, seconds: float) -> dict:
 
 
 def run_benchmark(seconds: float = 20.0, preset: str = "bench", out: Path = Path("bench/results/tiers.json"),
-                  reps: int = 3) -> int:
+                  reps: int = 3, engine: str = "torch") -> int:
     model_dir = model_dir_for(preset)
-    tiered = _run_mode("tiered", model_dir, seconds, with_unloaded=True, reps=reps)
+    setup = SIM if engine == "sim" else TORCH
+    tiered = _run_mode("tiered", model_dir, seconds, with_unloaded=True, reps=reps, setup=setup)
     # FIFO gets the same offered load: the capacity is the hardware's, not the mode's.
     fifo = _run_mode("fifo", model_dir, seconds, with_unloaded=False, reps=reps,
-                     flood_rate=tiered["flood_rate_per_s"])
+                     flood_rate=tiered["flood_rate_per_s"], setup=setup)
     runs = [_summary(t, f, seconds) for t, f in zip(tiered["runs"], fifo["runs"])]
-    print(f"\nS-tier TTFT under a B flood ({reps} x {seconds:.0f}s per phase, {WORKERS} workers x "
-          f"{CAPACITY_PER_WORKER} slots, {preset} model)")
+    print(f"\nS-tier TTFT under a B flood ({reps} x {seconds:.0f}s per phase, {WORKERS} {engine} workers x "
+          f"{setup.capacity_per_worker} slots, {preset} model)")
     print(f"B capacity {tiered['b_capacity_per_s']:.1f} requests/s; open-loop flood "
           f"{tiered['flood_rate_per_s']:.1f} requests/s")
     rows = []
@@ -268,7 +323,8 @@ def run_benchmark(seconds: float = 20.0, preset: str = "bench", out: Path = Path
     measured = {"loaded_vs_unloaded": [r["loaded_vs_unloaded"] for r in runs],
                 "fifo_vs_tiered": [r["fifo_vs_tiered"] for r in runs],
                 "s_errors": sum(r["s_errors"] for r in runs)}
-    result.update({"runs": runs, "reps": reps, "seconds": seconds, "preset": preset, "engine": "torch",
+    result.update({"runs": runs, "reps": reps, "seconds": seconds, "preset": preset, "engine": engine,
+                   "s_arrivals": "closed loop, 0.25 s apart" if setup.s_rate is None else f"open loop, {setup.s_rate:g}/s",
                    "b_capacity_per_s": tiered["b_capacity_per_s"], "flood_rate_per_s": tiered["flood_rate_per_s"],
                    **judge(GOALS, measured)})
     print_goals(result)
@@ -278,13 +334,17 @@ def run_benchmark(seconds: float = 20.0, preset: str = "bench", out: Path = Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
+    parser.add_argument("--seconds", type=float, default=None, help="length of each phase (torch 20, sim 25)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions; ratios are judged on the median")
     parser.add_argument("--preset", choices=["tiny", "bench"], default="bench")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
+    parser.add_argument("--engine", choices=("torch", "sim"), default="torch")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/tiers.json (sim: tiers_sim.json)")
     args = parser.parse_args(argv)
     stop_on_sigterm()
-    return run_benchmark(args.seconds, args.preset, args.out, args.reps)
+    sim = args.engine == "sim"
+    seconds = args.seconds or (25.0 if sim else 20.0)
+    out = args.out or Path("bench/results/tiers_sim.json" if sim else "bench/results/tiers.json")
+    return run_benchmark(seconds, args.preset, out, args.reps, args.engine)
 
 
 if __name__ == "__main__":

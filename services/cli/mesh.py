@@ -75,6 +75,7 @@ class ServiceProcess:
     env: dict[str, str]
     address: str = ""
     metrics_port: int = 0
+    args: tuple[str, ...] = ()
 
     @property
     def pid(self) -> int | None:
@@ -103,17 +104,35 @@ def engine_settings(engine: str, model_dir: Path) -> dict:
     raise ValueError(f"unknown engine {engine!r}: torch, vllm or sim")
 
 
-def _read_ready_line(log_path: Path, offset: int, name: str) -> str | None:
+def _read_ready_lines(log_path: Path, offset: int, name: str) -> list[str]:
     try:
         with open(log_path, "rb") as log:
             log.seek(offset)
             text = log.read().decode(errors="replace")
     except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(f"READY {name}"):
-            return line
-    return None
+        return []
+    return [line for line in text.splitlines() if line.startswith(f"READY {name} ")]
+
+
+def _read_ready_line(log_path: Path, offset: int, name: str) -> str | None:
+    lines = _read_ready_lines(log_path, offset, name)
+    return lines[0] if lines else None
+
+
+@dataclass(frozen=True)
+class SimWorker:
+    """One worker of a sim host, from its READY line."""
+
+    id: str
+    address: str
+    metrics_port: int
+
+    @classmethod
+    def from_ready_line(cls, line: str) -> "SimWorker":
+        # READY worker <address> metrics=<port> id=<worker id>
+        parts = dict(part.split("=", 1) for part in line.split()[3:] if "=" in part)
+        metrics = line.split()[3].split("=", 1)[1]
+        return cls(id=parts.get("id", ""), address=line.split()[2], metrics_port=int(metrics))
 
 
 class Mesh:
@@ -140,6 +159,8 @@ class Mesh:
         self.infra: list[LocalServer] = [self.etcd, self.redis, self.kafka]
         self.services: list[ServiceProcess] = []
         self._worker_seq = 0
+        self._router_seq = 1  # "router" is the first
+        self._host_seq = 0
         # Restarts may run in threads (fault benchmarks): guard the service list and mesh.json.
         self._lock = threading.RLock()
 
@@ -196,18 +217,19 @@ class Mesh:
 
     # -- services ---------------------------------------------------------------------------
 
-    def _service_process(self, name: str, module: str, env: dict[str, str]) -> ServiceProcess:
+    def _service_process(self, name: str, module: str, env: dict[str, str],
+                         args: tuple[str, ...] = ()) -> ServiceProcess:
         env = {"BALLAST_CONFIG": str(self.config_path), "PYTHONUNBUFFERED": "1", **env}
         if self.spec.secure:
             env = {**role_env(self.certs_dir, name.split("-")[0], backing=("etcd", "redis")), **env}
         process = ManagedProcess(
             name,
-            [sys.executable, "-m", module],
+            [sys.executable, "-m", module, *args],
             log_path=self.state_dir / "logs" / f"{name}.log",
             env=env,
             cwd=self.state_dir,
         )
-        return ServiceProcess(name, process, env)
+        return ServiceProcess(name, process, env, args=tuple(args))
 
     def _spawn(self, service: ServiceProcess) -> int:
         """Starts the process; returns the log offset its READY line will come after."""
@@ -267,6 +289,46 @@ class Mesh:
         service = self._new_worker(extra_env)
         self._launch_all([(service, "worker")], timeout or self.spec.start_timeout_s)
         return service
+
+    def start_router(self, timeout: float | None = None) -> ServiceProcess:
+        """Another router on the same etcd, cache and backfill, on a port of its own and
+        without the HTTP front: several routers share the clients (bench.mesh_scale)."""
+        self._router_seq += 1
+        name = f"router-{self._router_seq}"
+        env = {"BALLAST__ROUTER__PORT": str(free_ports(1)[0]), "BALLAST__ROUTER__HTTP_PORT": "null"}
+        service = self._service_process(name, "services.router", env)
+        self._launch_all([(service, "router")], timeout or self.spec.start_timeout_s)
+        return service
+
+    def routers(self) -> list[ServiceProcess]:
+        return [s for s in self.services if s.name == "router" or s.name.startswith("router-")]
+
+    def start_sim_host(self, count: int, restart_after_s: float | None = None,
+                       timeout: float | None = None) -> tuple[ServiceProcess, list[SimWorker]]:
+        """`count` sim workers in one process (services.worker.sim.host), each registered in
+        etcd on its own port; returns the process and its workers (in READY order)."""
+        self._host_seq += 1
+        name = f"simhost-{self._host_seq}"
+        args = ["--count", str(count)]
+        if restart_after_s is not None:
+            args += ["--restart-after", str(restart_after_s)]
+        service = self._service_process(name, "services.worker.sim.host", {"BALLAST__WORKER__ID": name},
+                                        tuple(args))
+        with self._lock:
+            self.services.append(service)
+        offset = self._spawn(service)
+        self.save_state()
+        workers: list[SimWorker] = []
+
+        def probe() -> bool:
+            lines = _read_ready_lines(service.process.log_path, offset, "worker")
+            workers[:] = [SimWorker.from_ready_line(line) for line in lines]
+            return len(workers) >= count
+
+        wait_until_ready(service.process, probe, timeout or self.spec.start_timeout_s, what="ready")
+        service.address = workers[0].address
+        self.save_state()
+        return service, workers
 
     def restart_service(self, service: ServiceProcess, timeout: float | None = None) -> ServiceProcess:
         """Starts a stopped service again with the same identity and settings."""

@@ -178,6 +178,13 @@ class WorkerRegistration:
             except TimeoutError:
                 pass
 
+    async def abandon(self) -> None:
+        """Stops refreshing without revoking: the lease expires as a dead process's would
+        (a simulated worker's crash)."""
+        await stop_task(self._task)
+        self._task = None
+        await self._reset_client()
+
     async def stop(self) -> None:
         """Stops refreshing and revokes the lease, so routers drop this worker at once."""
         await stop_task(self._task)

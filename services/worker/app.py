@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -55,8 +56,10 @@ def make_engine(config: BallastConfig) -> Engine:
     if worker.engine == "sim":
         from services.worker.sim import SimEngine, SimProfile
 
+        from services.worker.sim.faults import SimFaults
+
         return SimEngine(worker.model_dir, worker.model_name, SimProfile.load(worker.sim_profile),
-                         max_concurrency=worker.max_concurrency)
+                         max_concurrency=worker.max_concurrency, faults=SimFaults.from_dict(worker.sim_faults))
     raise ValueError(f"config field 'worker.engine': engine {worker.engine!r} is not available here")
 
 
@@ -76,6 +79,8 @@ class WorkerApp:
     session_kv: SessionKV | None = None
     # Warm standby role and its watch (promotion by the autoscaler).
     standby: StandbyControl | None = None
+    # A sim worker's fault knobs (services.worker.sim.control); None for real engines.
+    sim_faults: object | None = None
 
     @property
     def address(self) -> str:
@@ -96,11 +101,15 @@ class WorkerApp:
             queued=stats.waiting,
             kv_used=round(stats.kv_used, 4),
             temperature_c=self.temperature.read(),
-            healthy=not self.state.draining and not self.is_standby,
+            healthy=not self.state.draining and not self.is_standby and not self.fails_health,
             draining=self.state.draining,
             standby=self.is_standby,
             max_context=model.max_context,
         )
+
+    @property
+    def fails_health(self) -> bool:
+        return bool(getattr(self.sim_faults, "unhealthy", False))
 
     @property
     def is_standby(self) -> bool:
@@ -122,6 +131,8 @@ class WorkerApp:
         # restart) waiting forever.
         if self.standby is not None:
             await _bounded("standby watch stop", self.standby.stop(), 5.0)
+        if self.sim_faults is not None:
+            await _bounded("sim fault watch stop", self.sim_faults.stop(), 5.0)
         await _bounded("etcd deregistration", self.registration.stop(), 10.0)
         await _bounded("gRPC server stop", self.server.stop(1.0), 5.0)
         if self.session_kv is not None:
@@ -143,8 +154,17 @@ def _default_worker_id(host: str, port: int) -> str:
     return f"{socket.gethostname()}-{port}-{os.getpid()}"
 
 
-async def create_server(config: BallastConfig, engine: Engine | None = None) -> WorkerApp:
-    """Loads the engine, starts serving on the configured port (0 picks one), registers."""
+def _exit_now() -> None:
+    """A sim worker told to crash: the process ends as a killed one would, no drain, no
+    deregistration (the lease expires)."""
+    log.warning("sim fault: crashing now")
+    os._exit(70)
+
+
+async def create_server(config: BallastConfig, engine: Engine | None = None,
+                        on_crash: Callable[[], None] = _exit_now) -> WorkerApp:
+    """Loads the engine, starts serving on the configured port (0 picks one), registers.
+    `on_crash`: what a sim worker's `crash` knob does (by default the process exits)."""
     engine = engine or make_engine(config)
     await engine.start()
     telemetry = Telemetry("worker", config.telemetry)
@@ -181,6 +201,16 @@ async def create_server(config: BallastConfig, engine: Engine | None = None) -> 
     await server.start()
     telemetry.start()
     await set_serving(health, [SERVICE_NAME], True)
+    if config.worker.engine == "sim":
+        from services.worker.sim.control import SimFaultControl
+
+        async def set_health(serving: bool) -> None:
+            await set_serving(health, [SERVICE_NAME], serving)
+            app.registration.publish_now()
+
+        app.sim_faults = SimFaultControl(config.etcd, worker_id, engine, app.temperature, servicer.faults,
+                                         set_health, on_crash)
+        await app.sim_faults.start()
     await app.registration.start()
     await app.standby.start()
     try:

@@ -46,6 +46,7 @@ _READY = b"R"
 PRELOAD = {
     "torch": ("torch", "services.worker.torch.llama", "services.worker.torch.model_runner"),
     "vllm": ("torch",),
+    "sim": ("tokenizers", "services.worker.sim.engine", "services.worker.sim.control"),
 }
 
 

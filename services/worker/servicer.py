@@ -102,12 +102,16 @@ def engine_request_from_pb(request: worker_pb2.WorkerGenerateRequest) -> EngineR
 
 
 class FaultInjector:
-    """Chaos testing: makes Generate fail while a file says so. Off unless configured."""
+    """Chaos testing: makes Generate fail while a file says so, or while `refusing` is set
+    (a simulated worker failing its health checks). Off unless configured."""
 
     def __init__(self, path: str) -> None:
         self._path = Path(path) if path else None
+        self.refusing = False
 
     def check(self) -> None:
+        if self.refusing:
+            raise Unavailable("injected fault: failing health checks")
         if self._path is None:
             return
         try:

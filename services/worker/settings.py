@@ -20,6 +20,10 @@ class WorkerConfig(Section):
                              "for measuring the mesh; tokens from the model folder's tokenizer).")
     sim_profile: str = Field("", description="sim engine: a JSON timing profile (deploy/sim/); empty: "
                                              "the built-in default.")
+    sim_faults: dict = Field(
+        default_factory=dict,
+        description="sim engine: fault knobs at start (services/worker/sim/faults.py); while it runs, "
+                    "the etcd key {prefix}sim/faults/{worker id} replaces them.")
     model_dir: str = Field(".ballast/models/tiny", description="Hugging Face model folder.")
     model_name: str = Field("tiny", description="Logical model name clients ask for.")
     pool: str = Field("primary", description="Pool of the model: primary or light.")

@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 class TemperatureSource:
     def __init__(self, override_file: str = "", device_index: int = 0) -> None:
         self._file = Path(override_file) if override_file else None
+        # Set by a simulated worker's fault knobs; wins over the file and NVML.
+        self.override: float | None = None
         self._device_index = device_index
         self._nvml_handle = None
         self._nvml_tried = False
@@ -35,6 +37,8 @@ class TemperatureSource:
         return float(pynvml.nvmlDeviceGetTemperature(self._nvml_handle, pynvml.NVML_TEMPERATURE_GPU))
 
     def read(self) -> float | None:
+        if self.override is not None:
+            return self.override
         if self._file is not None:
             try:
                 return float(self._file.read_text().strip())

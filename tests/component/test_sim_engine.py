@@ -33,3 +33,73 @@ def conformance_model_dir(tiny_model_dir):
 
 class TestSimConformance(EngineConformance):
     pass
+
+
+def _request(max_tokens: int = 30):
+    from services.common.generation import Sampling
+    from services.worker.engine import EngineRequest
+
+    return EngineRequest(request_id="faults", prompt_ids=(5, 6, 7), generated_ids=(),
+                         sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
+
+
+async def test_fail_after_k_tokens_fails_the_stream_there(tiny_model_dir):
+    from services.common.errors import Unavailable
+    from services.worker.sim import SimFaults
+
+    engine = SimEngine(tiny_model_dir, "faults", FAST, faults=SimFaults(fail_after_tokens=7))
+    await engine.start()
+    got = []
+    with pytest.raises(Unavailable):
+        async for delta in engine.generate(_request()):
+            got += delta.token_ids
+    assert len(got) == 7
+    engine.set_faults(SimFaults())
+    whole = [t async for d in engine.generate(_request()) for t in d.token_ids]
+    assert len(whole) == 30 and whole[:7] == got  # cleared: the same stream, whole
+    assert engine.stats().running == 0  # the failed stream gave its slot back
+
+
+async def test_a_hung_engine_produces_nothing_until_cleared(tiny_model_dir):
+    import asyncio
+
+    from services.worker.sim import SimFaults
+
+    engine = SimEngine(tiny_model_dir, "faults", FAST, faults=SimFaults(hang=True))
+    await engine.start()
+    got = []
+
+    async def consume():
+        async for delta in engine.generate(_request(10)):
+            got.extend(delta.token_ids)
+
+    task = asyncio.create_task(consume())
+    for _ in range(20):  # many hang polls' worth of the loop: nothing may come out
+        await asyncio.sleep(0.02)
+    assert got == [] and not task.done()
+    engine.set_faults(SimFaults())
+    await asyncio.wait_for(task, 10)
+    assert len(got) == 10
+
+
+async def test_slowdown_scales_every_wait(tiny_model_dir, monkeypatch):
+    import asyncio
+
+    from services.worker.sim import SimFaults
+    from services.worker.sim import engine as engine_module
+
+    steady = SimProfile(source="tests", prefill_base_ms=4.0, prefill_ms_per_token=0.0, decode_base_ms=2.0,
+                        decode_ms_per_seq=0.0, decode_ms_per_kv_token=0.0, max_num_seqs=4, jitter=0.0)
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(seconds, *args):
+        waits.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(engine_module.asyncio, "sleep", recording_sleep)
+    engine = SimEngine(tiny_model_dir, "faults", steady, faults=SimFaults(slowdown=3.0))
+    await engine.start()
+    waits.clear()
+    [d async for d in engine.generate(_request(5))]
+    assert waits == pytest.approx([0.012] + [0.006] * 4)

@@ -1,11 +1,13 @@
 """Sixteen simulated workers (`worker.engine: sim`), each its own process with a real gRPC
 server registered in etcd, behind the router: streams spread over them, and when some are
 killed with SIGKILL mid-stream every stream still equals its uninterrupted reference token
-for token (the sim's tokens depend on the position only, as a seeded real engine's do)."""
+for token (the sim's tokens depend on the position only, as a seeded real engine's do).
+Their fault knobs, set through etcd while they run, act as they say."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -64,3 +66,80 @@ async def test_streams_survive_sim_workers_killed_mid_stream(mesh, router):
         assert result.token_ids == reference.token_ids
         assert result.indices == list(range(TOKENS))
     assert sum(r.finished.resumes for r in results) >= len(victims)
+
+
+async def set_faults(mesh, worker_name: str, faults: dict | None) -> None:
+    """Writes (or, with None, deletes) a sim worker's fault key in the mesh's etcd."""
+    from services.common.etcd_client import make_client
+    from services.config import load_config
+    from services.worker.sim import faults_key
+
+    etcd = load_config(mesh.config_path, environ={}).etcd
+    client = make_client(etcd)
+    try:
+        key = faults_key(etcd.prefix, worker_name).encode()
+        if faults is None:
+            await client.delete(key)
+        else:
+            await client.put(key, json.dumps(faults).encode())
+    finally:
+        await client.close()
+
+
+async def test_fault_knobs_set_through_etcd_while_the_workers_run(mesh, router):
+    from tests.integration.test_failover import routed_temperature, wait_routing
+
+    workers = [w for w in mesh.workers() if w.process.alive()]
+
+    # Fail after 20 tokens, set on two workers while they hold streams: those streams still
+    # end whole and exact, resumed elsewhere.
+    keys = [(i, True) for i in range(8)]
+    references = await asyncio.gather(*(collect(router, request(i, s), LOCAL_API_KEY, timeout=120) for i, s in keys))
+    streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120)) for i, s in keys]
+    deadline = time.monotonic() + 30
+    while True:
+        busy = [w for w in workers if metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") > 0]
+        if len(busy) >= 2:
+            break
+        assert time.monotonic() < deadline and not all(s.done() for s in streams), "the streams did not spread"
+        await asyncio.sleep(0.05)
+    failing = busy[:2]
+    for worker in failing:
+        await set_faults(mesh, worker.name, {"fail_after_tokens": 20})
+    try:
+        results = await asyncio.gather(*streams)
+    finally:
+        for worker in failing:
+            await set_faults(mesh, worker.name, None)
+    for result, reference in zip(results, references):
+        assert_served(result)
+        assert result.token_ids == reference.token_ids
+    assert sum(r.finished.resumes for r in results) >= 1
+    hot, sick, doomed = [w for w in workers if w not in failing][:3]
+
+    # A reported temperature reaches the router and takes the worker out as hot; cleared, back in.
+    await set_faults(mesh, hot.name, {"temperature_c": 95})
+    await wait_routing(mesh, hot.name, "hot")
+    assert await routed_temperature(mesh, hot.name) == 95
+    await set_faults(mesh, hot.name, None)
+    await wait_routing(mesh, hot.name, "none")
+
+    # Failing health: out of routing as unhealthy; cleared, back in.
+    await set_faults(mesh, sick.name, {"fail_health": True})
+    await wait_routing(mesh, sick.name, "unhealthy")
+    await set_faults(mesh, sick.name, None)
+    await wait_routing(mesh, sick.name, "none")
+
+    # A value that does not parse changes nothing and leaves the worker up.
+    await set_faults(mesh, sick.name, {"no_such_knob": 1})
+    assert_served(await collect(router, request(0, False), LOCAL_API_KEY, timeout=60))
+    assert sick.process.alive()
+    await set_faults(mesh, sick.name, None)
+
+    # Crash: the process ends at once, without deregistering.
+    await set_faults(mesh, doomed.name, {"crash": True})
+    deadline = time.monotonic() + 20
+    while doomed.process.alive():
+        assert time.monotonic() < deadline, "the worker did not crash"
+        await asyncio.sleep(0.05)
+    assert doomed.process.exit_status() == 70

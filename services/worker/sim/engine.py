@@ -7,6 +7,9 @@ step as the profile says, and streams token ids from `tokens` over the model fol
 tokenizer, with the same incremental detokenization and stop strings as the other engines.
 Waiting is sleeping, so a sim worker uses almost no CPU: many of them measure Ballast, not
 model compute. EOS ids are never drawn; a stream ends at max_tokens or a stop string.
+
+`faults` (services.worker.sim.faults) makes it misbehave on purpose: fail streams after k
+tokens, hang, run slower, or take its time to start.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ from services.common.errors import Unavailable
 from services.worker.detokenizer import TextStream, finished_before_start
 from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, TokenDelta
 from services.worker.model_files import describe_model
+from services.worker.sim.faults import SimFaults
 from services.worker.sim.prefix import PrefixCache
 from services.worker.sim.profile import SimProfile
 from services.worker.sim.tokens import TokenSource
 from services.worker.validation import validate_request
+
+
+_HANG_POLL_S = 0.05
 
 
 class _Slots:
@@ -68,10 +75,12 @@ class _Slots:
 
 class SimEngine:
     def __init__(self, model_dir: Path, model_name: str, profile: SimProfile | None = None, *,
-                 max_concurrency: int | None = None, eos_token_ids: Sequence[int] | None = None) -> None:
+                 max_concurrency: int | None = None, eos_token_ids: Sequence[int] | None = None,
+                 faults: SimFaults | None = None) -> None:
         from tokenizers import Tokenizer
 
         self.profile = profile or SimProfile()
+        self.faults = faults or SimFaults()
         description = describe_model(Path(model_dir), model_name)
         if eos_token_ids is not None:
             description = replace(description, eos_token_ids=tuple(int(i) for i in eos_token_ids))
@@ -95,7 +104,12 @@ class SimEngine:
         return self._description
 
     async def start(self) -> None:
+        await asyncio.sleep(self.faults.ready_delay_s)
         self._serving = True
+
+    def set_faults(self, faults: SimFaults) -> None:
+        """New fault knobs; streams already running follow them from their next step."""
+        self.faults = faults
 
     async def stop(self) -> None:
         self._serving = False
@@ -108,7 +122,15 @@ class SimEngine:
         return self._generate(request)
 
     async def _sleep(self, ms: float) -> None:
-        await asyncio.sleep(self.profile.jittered(ms, self._rng) / 1000)
+        await asyncio.sleep(self.profile.jittered(ms, self._rng) * self.faults.slowdown / 1000)
+        while self.faults.hang:
+            # Polled: a hung engine produces nothing until the knob is cleared.
+            await asyncio.sleep(_HANG_POLL_S)
+
+    def _check_fail_after(self, produced: int) -> None:
+        limit = self.faults.fail_after_tokens
+        if limit is not None and produced >= limit:
+            raise Unavailable(f"sim fault: the engine failed after {limit} tokens")
 
     def _seed(self, request: EngineRequest) -> int:
         s = request.sampling
@@ -140,6 +162,7 @@ class SimEngine:
             for i in range(s.max_tokens):
                 if i:
                     await self._sleep(self.profile.decode_step_ms(self._slots.running, sum(self._kv_tokens.values())))
+                self._check_fail_after(i)
                 token = self._tokens.token(seed, prompt_key, len(context) + i)
                 self._kv_tokens[key] += 1
                 self._generated_total += 1

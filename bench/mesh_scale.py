@@ -1,0 +1,363 @@
+"""What Ballast itself costs as its work grows: simulated workers, 1 to 64 of them, 10 to
+1000 concurrent streams, 1 to 4 routers.
+
+The workers run the simulated engine (`worker.engine: sim`, bench.common.SIM_PROFILE: an 8B
+model on an H100-class GPU; waiting is sleeping), several to a process (services.worker.sim.host), each a real gRPC server with its
+own etcd record. Model compute is out of the picture, so what is measured is the mesh: the
+router's admission, routing and relay, gRPC, etcd membership.
+
+For each number of workers (added as the run goes: 1, 4, 16, 64) and each number of
+concurrent streams (closed loop: each client starts its next stream when one ends), the
+same load runs first straight to the workers (the baseline: Worker/Generate round robin,
+prompt ids prepared beforehand) and then through 1, 2 and 4 routers (clients spread evenly).
+For each point: added TTFT p50/p99 (routed minus direct, same workers and streams), router
+CPU seconds per 1000 relayed tokens (from /proc, every router summed), relayed tokens/s (per
+router process too). For each number of workers, the time a change of one worker's record
+(its health failing) takes to reach every one of four routers.
+
+The load generator is one process, and it shares this machine's cores with the routers and
+the sim hosts: at the largest points the machine (not a router) saturates, and the result
+says so (`cpu_busy`, from /proc/stat, next to each point).
+
+Goals, judged in code: added TTFT <= 1 ms p50 and <= 3 ms p99 up to 100 streams (one
+router); router CPU per 1000 tokens within 20 % from 4 to 64 workers (100 streams, one
+router); two routers relay >= 1.8 x what one does (64 workers, the most streams).
+Writes bench/results/mesh_scale.json (a row per point) and mesh_scale_cost.png; exits 1 when a
+goal is missed.
+
+    python -m bench.mesh_scale [--seconds 4] [--workers 1,4,16,64] [--streams 10,100,1000] [--routers 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
+from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
+
+TOKENS = 32
+WORKERS_PER_HOST = 16
+GOALS = (
+    Goal("added TTFT p50 up to 100 streams (1 router)", "added_ttft_p50_ms_upto_100", 1.0, LOWER, " ms"),
+    Goal("added TTFT p99 up to 100 streams (1 router)", "added_ttft_p99_ms_upto_100", 3.0, LOWER, " ms"),
+    Goal("router CPU per 1k tokens, 64 over 4 workers (spread)", "cpu_per_token_spread", 0.2, LOWER),
+    Goal("2 routers' relayed tokens/s over 1 router's", "two_router_scaling", 1.8, HIGHER, "x"),
+)
+
+
+# -- load (runs in a process of its own) -------------------------------------------------------
+
+
+async def _stream_load(kind: str, targets: list[str], streams: int, seconds: float, prompt_ids: list[int],
+                       api_key: str) -> dict:
+    """`streams` closed-loop clients for `seconds`; TTFTs of streams started in the window."""
+    import grpc
+
+    from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    channels = [grpc.aio.insecure_channel(t, options=[("grpc.max_receive_message_length", 64 << 20)])
+                for t in targets]
+    if kind == "direct":
+        stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
+    else:
+        stubs = [inference_pb2_grpc.InferenceStub(c) for c in channels]
+    sampling = common_pb2.SamplingParams(max_tokens=TOKENS, temperature=0.0)
+    metadata = (("x-api-key", api_key),)
+    ttfts: list[float] = []
+    tokens = 0
+    errors = 0
+    counter = itertools.count()
+    end = time.monotonic() + seconds
+
+    def call(i: int):
+        stub = stubs[i % len(stubs)]
+        if kind == "direct":
+            request = worker_pb2.WorkerGenerateRequest(request_id=f"scale-{i}", tenant="local",
+                                                       prompt_ids=prompt_ids, sampling=sampling)
+            return stub.Generate(request, timeout=60)
+        request = inference_pb2.GenerateRequest(request_id=f"scale-{i}", model="tiny", sampling=sampling,
+                                                prompt=PROMPT,
+                                                allow_degraded=False)
+        return stub.Generate(request, metadata=metadata, timeout=60)
+
+    async def client() -> None:
+        nonlocal tokens, errors
+        while time.monotonic() < end:
+            i = next(counter)
+            start = time.perf_counter()
+            first = None
+            try:
+                async for event in call(i):
+                    if event.HasField("tokens"):
+                        if first is None:
+                            first = time.perf_counter()
+                        if time.monotonic() < end:
+                            tokens += len(event.tokens.token_ids)
+            except grpc.aio.AioRpcError:
+                errors += 1
+                continue
+            if first is not None:
+                ttfts.append((first - start) * 1000)
+
+    started = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(streams)))
+    for channel in channels:
+        await channel.close()
+    return {"ttft_ms": ttfts, "tokens": tokens, "errors": errors, "seconds": min(seconds, time.monotonic() - started)}
+
+
+def _load_process(args: tuple, results) -> None:
+    results.put(asyncio.run(_stream_load(*args)))
+
+
+def run_load(kind: str, targets: list[str], streams: int, seconds: float, prompt_ids: list[int],
+             api_key: str) -> dict:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=_load_process,
+                              args=((kind, targets, streams, seconds, prompt_ids, api_key), results), daemon=True)
+    process.start()
+    try:
+        return results.get(timeout=seconds + 180)
+    finally:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+
+
+# -- measuring the machine ---------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all cores so far (/proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+PROMPT = "Where is my order? I paid for it yesterday."
+
+
+def prompt_ids_for(model_dir: Path) -> list[int]:
+    """The prompt's token ids for the direct baseline (the routed requests send its text)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(PROMPT, add_special_tokens=False).ids
+
+
+async def routable_reason(metrics_port: int, worker_id: str) -> str | None:
+    """Why the router behind `metrics_port` routes nothing to `worker_id` ("none": it routes)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", metrics_port)
+    writer.write(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+    await writer.drain()
+    body = (await reader.read()).decode()
+    writer.close()
+    for line in body.splitlines():
+        if line.startswith("ballast_router_worker_routable{") and f'worker="{worker_id}"' in line:
+            for label in line[line.index("{") + 1:line.index("}")].split(","):
+                name, _, value = label.partition("=")
+                if name == "reason":
+                    return value.strip('"')
+    return None
+
+
+async def _membership_change_s(mesh, worker_id: str, routers, reps: int = 3) -> float:
+    """Median time from writing one worker's fault key (health failing) until every router
+    shows it unhealthy; each change is undone before the next."""
+    from services.common.etcd_client import make_client
+    from services.config import load_config
+    from services.worker.sim import faults_key
+
+    etcd = load_config(mesh.config_path, environ={}).etcd
+    client = make_client(etcd)
+    key = faults_key(etcd.prefix, worker_id).encode()
+    times = []
+    try:
+        for _ in range(reps):
+            for want, value in (("unhealthy", b'{"fail_health": true}'), ("none", None)):
+                started = time.perf_counter()
+                if value is None:
+                    await client.delete(key)
+                else:
+                    await client.put(key, value)
+                pending = set(r.metrics_port for r in routers)
+                deadline = time.monotonic() + 30
+                while pending and time.monotonic() < deadline:
+                    for port in list(pending):
+                        if await routable_reason(port, worker_id) == want:
+                            pending.discard(port)
+                    await asyncio.sleep(0.005)
+                if want == "unhealthy":
+                    times.append(time.perf_counter() - started if not pending else math.nan)
+    finally:
+        await client.close()
+    return statistics.median(times)
+
+
+def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[int], router_steps: list[int],
+                  out: Path) -> int:
+    from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+
+    model_dir = model_dir_for("tiny")
+    rows: list[dict] = []
+    membership: dict[int, float] = {}
+    with tempfile.TemporaryDirectory(prefix="ballast-mesh-scale-") as state:
+        capacity = max(stream_steps)
+        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=0, engine="sim",
+                        worker_capacity=capacity,
+                        # Each worker takes every stream of a point: worker queueing would be
+                        # the same in both paths, but the point is the mesh's own cost.
+                        overrides={"worker": {"max_queue": capacity, **sim_worker_settings()}})
+        mesh = Mesh(spec).start()
+        try:
+            for _ in range(max(router_steps) - 1):
+                mesh.start_router()
+            routers = mesh.routers()
+            workers = []
+            prompt_ids = prompt_ids_for(model_dir)
+            for target in worker_steps:
+                while len(workers) < target:
+                    _, started = mesh.start_sim_host(min(WORKERS_PER_HOST, target - len(workers)))
+                    workers += started
+                time.sleep(2.0)  # every router's watch has the new workers
+                membership[target] = asyncio.run(_membership_change_s(mesh, workers[0].id, routers))
+                for streams in stream_steps:
+                    direct = run_load("direct", [w.address for w in workers], streams, seconds, prompt_ids, LOCAL_API_KEY)
+                    for count in router_steps:
+                        chosen = routers[:count]
+                        cpu_before = [cpu_seconds(r.pid) for r in chosen]
+                        busy_before = machine_busy()
+                        routed = run_load("router", [r.address for r in chosen], streams, seconds, prompt_ids,
+                                          LOCAL_API_KEY)
+                        busy_after = machine_busy()
+                        cpu = sum(cpu_seconds(r.pid) - b for r, b in zip(chosen, cpu_before))
+                        row = _row(target, streams, count, direct, routed, cpu, busy_before, busy_after)
+                        rows.append(row)
+                        print(f"workers {target:3d} streams {streams:5d} routers {count}: "
+                              f"added TTFT p50 {row['added_ttft_p50_ms']:.2f} ms p99 {row['added_ttft_p99_ms']:.2f} ms, "
+                              f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok, "
+                              f"machine busy {row['cpu_busy']:.0%}", flush=True)
+        finally:
+            mesh.stop()
+    return _report(rows, membership, seconds, out)
+
+
+def _row(workers: int, streams: int, routers: int, direct: dict, routed: dict, cpu: float,
+         busy_before: tuple[float, float], busy_after: tuple[float, float]) -> dict:
+    d50, d99 = percentile(direct["ttft_ms"], 50), percentile(direct["ttft_ms"], 99)
+    r50, r99 = percentile(routed["ttft_ms"], 50), percentile(routed["ttft_ms"], 99)
+    tokens_per_s = routed["tokens"] / routed["seconds"] if routed["seconds"] else math.nan
+    busy = (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
+    return {
+        "workers": workers, "streams": streams, "routers": routers,
+        "direct_ttft_p50_ms": d50, "direct_ttft_p99_ms": d99, "routed_ttft_p50_ms": r50, "routed_ttft_p99_ms": r99,
+        "added_ttft_p50_ms": r50 - d50, "added_ttft_p99_ms": r99 - d99,
+        "router_cpu_s": cpu, "router_cpu_s_per_1k_tokens": cpu / routed["tokens"] * 1000 if routed["tokens"] else math.nan,
+        "tokens_per_s": tokens_per_s, "tokens_per_s_per_router": tokens_per_s / routers,
+        "direct_tokens_per_s": direct["tokens"] / direct["seconds"] if direct["seconds"] else math.nan,
+        "errors": routed["errors"], "direct_errors": direct["errors"],
+        "samples": len(routed["ttft_ms"]), "direct_samples": len(direct["ttft_ms"]), "cpu_busy": busy,
+    }
+
+
+def _pick(rows: list[dict], **match) -> list[dict]:
+    return [r for r in rows if all(r[k] == v for k, v in match.items())]
+
+
+def _report(rows: list[dict], membership: dict[int, float], seconds: float, out: Path) -> int:
+    print_table(["workers", "streams", "routers", "added p50 ms", "added p99 ms", "CPU s/1k tok", "tok/s",
+                 "tok/s/router", "busy", "errors"],
+                [[r["workers"], r["streams"], r["routers"], r["added_ttft_p50_ms"], r["added_ttft_p99_ms"],
+                  r["router_cpu_s_per_1k_tokens"], r["tokens_per_s"], r["tokens_per_s_per_router"],
+                  f"{r['cpu_busy']:.0%}", r["errors"]] for r in rows])
+    print("membership change reaching every router: "
+          + ", ".join(f"{w} workers {s * 1000:.0f} ms" for w, s in membership.items()))
+    small = [r for r in rows if r["streams"] <= 100 and r["routers"] == 1]
+    mid = max((s for s in {r["streams"] for r in rows} if s <= 100), default=None)
+    per_token = {r["workers"]: r["router_cpu_s_per_1k_tokens"] for r in rows if r["streams"] == mid and r["routers"] == 1}
+    spread_points = [v for w, v in per_token.items() if w >= 4]
+    top_w, top_s = max(r["workers"] for r in rows), max(r["streams"] for r in rows)
+    one = _pick(rows, workers=top_w, streams=top_s, routers=1)
+    two = _pick(rows, workers=top_w, streams=top_s, routers=2)
+    measured = {
+        "added_ttft_p50_ms_upto_100": max((r["added_ttft_p50_ms"] for r in small), default=math.nan),
+        "added_ttft_p99_ms_upto_100": max((r["added_ttft_p99_ms"] for r in small), default=math.nan),
+        "cpu_per_token_spread": (max(spread_points) / min(spread_points) - 1) if len(spread_points) > 1 else math.nan,
+        "two_router_scaling": (two[0]["tokens_per_s"] / one[0]["tokens_per_s"]) if one and two else math.nan,
+    }
+    one_router = sorted(_pick(rows, workers=top_w, routers=1), key=lambda r: r["streams"])
+    saturation = max(one_router, key=lambda r: r["tokens_per_s"]) if one_router else None
+    result = {"rows": rows, "membership_change_s": {str(k): v for k, v in membership.items()}, "seconds": seconds,
+              "engine": "sim", "tokens_per_stream": TOKENS, **measured,
+              "one_router_peak": saturation, **judge(GOALS, measured)}
+    # Not mesh_scale.png: bench.report draws that one (the goals).
+    _plot(rows, out.with_name(out.stem + "_cost.png"))
+    print_goals(result)
+    print(f"wrote {write_result(out, result)}")
+    return 0 if result["met"] else 1
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cost, rate) = plt.subplots(1, 2, figsize=(11, 4))
+    for workers in sorted({r["workers"] for r in rows}):
+        line = sorted(_pick(rows, workers=workers, routers=1), key=lambda r: r["streams"])
+        cost.plot([r["streams"] for r in line], [r["router_cpu_s_per_1k_tokens"] for r in line], marker="o",
+                  label=f"{workers} workers")
+    for routers in sorted({r["routers"] for r in rows}):
+        top = max(r["workers"] for r in rows)
+        line = sorted(_pick(rows, workers=top, routers=routers), key=lambda r: r["streams"])
+        rate.plot([r["streams"] for r in line], [r["tokens_per_s"] for r in line], marker="o", label=f"{routers} routers")
+    for axis, title, label in ((cost, "router CPU per 1000 relayed tokens (1 router)", "CPU s / 1k tokens"),
+                               (rate, "relayed tokens/s (most workers)", "tokens/s")):
+        axis.set_xscale("log")
+        axis.set_xlabel("concurrent streams")
+        axis.set_ylabel(label)
+        axis.set_title(title, fontsize=10)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=4.0, help="load per point")
+    parser.add_argument("--workers", type=_ints, default=[1, 4, 16, 64])
+    parser.add_argument("--streams", type=_ints, default=[10, 100, 1000])
+    parser.add_argument("--routers", type=_ints, default=[1, 2, 4])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/mesh_scale.json"))
+    args = parser.parse_args(argv)
+    stop_on_sigterm()
+    return run_benchmark(args.seconds, sorted(args.workers), sorted(args.streams), sorted(args.routers), args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
