@@ -13,6 +13,7 @@ the worker and frees its slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -25,12 +26,10 @@ from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.common.auth import Authenticator
 from services.common.errors import BallastError, NotFound, QuotaExceeded, Unavailable
 from services.common.membership import MembershipWatcher
-from services.common.streams import Coalescer
 from services.config import BallastConfig
 from services.router.backfill_proxy import BackfillProxy
 from services.router.context.live_eval import publish_retention
 from services.router.degrade.degrader import Degrader
-from services.router.coalesce import merge_token_events
 from services.router.events_pb import events_to_pb
 from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
@@ -178,13 +177,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateEvent]:
-        # Tokens that pile up while a message goes out leave together (services.router.coalesce).
-        events = Coalescer(self.generate(request, context, "grpc"), merge_token_events)
-        try:
+        async with contextlib.aclosing(self.generate(request, context, "grpc")) as events:
             async for event in events:
                 yield event
-        finally:
-            await events.aclose()
 
     async def generate(
         self, request: inference_pb2.GenerateRequest, call: CallInfo, protocol: str

@@ -91,34 +91,3 @@ def test_worker_request_continues_from_the_plan():
     assert sent.sampling.max_tokens == 4 and sent.sampling.seed == 3
     assert (sent.request_id, sent.tenant, sent.session_id) == ("r1", "t", "s")
     assert sent.tier == common_pb2.TIER_B and sent.flush_interval_ms == 40
-
-
-def test_waiting_token_events_merge_and_others_stay_apart():
-    from services.common.streams import Coalescer
-    from services.router.coalesce import merge_token_events
-
-    def tokens(text, ids, first):
-        return event_to_pb(Tokens(text, ids, first))
-
-    started = inference_pb2.GenerateEvent(started=inference_pb2.Started(request_id="r"))
-    finished = inference_pb2.GenerateEvent(finished=inference_pb2.Finished())
-    merged = merge_token_events(tokens("a", [1], 4), tokens("bc", [2, 3], 5))
-    assert (merged.tokens.text, list(merged.tokens.token_ids), merged.tokens.first_index) == ("abc", [1, 2, 3], 4)
-    assert merge_token_events(started, tokens("a", [1], 0)) is None
-    assert merge_token_events(tokens("a", [1], 0), finished) is None
-
-    async def source():
-        for event in (started, tokens("a", [1], 0), tokens("b", [2], 1), tokens("c", [3], 2), finished):
-            yield event
-
-    async def read_all():
-        # Nothing is read until the whole source has run: everything waiting merges.
-        stream = Coalescer(source(), merge_token_events)
-        it = stream.__aiter__()
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        return [event async for event in it]
-
-    out = asyncio.run(read_all())
-    assert [e.WhichOneof("event") for e in out] == ["started", "tokens", "finished"]
-    assert list(out[1].tokens.token_ids) == [1, 2, 3] and out[1].tokens.text == "abc"
