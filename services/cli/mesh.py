@@ -295,7 +295,9 @@ class Mesh:
         without the HTTP front: several routers share the clients (bench.mesh_scale)."""
         self._router_seq += 1
         name = f"router-{self._router_seq}"
-        env = {"BALLAST__ROUTER__PORT": str(free_ports(1)[0]), "BALLAST__ROUTER__HTTP_PORT": "null"}
+        # Each router replica keeps its own degraded-request outbox (a file one process holds).
+        env = {"BALLAST__ROUTER__PORT": str(free_ports(1)[0]), "BALLAST__ROUTER__HTTP_PORT": "null",
+               "BALLAST__DEGRADE__OUTBOX_PATH": f"outbox/{name}.sqlite"}
         service = self._service_process(name, "services.router", env)
         self._launch_all([(service, "router")], timeout or self.spec.start_timeout_s)
         return service
