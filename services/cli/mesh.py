@@ -130,9 +130,9 @@ class SimWorker:
     @classmethod
     def from_ready_line(cls, line: str) -> "SimWorker":
         # READY worker <address> metrics=<port> id=<worker id>
-        parts = dict(part.split("=", 1) for part in line.split()[3:] if "=" in part)
-        metrics = line.split()[3].split("=", 1)[1]
-        return cls(id=parts.get("id", ""), address=line.split()[2], metrics_port=int(metrics))
+        _ready, _kind, address, *fields = line.split()
+        named = dict(field.split("=", 1) for field in fields if "=" in field)
+        return cls(id=named.get("id", ""), address=address, metrics_port=int(named["metrics"]))
 
 
 class Mesh:
@@ -195,8 +195,8 @@ class Mesh:
             config["tls"] = tls
             assert self.security is not None
             user = {"username": self.security.username, "password": self.security.password}
-            config["etcd"].update(user, tls={k: v for k, v in tls.items()})
-            config["redis"].update(user, tls={k: v for k, v in tls.items()})
+            config["etcd"].update(user, tls=dict(tls))
+            config["redis"].update(user, tls=dict(tls))
         return _merge(config, spec.overrides)
 
     def ensure_certs(self) -> None:

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
@@ -28,6 +28,9 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import FaultInjector, WorkerServicer, WorkerState
 from services.worker.standby import StandbyControl
 from services.worker.temperature import TemperatureSource
+
+if TYPE_CHECKING:
+    from services.worker.sim.control import SimFaultControl
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +82,8 @@ class WorkerApp:
     session_kv: SessionKV | None = None
     # Warm standby role and its watch (promotion by the autoscaler).
     standby: StandbyControl | None = None
-    # A sim worker's fault knobs (services.worker.sim.control); None for real engines.
-    sim_faults: object | None = None
+    # A sim worker's fault knobs; None for real engines.
+    sim_faults: SimFaultControl | None = None
 
     @property
     def address(self) -> str:
@@ -109,7 +112,7 @@ class WorkerApp:
 
     @property
     def fails_health(self) -> bool:
-        return bool(getattr(self.sim_faults, "unhealthy", False))
+        return self.sim_faults is not None and self.sim_faults.unhealthy
 
     @property
     def is_standby(self) -> bool:
