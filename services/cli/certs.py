@@ -23,7 +23,7 @@ from services.common.tls.roles import ROLES, role_uri
 
 CA_CERT = "ca.crt"
 # Server certificates of a secured local etcd and Redis (`ballast up --secure`).
-BACKING_SERVERS = ("etcd", "redis")
+BACKING_SERVERS = ("etcd", "redis", "kafka")
 CA_KEY = "ca.key"
 DEFAULT_DAYS = 365
 LOOPBACK_NAMES = ("localhost",)

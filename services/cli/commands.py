@@ -70,7 +70,7 @@ def cmd_up(args) -> int:
         print(f"  {service.name:<9} {service.address:<22} pid {service.pid}  metrics :{service.metrics_port}")
     print(f"mesh up in {time.monotonic() - started:.1f}s; router at {mesh.router_address}"
           + (f" (mutual TLS, certificates in {mesh.certs_dir})" if spec.secure else ""))
-    print(f"  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
+    print("  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
     print(f"  OpenAI-compatible HTTP API at {mesh.http_base_url}; a streamed answer:")
     print(f"  {openai_curl(mesh.http_base_url, LOCAL_API_KEY)}")
     return 0

@@ -9,8 +9,8 @@ With a `BackingSecurity`, etcd and Redis are secured as in production: TLS with 
 certificates from the given CA, and a password user (etcd with `auth enable` and a role
 limited to Ballast's keys; Redis with the `default` user off and an ACL user). Redis TLS
 needs a server built with TLS: Debian's `redis-server` is, the bundled Valkey is not. The
-bundled Tansu broker cannot be secured (it ignores its certificate option, and with memory
-storage no first SASL user can be created), so Kafka stays plaintext on loopback.
+bundled Tansu broker cannot serve TLS itself: `kafka_tls.SecureKafkaBroker` puts it behind a
+TLS front.
 """
 
 from __future__ import annotations
@@ -294,6 +294,10 @@ class LocalServer:
     def log_tail(self, lines: int = 20) -> str:
         return self.process.log_tail(lines) if self.process is not None else ""
 
+    def parts(self) -> list[LocalServer]:
+        """Every process this server runs as (one, unless it has helpers)."""
+        return [self]
+
     def __enter__(self) -> LocalServer:
         return self.start()
 
@@ -512,12 +516,21 @@ class KafkaBroker(LocalServer):
     def _find_binary(self) -> str:
         return find_tansu_binary()
 
-    def _argv(self, binary: str) -> list[str]:
+    def _listener_urls(self) -> tuple[str, str]:
+        """Where Tansu listens, and the address it tells clients to connect to."""
         listener = f"tcp://{self.host}:{self.port}"
+        return listener, listener
+
+    def client_properties(self) -> dict[str, str]:
+        """librdkafka properties (besides bootstrap.servers) that reach this broker."""
+        return {}
+
+    def _argv(self, binary: str) -> list[str]:
+        listener, advertised = self._listener_urls()
         return [
             binary, "broker",
             "--listener-url", listener,
-            "--advertised-listener-url", listener,
+            "--advertised-listener-url", advertised,
             "--storage-engine", "memory://tansu/",
         ]
 
@@ -533,7 +546,7 @@ class KafkaBroker(LocalServer):
         from confluent_kafka.admin import AdminClient
 
         admin = AdminClient({"bootstrap.servers": self.address, "socket.timeout.ms": 2000,
-                             "log_level": 0})
+                             "log_level": 0, **self.client_properties()})
         md = admin.list_topics(timeout=2.0)
         return bool(md.brokers)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from services.cli.certs import CA_CERT, backing_password, cert_path, init_certs, key_path, role_env
+from services.cli.certs import BACKING_SERVERS, CA_CERT, backing_password, cert_path, init_certs, key_path, role_env
+from services.cli.kafka_tls import SecureKafkaBroker
 from services.cli.localservers import BackingSecurity, EtcdServer, KafkaBroker, LocalServer, RedisServer
 from services.common.processes import ManagedProcess, ProcessStartError, free_ports, stop_pid, wait_until_ready
 
@@ -142,13 +143,16 @@ class Mesh:
         self.spec = spec
         self.state_dir = Path(spec.state_dir).resolve()
         self.certs_dir = self.state_dir / CERTS_DIR
-        # --secure also secures etcd and Redis: TLS with client certificates and a user.
+        # --secure also secures etcd and Redis (TLS with client certificates and a user) and
+        # the Kafka broker (TLS with client certificates).
         self.security = (BackingSecurity(self.certs_dir, backing_password(self.certs_dir))
                          if spec.secure else None)
         self.etcd = EtcdServer(self.state_dir, spec.etcd_port, security=self.security)
         self.redis = RedisServer(self.state_dir, spec.redis_port, maxmemory=256 * 1024 * 1024,
                                  security=self.security)
-        self.kafka = KafkaBroker(self.state_dir, spec.kafka_port)
+        # The broker has no TLS of its own: secured, it sits behind a TLS front.
+        self.kafka = (SecureKafkaBroker(self.state_dir, spec.kafka_port, security=self.security)
+                      if self.security else KafkaBroker(self.state_dir, spec.kafka_port))
         # Picked together, so no two of them are the same port.
         picked = iter(free_ports(4))
         self.router_port = spec.router_port or next(picked)
@@ -197,12 +201,20 @@ class Mesh:
             user = {"username": self.security.username, "password": self.security.password}
             config["etcd"].update(user, tls=dict(tls))
             config["redis"].update(user, tls=dict(tls))
+            config["kafka"]["tls"] = dict(tls)
         return _merge(config, spec.overrides)
 
     def ensure_certs(self) -> None:
         """The development CA and certificates, made on the first secure start."""
-        if self.spec.secure and not (self.certs_dir / CA_CERT).exists():
+        if not self.spec.secure:
+            return
+        if not (self.certs_dir / CA_CERT).exists():
             init_certs(self.certs_dir)
+            return
+        # A directory made before a server was secured lacks that server's certificate.
+        missing = tuple(role for role in BACKING_SERVERS if not cert_path(self.certs_dir, role).exists())
+        if missing:
+            init_certs(self.certs_dir, roles=missing)
 
     def write_config(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -221,7 +233,7 @@ class Mesh:
                          args: tuple[str, ...] = ()) -> ServiceProcess:
         env = {"BALLAST_CONFIG": str(self.config_path), "PYTHONUNBUFFERED": "1", **env}
         if self.spec.secure:
-            env = {**role_env(self.certs_dir, name.split("-")[0], backing=("etcd", "redis")), **env}
+            env = {**role_env(self.certs_dir, name.split("-")[0], backing=("etcd", "redis", "kafka")), **env}
         process = ManagedProcess(
             name,
             [sys.executable, "-m", module, *args],
@@ -411,7 +423,7 @@ class Mesh:
 
     def _save_state(self) -> None:
         entries = []
-        for server in self.infra:
+        for server in (part for infra in self.infra for part in infra.parts()):
             if server.process is not None and server.pid is not None:
                 entries.append({"name": server.name, "pid": server.pid, "argv0": server.process.argv[0],
                                 "address": server.address, "log": str(server.log_path)})

@@ -1,8 +1,8 @@
 """The local mesh under mutual TLS (`ballast up --secure`): requests flow through every
 service, a caller without the right certificate or role is refused before any work, the
 router's certificate can be replaced on disk while it runs, and etcd and Redis are secured
-too (TLS with client certificates, and a password user) with every service still reaching
-them."""
+too (TLS with client certificates, and a password user), and the Kafka broker (TLS with
+client certificates), with every service still reaching them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import aetcd.exceptions
 import grpc
 import pytest
 import redis
+from confluent_kafka import Consumer, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
 from cryptography import x509
 
 from ballast.v1 import inference_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -177,3 +179,40 @@ async def test_etcd_and_redis_are_secured_and_every_service_reaches_them(mesh):
                          username=config.redis.username, password=config.redis.password)
     assert client.ping()
     client.close()
+
+
+async def test_the_kafka_broker_takes_only_clients_with_a_certificate(mesh):
+    config = load_config(mesh.config_path, environ={})
+    bootstrap = config.kafka.bootstrap
+    # The backfill service reaches the broker through its TLS front: its check (metadata from
+    # the admin client, and the producer) passes.
+    backfill = next(s for s in mesh.services if s.name == "backfill")
+    assert metric_value(await scrape(backfill.metrics_port), "ballast_dependency_up", dependency="kafka") == 1
+
+    # With the mesh's certificate a record goes in and comes back out.
+    secured = {"bootstrap.servers": bootstrap, **config.kafka.security_properties()}
+    assert secured["security.protocol"] == "SSL"
+    topic = "ballast-tls-check"
+    producer = Producer({**secured, "message.timeout.ms": 10000})
+    producer.produce(topic, b"sealed")
+    assert producer.flush(15) == 0
+    consumer = Consumer({**secured, "group.id": "tls-check", "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic])
+    try:
+        values = []
+        for _ in range(30):
+            message = consumer.poll(1.0)
+            if message is not None and message.error() is None:
+                values.append(message.value())
+                break
+        assert values == [b"sealed"]
+    finally:
+        consumer.close()
+
+    # Plaintext, and TLS without a client certificate: no metadata.
+    tls = config.kafka.tls
+    for refused in ({"bootstrap.servers": bootstrap},
+                    {"bootstrap.servers": bootstrap, "security.protocol": "SSL", "ssl.ca.location": tls.ca_file}):
+        admin = AdminClient({**refused, "socket.timeout.ms": 2000, "log_level": 0})
+        with pytest.raises(KafkaException):
+            admin.list_topics(timeout=3)

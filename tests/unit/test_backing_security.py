@@ -9,6 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from services.cli import certs
+from services.cli.kafka_tls import SecureKafkaBroker
+from services.cli.localservers import BackingSecurity
+from services.cli.mesh import Mesh, MeshSpec
 from services.common.config import BackingTLSConfig, EtcdConfig, KafkaConfig, RedisConfig
 from services.common.tls.backing import check_backing_tls
 from services.common.tls.material import TLSCertExpired, TLSFileMissing, TLSKeyMismatch, TLSNotPEM
@@ -107,3 +110,33 @@ def test_a_service_refuses_to_start_with_a_bad_backing_file(cert_dir, tmp_path, 
 def test_logs_never_show_a_password_in_the_redis_url():
     assert RedisConfig(url="rediss://ballast:s3cret@redis.internal:6379/0").display_url == \
         "rediss://redis.internal:6379/0"
+
+
+def test_the_secured_local_broker_is_reached_only_through_its_tls_front(tmp_path):
+    security = BackingSecurity(certs.init_certs(tmp_path / "certs", roles=("kafka", "cli")), "pw")
+    broker = SecureKafkaBroker(tmp_path, security=security)
+    # Tansu listens on its own port and tells clients to come back to the front's.
+    assert broker.inner_port != broker.port
+    assert broker._argv("tansu")[2:6] == ["--listener-url", f"tcp://127.0.0.1:{broker.inner_port}",
+                                          "--advertised-listener-url", f"tcp://127.0.0.1:{broker.port}"]
+    assert broker.client_properties()["security.protocol"] == "SSL"
+    settings = dict(line.split(" = ", 1) for line in broker.front._config_text().splitlines() if " = " in line)
+    assert settings["accept"] == f"127.0.0.1:{broker.port}"
+    assert settings["connect"] == f"127.0.0.1:{broker.inner_port}"
+    assert settings["requireCert"] == "yes" and settings["verifyChain"] == "yes"
+    assert settings["cert"] == str(certs.cert_path(security.certs_dir, "kafka"))
+
+
+def test_a_secure_mesh_points_every_service_at_the_tls_broker(tmp_path):
+    mesh = Mesh(MeshSpec(state_dir=tmp_path, model_dir=tmp_path / "model", secure=True))
+    # A certificate directory made before Kafka was secured gets the broker's certificate.
+    certs.init_certs(mesh.certs_dir, roles=certs.ROLES + ("etcd", "redis"))
+    assert not certs.cert_path(mesh.certs_dir, "kafka").exists()
+    mesh.ensure_certs()
+    assert certs.cert_path(mesh.certs_dir, "kafka").exists()
+
+    kafka = KafkaConfig(**mesh.config_dict()["kafka"])
+    assert kafka.bootstrap == f"127.0.0.1:{mesh.kafka.port}"
+    assert kafka.security_properties()["security.protocol"] == "SSL"
+    env = mesh._service_process("backfill", "services.backfill", {}).env
+    assert env["BALLAST__KAFKA__TLS__CERT_FILE"] == str(certs.cert_path(mesh.certs_dir, "backfill"))
