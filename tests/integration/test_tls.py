@@ -119,18 +119,45 @@ def presented_serial(address: str, ca_file: str) -> int:
             return x509.load_der_x509_certificate(tls_socket.getpeercert(binary_form=True)).serial_number
 
 
-async def test_the_router_certificate_rotates_without_a_restart(mesh):
+async def test_certificates_rotate_under_load_without_a_restart_or_a_broken_stream(mesh):
     router = next(s for s in mesh.services if s.name == "router")
-    pid = router.pid
+    worker = mesh.workers()[0]
+    pids = (router.pid, worker.pid)
+    requests = [chat_request(f"Tell me about the red charger #{i}", max_tokens=600, raw_prompt=True)
+                for i in range(3)]
+
+    async def stream(request):
+        async with open_channel(mesh.router_address, mesh_tls(mesh)) as channel:
+            return await collect(inference_pb2_grpc.InferenceStub(channel), request, LOCAL_API_KEY, timeout=120)
+
+    references = [await stream(request) for request in requests]
+    tasks = [asyncio.create_task(stream(request)) for request in requests]
+    deadline = asyncio.get_running_loop().time() + 30
+    while metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight") < len(requests):
+        assert asyncio.get_running_loop().time() < deadline, "the streams never all reached the worker"
+        await asyncio.sleep(0.02)
+
+    # New certificates for the router, the worker and the cache while the streams run.
     ca_file = str(mesh.certs_dir / certs.CA_CERT)
     before = await asyncio.to_thread(presented_serial, mesh.router_address, ca_file)
-    certs.write_role(mesh.certs_dir, certs.load_authority(mesh.certs_dir), "router")
+    authority = certs.load_authority(mesh.certs_dir)
+    for role in ("router", "worker", "cache"):
+        certs.write_role(mesh.certs_dir, authority, role)
     new_serial = x509.load_pem_x509_certificate(certs.cert_path(mesh.certs_dir, "router").read_bytes()).serial_number
     assert new_serial != before
     assert await asyncio.to_thread(presented_serial, mesh.router_address, ca_file) == new_serial
+    assert not all(task.done() for task in tasks), "every stream ended before the rotation"
+
+    for result, reference in zip(await asyncio.gather(*tasks), references):
+        assert_served(reference)
+        assert_served(result)
+        # Not broken and moved: it ran to its end where it started, token for token.
+        assert result.finished.resumes == 0
+        assert result.token_ids == reference.token_ids
+    # New connections after the rotation work too.
     for _ in range(2):
         assert_served(await ask(mesh))
-    assert router.pid == pid
+    assert (router.pid, worker.pid) == pids
 
 
 async def test_etcd_and_redis_are_secured_and_every_service_reaches_them(mesh):
