@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model, and real etcd/Redis/Kafka broker processes.
+"""Shared fixtures: the tiny model, and real etcd/Redis/Redis Cluster/Kafka broker processes.
 
 Servers are started once per test session on free loopback ports, with state in a
 temporary folder, and their process groups are killed at teardown.
@@ -29,6 +29,16 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A Redis Cluster of three masters (no replicas: tests of failover start their own)."""
+    from services.cli.redis_cluster import LocalRedisCluster
+
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3, replicas_per_master=0).start()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import grpc
-import redis.asyncio as redis_asyncio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -30,13 +29,14 @@ from services.backfill.processor import Processor
 from services.backfill.replay import Replayer, RouterReplayer
 from services.backfill.servicer import BackfillServicer
 from services.backfill.settings import BackfillSettings, ReplayTargetError, replay_target, resolve_settings
-from services.backfill.store import AnswerStore, Notices
+from services.backfill.store import AnswerStore, ClusterAnswerStore, Notices
 from services.common.auth import Authenticator
 from services.common.config import KafkaConfig, RedisConfig
 from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.kafka import AsyncProducer, ensure_topics
 from services.common.membership import MembershipWatcher
 from services.common.probes import DependencyProbe
+from services.common.redis_client import AnyRedis, make_client, ping as ping_redis
 from services.common.telemetry import Telemetry
 from services.common.tls.credentials import server_credentials
 from services.config import BallastConfig
@@ -60,7 +60,7 @@ class BackfillApp:
     port: int
     telemetry: Telemetry
     health: object
-    redis: redis_asyncio.Redis
+    redis: AnyRedis
     store: AnswerStore
     notices: Notices
     producer: AsyncProducer
@@ -70,7 +70,7 @@ class BackfillApp:
     consumer: ConsumerLoop | None = None
     replayer: Replayer | None = None
     membership: MembershipWatcher | None = None
-    _pubsub_redis: redis_asyncio.Redis | None = None
+    _pubsub_redis: AnyRedis | None = None
     _topics_task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -99,9 +99,9 @@ class BackfillApp:
         self.telemetry.stop()
 
 
-def _redis_client(config: RedisConfig, timeout_s: float | None) -> redis_asyncio.Redis:
-    return redis_asyncio.Redis.from_url(
-        config.effective_url, **config.connection_kwargs(), socket_timeout=timeout_s, socket_connect_timeout=timeout_s or 5.0,
+def _redis_client(config: RedisConfig, timeout_s: float | None) -> AnyRedis:
+    return make_client(
+        config, socket_timeout=timeout_s, socket_connect_timeout=timeout_s or 5.0,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2), health_check_interval=0,
     )
 
@@ -134,7 +134,8 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     client = _redis_client(config.redis, config.redis.timeout_s)
     # Pub/sub blocks on reads by design: its own connection, without the command timeout.
     pubsub_client = _redis_client(config.redis, None)
-    store = AnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max)
+    store_type = ClusterAnswerStore if config.redis.cluster else AnswerStore
+    store = store_type(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max)
     notices = Notices(pubsub_client, store.channel)
     servicer = BackfillServicer(settings, Authenticator(config.auth), store, notices, metrics)
     metrics.observe_subscribers(lambda: servicer.subscribers)
@@ -153,7 +154,7 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
                                                 config.kafka.timeout_s))
 
     async def check_redis() -> None:
-        await client.ping()
+        await ping_redis(client)
 
     async def on_change(_up: bool) -> None:
         # etcd only hastens replays after an outage (pool_watch): not a reason to stop serving.

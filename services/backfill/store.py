@@ -12,11 +12,18 @@ A notice on one pub/sub channel wakes subscriptions at once. Notices are lost on
 listener is disconnected, so every subscription re-checks when it (re)connects; a slow timer
 re-check is the last safety net.
 
-Storing an answer is one round trip (a script: SET NX, index, notice), and so is a session
-subscription's wake: a script walks the session's index and takes the delivery mark of every
-stored, undelivered answer, returning them. The wake script computes the keys it touches, and
-the keys of one call live in different hash slots, so the store needs a single Redis node (or
-a primary with replicas), not Redis Cluster.
+On one Redis server (or a primary with replicas), storing an answer is one round trip (a
+script: SET NX, index, notice), and so is a session subscription's wake: a script walks the
+session's index and takes the delivery mark of every stored, undelivered answer, returning
+them.
+
+On a Redis Cluster (`ClusterAnswerStore`) those scripts cannot run: a session's answers and
+its index live in different hash slots. There a ticket's keys share one slot (the ticket is
+their hash tag: `{prefix}{<ticket>}:answer`, `...:delivered`, `...:attempts`), each command
+or script names keys of one slot only, and the two steps above take a few round trips in an
+order that keeps their promises: the answer is stored before it is indexed, and indexed
+before the notice; a delivery mark is taken with SET NX, so one subscription alone pushes each
+answer.
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ import logging
 from collections import defaultdict
 from typing import Iterable
 
-import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
 from ballast.v1 import backfill_pb2
+from services.common.redis_client import UNAVAILABLE_ERRORS, AnyRedis
+from services.common.redis_client import pubsub as open_pubsub
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -87,6 +95,16 @@ return taken
 """
 
 
+# Redis Cluster: KEYS[1]: a session's index. ARGV: ticket, original timestamp (ms), index size,
+# TTL (s). The index half of _PUT_ONCE, on the index's own slot.
+_INDEX = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -tonumber(ARGV[3]) - 1)
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+return 1
+"""
+
+
 def _parse_answer(raw: bytes) -> backfill_pb2.BackfilledAnswer:
     answer = backfill_pb2.BackfilledAnswer()
     answer.ParseFromString(raw)
@@ -94,7 +112,7 @@ def _parse_answer(raw: bytes) -> backfill_pb2.BackfilledAnswer:
 
 
 class AnswerStore:
-    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: int, index_max: int = 1000) -> None:
+    def __init__(self, client: AnyRedis, prefix: str, ttl_s: int, index_max: int = 1000) -> None:
         self.redis = client
         self.prefix = prefix
         self.ttl_s = ttl_s
@@ -177,7 +195,7 @@ class AnswerStore:
 class Notices:
     """One pub/sub connection per process that wakes the subscriptions waiting on it."""
 
-    def __init__(self, client: aioredis.Redis, channel: str) -> None:
+    def __init__(self, client: AnyRedis, channel: str) -> None:
         self.redis = client
         self.channel = channel
         self._waiters: dict[tuple[str, ...], set[asyncio.Event]] = defaultdict(set)
@@ -215,8 +233,9 @@ class Notices:
     async def _listen_forever(self) -> None:
         backoff = 0.5
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = None
             try:
+                pubsub = await open_pubsub(self.redis, ignore_subscribe_messages=True)
                 await pubsub.subscribe(self.channel)
                 backoff = 0.5
                 self._wake_all()
@@ -227,13 +246,14 @@ class Notices:
                         self._wake(data.decode(errors="replace") if isinstance(data, bytes) else str(data))
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
+            except UNAVAILABLE_ERRORS + (RedisError,) as exc:
                 log.debug("notice listener lost Redis (%r); subscriptions fall back to polling", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             finally:
                 try:
-                    await pubsub.aclose()
+                    if pubsub is not None:
+                        await pubsub.aclose()
                 except (RedisError, OSError):
                     pass
 
@@ -243,3 +263,61 @@ class Notices:
     async def stop(self) -> None:
         await stop_task(self._task)
         self._task = None
+
+
+class ClusterAnswerStore(AnswerStore):
+    """The same store on a Redis Cluster: every command and script stays in one hash slot."""
+
+    def __init__(self, client: AnyRedis, prefix: str, ttl_s: int, index_max: int = 1000) -> None:
+        if "{" in prefix or "}" in prefix:
+            # A brace in the prefix would become the hash tag and put every key in one slot.
+            raise ValueError(f"the backfill key prefix {prefix!r} may not contain braces on a Redis Cluster")
+        super().__init__(client, prefix, ttl_s, index_max)
+        self._index_once = client.register_script(_INDEX)
+
+    def _answer(self, ticket: str) -> str:
+        return f"{self.prefix}{{{ticket}}}:answer"
+
+    def _delivered(self, ticket: str) -> str:
+        return f"{self.prefix}{{{ticket}}}:delivered"
+
+    def _attempts(self, ticket: str) -> str:
+        return f"{self.prefix}{{{ticket}}}:attempts"
+
+    async def put_once(self, answer: backfill_pb2.BackfilledAnswer) -> bool:
+        # Stored, then indexed, then announced: whoever the notice wakes finds the answer. A
+        # crash between the steps leaves it stored but unindexed until the replay of the same
+        # request calls this again (it indexes and announces whether or not it stores).
+        stored = await self.redis.set(self._answer(answer.ticket), answer.SerializeToString(),
+                                      nx=True, ex=self.ttl_s)
+        if answer.session_id:
+            await self._index_once(keys=[self._session(answer.tenant, answer.session_id)], args=[
+                answer.ticket, answer.received_at.ToMilliseconds(), self.index_max, self.ttl_s])
+        await self.redis.publish(self.channel, self._notice(answer))
+        return bool(stored)
+
+    async def claim_session(self, tenant: str, session_id: str, subscriber: str,
+                            limit: int) -> list[backfill_pb2.BackfilledAnswer]:
+        tickets = [t.decode() for t in await self.redis.zrange(self._session(tenant, session_id), 0, -1)]
+        if not tickets:
+            return []
+        # Which are stored and not yet delivered: one pipeline (a batch per master).
+        pipe = self.redis.pipeline(transaction=False)
+        for ticket in tickets:
+            pipe.exists(self._delivered(ticket))
+            pipe.get(self._answer(ticket))
+        replies = await pipe.execute()
+        answers: list[backfill_pb2.BackfilledAnswer] = []
+        for ticket, delivered, raw in zip(tickets, replies[::2], replies[1::2]):
+            if len(answers) >= limit:
+                break
+            if delivered or raw is None:
+                continue
+            # The mark decides: another subscription may have taken it since the read.
+            if not await self.claim(ticket, subscriber):
+                continue
+            try:
+                answers.append(_parse_answer(raw))
+            except DecodeError:
+                log.error("unreadable answer %s in session %s of %s; skipped", ticket, session_id, tenant)
+        return answers

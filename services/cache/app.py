@@ -15,7 +15,6 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-import redis.asyncio as redis_asyncio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -26,6 +25,7 @@ from services.cache.store import RedisKVStore, StoreLimits
 from services.common.config import RedisConfig
 from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.probes import DependencyProbe
+from services.common.redis_client import AnyRedis, cluster_health, info_per_master, is_cluster, make_client
 from services.common.telemetry import Telemetry
 from services.common.tls.credentials import server_credentials
 from services.config import BallastConfig
@@ -36,31 +36,39 @@ SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
 
 
 class EvictionWatch:
-    """Turns Redis's cumulative `evicted_keys` into a counter of evictions seen from here."""
+    """Turns Redis's cumulative `evicted_keys` into a counter of evictions seen from here (summed
+    over the masters of a cluster), and reads a cluster's health for the metrics.
 
-    def __init__(self, client: redis_asyncio.Redis, metrics: CacheMetrics) -> None:
+    Its check is the service's Redis probe: it fails while the server, or any master of a
+    cluster, does not answer."""
+
+    def __init__(self, client: AnyRedis, metrics: CacheMetrics) -> None:
         self._client = client
         self._metrics = metrics
         self._last: int | None = None
 
     async def check(self) -> None:
+        if is_cluster(self._client):
+            # Read before the statistics, so the gauges show a failing cluster too.
+            self._metrics.cluster_seen(await cluster_health(self._client))
         if self._last is None:
             await self._warn_if_unbounded()
-        stats = await self._client.info("stats")
-        current = int(stats.get("evicted_keys", 0))
+        stats = await info_per_master(self._client, "stats")
+        current = sum(int(s.get("evicted_keys", 0)) for s in stats)
         if self._last is not None:
-            # A smaller count means Redis restarted and began counting again.
+            # A smaller count means a server restarted (or a master changed) and began again.
             self._metrics.evictions_seen(current - self._last if current >= self._last else current)
         self._last = current
 
     async def _warn_if_unbounded(self) -> None:
-        memory = await self._client.info("memory")
-        policy = str(memory.get("maxmemory_policy", ""))
-        if not int(memory.get("maxmemory", 0)) or policy == "noeviction":
-            # Blocks then only leave by TTL, and a full Redis refuses new ones (rejected blocks).
-            log.warning("redis has no memory bound with eviction (maxmemory=%s, policy=%s); "
-                        "set maxmemory and an allkeys-lru policy for the KV cache",
-                        memory.get("maxmemory"), policy)
+        for memory in await info_per_master(self._client, "memory"):
+            policy = str(memory.get("maxmemory_policy", ""))
+            if not int(memory.get("maxmemory", 0)) or policy == "noeviction":
+                # Blocks then only leave by TTL, and a full Redis refuses new ones (rejected blocks).
+                log.warning("redis has no memory bound with eviction (maxmemory=%s, policy=%s); "
+                            "set maxmemory and an allkeys-lru policy for the KV cache",
+                            memory.get("maxmemory"), policy)
+                return
 
 
 @dataclass
@@ -68,7 +76,7 @@ class CacheApp:
     config: BallastConfig
     server: grpc.aio.Server
     port: int
-    redis: redis_asyncio.Redis
+    redis: AnyRedis
     probe: DependencyProbe
     telemetry: Telemetry
     health: object
@@ -91,14 +99,13 @@ class CacheApp:
         self.telemetry.stop()
 
 
-def redis_client(config: RedisConfig) -> redis_asyncio.Redis:
-    """A client for `config` (its URL, ACL user and TLS files)."""
+def redis_client(config: RedisConfig) -> AnyRedis:
+    """A client for `config` (its URL, ACL user and TLS files; one server or a cluster)."""
     timeout_s = config.timeout_s
     # One quick retry re-dials a connection Redis dropped (after its restart); more would
     # only delay the UNAVAILABLE a worker needs to fall back to recomputing.
-    return redis_asyncio.Redis.from_url(
-        config.effective_url,
-        **config.connection_kwargs(),
+    return make_client(
+        config,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),

@@ -1,5 +1,6 @@
 """The cache service's metrics: hits, misses by reason, bytes in and out, checksum failures,
-and the evictions Redis reports under its memory bound.
+the evictions Redis reports under its memory bound, and on a Redis Cluster its health as this
+service sees it.
 
 The running totals are also kept as plain numbers, so the Stats RPC can answer without
 scraping the Prometheus registry.
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opentelemetry.metrics import Observation
+
+from services.common.redis_client import ClusterHealth
 from services.common.telemetry import Telemetry
 
 
@@ -45,6 +49,19 @@ class CacheMetrics:
             description="Blocks not stored, by reason (checksum, no_room).")
         self.latency = telemetry.latency_histogram(
             "ballast_cache_call_ms", "Time to serve a KVCache call, by method.")
+        #: The last Redis Cluster health read (None on one Redis server, or before the first read).
+        self.cluster: ClusterHealth | None = None
+        meter.create_observable_gauge(
+            "ballast_cache_redis_cluster_ok", callbacks=[self._observe_cluster_ok],
+            description="Redis Cluster only: 1 while the cluster says its state is ok and every "
+                        "master answers this service.")
+        meter.create_observable_gauge(
+            "ballast_cache_redis_cluster_slots_ok", callbacks=[self._observe_slots_ok],
+            description="Redis Cluster only: hash slots served by a reachable master (16384 when whole).")
+        meter.create_observable_gauge(
+            "ballast_cache_redis_cluster_masters", callbacks=[self._observe_masters],
+            description="Redis Cluster only: masters in the slot map (state=known) and those that "
+                        "answered this service (state=reachable).")
 
     def hit(self, blocks: int, size: int) -> None:
         if blocks:
@@ -76,3 +93,23 @@ class CacheMetrics:
         if count > 0:
             self._evictions.add(count)
             self.totals.evicted_keys_seen += count
+
+    def cluster_seen(self, health: ClusterHealth) -> None:
+        self.cluster = health
+
+    def _observe_cluster_ok(self, _options):
+        health = self.cluster
+        if health is None:
+            return []
+        whole = health.state_ok and health.masters_reachable == health.masters
+        return [Observation(1 if whole else 0)]
+
+    def _observe_slots_ok(self, _options):
+        return [] if self.cluster is None else [Observation(self.cluster.slots_ok)]
+
+    def _observe_masters(self, _options):
+        health = self.cluster
+        if health is None:
+            return []
+        return [Observation(health.masters, {"state": "known"}),
+                Observation(health.masters_reachable, {"state": "reachable"})]

@@ -78,11 +78,17 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         timeout, bound = self._budget(context, 0)
         redis = await self.store.redis_stats(timeout, bound)
         totals = self.metrics.totals
-        return kvcache_pb2.KVStatsReply(
+        reply = kvcache_pb2.KVStatsReply(
             blocks=redis["keys"], used_memory_bytes=redis["used_memory"],
             max_memory_bytes=redis["maxmemory"], evicted_keys=redis["evicted_keys"],
             hits=totals.hits, misses=totals.misses, checksum_failures=totals.checksum_failures,
             bytes_stored=totals.bytes_stored, bytes_served=totals.bytes_served)
+        cluster = self.metrics.cluster
+        if cluster is not None:
+            reply.redis_cluster.CopyFrom(kvcache_pb2.RedisClusterHealth(
+                state_ok=cluster.state_ok, slots_ok=cluster.slots_ok, masters=cluster.masters,
+                masters_reachable=cluster.masters_reachable, known_nodes=cluster.known_nodes))
+        return reply
 
     # --- Get: server stream (errors mapped by the interceptor) ----------------------------
     async def Get(self, request: kvcache_pb2.KVGetRequest, context) -> AsyncIterator[kvcache_pb2.KVGetReply]:

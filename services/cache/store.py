@@ -1,5 +1,10 @@
 """KV blocks in Redis: one key per block, written and read in pipelined batches.
 
+On a Redis Cluster the blocks of one prefix spread over every master (no hash tag): the KV
+cache is the bulk of what Redis holds, and one tenant or one long conversation must not fill
+one master. Every command names one key, so nothing crosses slots; a pipeline goes out as one
+batch per master, in parallel.
+
 Every Redis call runs under a deadline; a Redis that is down, slow or out of memory becomes
 Unavailable (or a rejected block), never a crash. Reads verify each record (records.py) off
 the event loop and stop at the first block that cannot be served, deleting it when it is
@@ -15,13 +20,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-import redis.asyncio as redis_asyncio
 from redis import exceptions as redis_errors
 
 from services.cache.metrics import CacheMetrics
 from services.cache.records import Record, RecordMiss, decode_record, record_key
 from services.cache.types import BlockHeader, KVLayout, KVScope
 from services.common.errors import DeadlineExceeded, Unavailable
+from services.common.redis_client import UNAVAILABLE_ERRORS, AnyRedis, count_keys, info_per_master
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ class PutOutcome:
 
 
 class RedisKVStore:
-    def __init__(self, client: redis_asyncio.Redis, limits: StoreLimits, metrics: CacheMetrics) -> None:
+    def __init__(self, client: AnyRedis, limits: StoreLimits, metrics: CacheMetrics) -> None:
         self._redis = client
         self._limits = limits
         self._metrics = metrics
@@ -57,8 +62,7 @@ class RedisKVStore:
             if caller_bound:
                 raise DeadlineExceeded("the caller's deadline passed while waiting for Redis") from None
             raise Unavailable("redis did not answer in time") from None
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.BusyLoadingError,
-                OSError) as exc:
+        except UNAVAILABLE_ERRORS as exc:
             raise Unavailable(f"redis unavailable: {exc}") from None
 
     def key(self, scope: KVScope, block_hash: bytes) -> str:
@@ -93,6 +97,9 @@ class RedisKVStore:
                 pipe.set(self.key(scope, header.block_hash), record, ex=self.ttl_for(ttl_s))
             results = await pipe.execute(raise_on_error=False)
         for (header, _record), result in zip(blocks, results):
+            if isinstance(result, UNAVAILABLE_ERRORS):
+                # Checked first: a slot without a master is a ResponseError too.
+                raise Unavailable(f"redis unavailable: {result}")
             if isinstance(result, redis_errors.ResponseError):
                 # OOM under maxmemory with a no-eviction policy, or a value over the bound.
                 log.warning("redis refused block %d: %s", header.block_index, result)
@@ -176,15 +183,14 @@ class RedisKVStore:
             return int(await self._redis.delete(*(self.key(scope, h) for h in hashes)))
 
     async def redis_stats(self, timeout_s: float, caller_bound: bool = False) -> dict[str, int]:
+        """Keys, memory and evictions of the server (of all masters together on a cluster)."""
         async with self._call(timeout_s, caller_bound):
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.dbsize()
-            pipe.info("memory")
-            pipe.info("stats")
-            keys, memory, stats = await pipe.execute()
+            keys = await count_keys(self._redis)
+            memory = await info_per_master(self._redis, "memory")
+            stats = await info_per_master(self._redis, "stats")
         return {
-            "keys": int(keys),
-            "used_memory": int(memory.get("used_memory", 0)),
-            "maxmemory": int(memory.get("maxmemory", 0)),
-            "evicted_keys": int(stats.get("evicted_keys", 0)),
+            "keys": keys,
+            "used_memory": sum(int(m.get("used_memory", 0)) for m in memory),
+            "maxmemory": sum(int(m.get("maxmemory", 0)) for m in memory),
+            "evicted_keys": sum(int(s.get("evicted_keys", 0)) for s in stats),
         }

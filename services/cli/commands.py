@@ -59,12 +59,12 @@ def cmd_up(args) -> int:
         build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
     spec = MeshSpec(state_dir=args.state_dir, model_dir=args.model_dir, workers=args.workers,
                     router_port=args.router_port, router_http_port=args.http_port or None, engine=args.engine,
-                    secure=args.secure)
+                    secure=args.secure, redis_cluster=args.redis_cluster)
     mesh = Mesh(spec)
     print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers) ...", flush=True)
     started = time.monotonic()
     mesh.start()
-    for server in mesh.infra:
+    for server in (part for infra in mesh.infra for part in infra.parts()):
         print(f"  {server.name:<9} {server.address:<22} pid {server.pid}")
     for service in mesh.services:
         print(f"  {service.name:<9} {service.address:<22} pid {service.pid}  metrics :{service.metrics_port}")
@@ -107,22 +107,35 @@ def _local_config(args):
 BREAKER_NAMES = {0: "closed", 1: "half-open", 2: "open"}
 
 
+def _local_metrics(args, name: str) -> str | None:
+    """The /metrics text of the local mesh's process `name`; None when it cannot be read."""
+    import urllib.request
+
+    state = read_state(args.state_dir)
+    process = next((p for p in (state or {}).get("processes", []) if p["name"] == name), None)
+    if process is None or not process.get("metrics_port"):
+        return None
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{process['metrics_port']}/metrics", timeout=2).read().decode()
+    except OSError:
+        return None
+
+
 def _router_breakers(args) -> dict[str, str] | None:
     """Breaker state per worker, as the router sees it (scraped from its /metrics); None
     when no router could be asked. A worker the router never used has a closed breaker."""
     import urllib.request
 
     url = getattr(args, "router_metrics", None)
-    if not url:
-        state = read_state(args.state_dir)
-        router = next((p for p in (state or {}).get("processes", []) if p["name"] == "router"), None)
-        if router is None or not router.get("metrics_port"):
+    if url:
+        try:
+            text = urllib.request.urlopen(url, timeout=2).read().decode()
+        except OSError:
             return None
-        url = f"http://127.0.0.1:{router['metrics_port']}/metrics"
-    try:
-        text = urllib.request.urlopen(url, timeout=2).read().decode()
-    except OSError:
-        return None
+    else:
+        text = _local_metrics(args, "router")
+        if text is None:
+            return None
     states = {}
     for line in text.splitlines():
         if line.startswith("ballast_breaker_state{") and 'worker="' in line:
@@ -156,7 +169,35 @@ def cmd_status(args) -> int:
               f"{ttl if ttl is not None else '-':>4}s  {record.address}")
     if not rows:
         print("(no workers registered)")
+    cache = _cache_redis_line(_local_metrics(args, "cache"))
+    if cache:
+        print(cache)
     return 0
+
+
+def _gauge(text: str, name: str, **labels: str) -> float | None:
+    for line in text.splitlines():
+        if (line.startswith(name + " ") or line.startswith(name + "{")) and \
+                all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _cache_redis_line(text: str | None) -> str | None:
+    """Redis as the cache service sees it (from its /metrics): up or not, and on a Redis
+    Cluster its state, masters answering and slots served."""
+    if text is None:
+        return None
+    up = _gauge(text, "ballast_dependency_up", dependency="redis")
+    line = f"cache: redis {'up' if up == 1 else 'DOWN'}"
+    cluster_ok = _gauge(text, "ballast_cache_redis_cluster_ok")
+    if cluster_ok is not None:
+        known = _gauge(text, "ballast_cache_redis_cluster_masters", state="known") or 0
+        reachable = _gauge(text, "ballast_cache_redis_cluster_masters", state="reachable") or 0
+        slots = _gauge(text, "ballast_cache_redis_cluster_slots_ok") or 0
+        line += (f"; redis cluster {'ok' if cluster_ok == 1 else 'FAILING'}: {reachable:.0f}/{known:.0f} masters "
+                 f"answer, {slots:.0f}/16384 slots served")
+    return line
 
 
 def cmd_chat(args) -> int:

@@ -20,10 +20,13 @@ import yaml
 
 from services.cli.certs import BACKING_SERVERS, CA_CERT, backing_password, cert_path, init_certs, key_path, role_env
 from services.cli.kafka_tls import SecureKafkaBroker
+from services.cli.redis_cluster import LocalRedisCluster
 from services.cli.localservers import BackingSecurity, EtcdServer, KafkaBroker, LocalServer, RedisServer
 from services.common.processes import ManagedProcess, ProcessStartError, free_ports, stop_pid, wait_until_ready
 
 STATE_FILE = "mesh.json"
+# Redis's memory bound in a local mesh (split over the masters of a local Redis Cluster).
+REDIS_MAXMEMORY = 256 * 1024 * 1024
 CONFIG_FILE = "ballast.yaml"
 CERTS_DIR = "certs"
 LOCAL_API_KEY = "local-dev-key"
@@ -60,6 +63,9 @@ class MeshSpec:
     engine: str = "torch"
     # Mutual TLS between the services, with development certificates under state_dir/certs.
     secure: bool = False
+    # The cache and the backfill store on a local Redis Cluster (3 masters, 1 replica each)
+    # instead of one Redis server.
+    redis_cluster: bool = False
 
     @property
     def start_timeout_s(self) -> float:
@@ -148,8 +154,13 @@ class Mesh:
         self.security = (BackingSecurity(self.certs_dir, backing_password(self.certs_dir))
                          if spec.secure else None)
         self.etcd = EtcdServer(self.state_dir, spec.etcd_port, security=self.security)
-        self.redis = RedisServer(self.state_dir, spec.redis_port, maxmemory=256 * 1024 * 1024,
-                                 security=self.security)
+        if spec.redis_cluster and spec.secure:
+            # The bundled Valkey has no TLS, and a cluster of TLS-built servers is not set up here.
+            raise ValueError("a local Redis Cluster runs without TLS: --secure and a Redis Cluster together are not supported")
+        self.redis: RedisServer | LocalRedisCluster = (
+            LocalRedisCluster(self.state_dir, masters=3, replicas_per_master=1, maxmemory=REDIS_MAXMEMORY // 3)
+            if spec.redis_cluster
+            else RedisServer(self.state_dir, spec.redis_port, maxmemory=REDIS_MAXMEMORY, security=self.security))
         # The broker has no TLS of its own: secured, it sits behind a TLS front.
         self.kafka = (SecureKafkaBroker(self.state_dir, spec.kafka_port, security=self.security)
                       if self.security else KafkaBroker(self.state_dir, spec.kafka_port))
@@ -160,7 +171,7 @@ class Mesh:
         self.cache_port = spec.cache_port or next(picked)
         self.backfill_port = spec.backfill_port or next(picked)
         self.config_path = self.state_dir / CONFIG_FILE
-        self.infra: list[LocalServer] = [self.etcd, self.redis, self.kafka]
+        self.infra: list[LocalServer | LocalRedisCluster] = [self.etcd, self.redis, self.kafka]
         self.services: list[ServiceProcess] = []
         self._worker_seq = 0
         self._router_seq = 1  # "router" is the first
@@ -174,7 +185,7 @@ class Mesh:
         spec = self.spec
         config = {
             "etcd": {"host": self.etcd.host, "port": self.etcd.port, "lease_ttl_s": spec.lease_ttl_s},
-            "redis": {"url": self.redis.url},
+            "redis": {"url": self.redis.url, "cluster": spec.redis_cluster},
             "kafka": {"bootstrap": f"{self.kafka.host}:{self.kafka.port}"},
             "auth": {"enabled": spec.auth_enabled, "api_keys": spec.api_keys},
             # Subscribe and GetBackfill on the router relay to this mesh's backfill service.

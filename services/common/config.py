@@ -83,6 +83,8 @@ class RedisConfig(Section):
                                           "(BALLAST__REDIS__PASSWORD).")
     tls: BackingTLSConfig = Field(default_factory=BackingTLSConfig,
                                   description="TLS to Redis (also turned on by a rediss:// URL).")
+    cluster: bool = Field(False, description="The URL names one node of a Redis Cluster: the client "
+                                             "discovers the others and follows slot moves.")
 
     def connection_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of redis-py's from_url() beyond the URL: credentials and TLS."""

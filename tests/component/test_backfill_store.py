@@ -9,10 +9,13 @@ import uuid
 
 import pytest
 import pytest_asyncio
-import redis.asyncio as aioredis
 
 from ballast.v1 import backfill_pb2
-from services.backfill.store import AnswerStore, Notices
+from services.backfill.store import AnswerStore, ClusterAnswerStore, Notices
+from services.common.config import RedisConfig
+from services.common.redis_client import is_cluster, make_client
+from services.common.redis_client import pubsub as open_pubsub
+from redis.asyncio.cluster import RedisCluster
 from services.common.degraded.codec import make_ticket, timestamp
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -20,11 +23,33 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 TENANT = "acme"
 
 
+@pytest.fixture(params=["server", "cluster"])
+def backend(request) -> RedisConfig:
+    """One Redis server, and a Redis Cluster (where the keys of one session's answers live on
+    different masters)."""
+    if request.param == "cluster":
+        return RedisConfig(url=request.getfixturevalue("redis_cluster").url, cluster=True)
+    return RedisConfig(url=request.getfixturevalue("redis_server").url)
+
+
+def new_store(backend: RedisConfig, **options) -> AnswerStore:
+    store_type = ClusterAnswerStore if backend.cluster else AnswerStore
+    return store_type(make_client(backend), prefix=f"test-{uuid.uuid4().hex[:8]}:backfill:", ttl_s=600, **options)
+
+
 @pytest_asyncio.fixture(loop_scope="session")
-async def store(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    yield AnswerStore(client, prefix=f"test-{uuid.uuid4().hex[:8]}:backfill:", ttl_s=600)
-    await client.aclose()
+async def store(backend):
+    store = new_store(backend)
+    yield store
+    await store.redis.aclose()
+
+
+async def kill_pubsub_connections(client) -> int:
+    """Cuts every pub/sub connection off, as a Redis restart or a network blip would."""
+    if is_cluster(client):
+        killed = await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub", target_nodes=RedisCluster.ALL_NODES)
+        return sum(killed.values()) if isinstance(killed, dict) else int(killed)
+    return await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
 
 
 def answer(session: str, n: int, tenant: str = TENANT) -> backfill_pb2.BackfilledAnswer:
@@ -62,7 +87,7 @@ async def test_only_the_holder_gives_a_mark_back_and_the_answer_is_announced_aga
     await store.put_once(a)
     [claimed] = await store.claim_session(TENANT, session, "holder", limit=10)
 
-    notices = store.redis.pubsub(ignore_subscribe_messages=True)
+    notices = await open_pubsub(store.redis, ignore_subscribe_messages=True)
     await notices.subscribe(store.channel)
     try:
         await store.unclaim(claimed, "someone-else")
@@ -85,9 +110,9 @@ async def next_message(pubsub, timeout_s: float = 5.0) -> str | None:
     return None
 
 
-async def test_every_subscription_is_woken_when_the_notice_listener_reconnects(store, redis_server):
+async def test_every_subscription_is_woken_when_the_notice_listener_reconnects(store, backend):
     """A notice published while the listener is disconnected is lost; the reconnect makes up for it."""
-    listener = aioredis.Redis.from_url(redis_server.url)
+    listener = make_client(backend)
     notices = Notices(listener, store.channel)
     session_event = notices.watch([("session", TENANT, "s1")])
     ticket_event = notices.watch([("ticket", "t-1")])
@@ -97,8 +122,7 @@ async def test_every_subscription_is_woken_when_the_notice_listener_reconnects(s
         await both()  # connected: whatever was announced before is read again
         session_event.clear()
         ticket_event.clear()
-        # Cut the listener off, as a Redis restart or a network blip would.
-        assert await store.redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub") >= 1
+        assert await kill_pubsub_connections(store.redis) >= 1
         await both()
     finally:
         await notices.stop()
@@ -112,13 +136,13 @@ class CallContext:
         return (("x-api-key", "acme-key"),)
 
 
-def subscription_servicer(store: AnswerStore, redis_server):
+def subscription_servicer(store: AnswerStore, backend: RedisConfig):
     from services.backfill.servicer import BackfillServicer
     from services.backfill.settings import BackfillSettings
     from services.common.config import AuthConfig
     from services.common.auth import Authenticator
 
-    notices = Notices(aioredis.Redis.from_url(redis_server.url), store.channel)
+    notices = Notices(make_client(backend), store.channel)
     auth = Authenticator(AuthConfig(enabled=True, api_keys={"acme-key": TENANT}))
     return BackfillServicer(BackfillSettings(subscribe_poll_s=0.2), auth, store, notices)
 
@@ -136,13 +160,13 @@ async def pushed(servicer, session: str, count: int) -> list[str]:
 
 
 @pytest.mark.parametrize("written", [0, 1])
-async def test_a_push_that_was_not_written_gives_back_it_and_the_rest_of_its_batch(store, redis_server, written):
+async def test_a_push_that_was_not_written_gives_back_it_and_the_rest_of_its_batch(store, backend, written):
     """The stream stops at the push after `written` written ones (the client left): the unwritten
     answers of the claimed batch go to the next subscription, the written ones never again."""
     session = uuid.uuid4().hex
     for n in (1, 2, 3):
         await store.put_once(answer(session, n))
-    servicer = subscription_servicer(store, redis_server)
+    servicer = subscription_servicer(store, backend)
     try:
         stream = servicer.Subscribe(backfill_pb2.SubscribeRequest(session_id=session), CallContext())
         for _ in range(written + 1):
@@ -172,7 +196,7 @@ async def test_put_once_keeps_the_first_answer_and_announces_every_time(store):
     session = uuid.uuid4().hex
     first, second = answer(session, 1), answer(session, 1)
     second.text = "a different replay"
-    notices = store.redis.pubsub(ignore_subscribe_messages=True)
+    notices = await open_pubsub(store.redis, ignore_subscribe_messages=True)
     await notices.subscribe(store.channel)
     try:
         assert await store.put_once(first)
@@ -185,9 +209,8 @@ async def test_put_once_keeps_the_first_answer_and_announces_every_time(store):
     assert 0 < await store.redis.ttl(store._answer(first.ticket)) <= 600
 
 
-async def test_the_session_index_keeps_the_newest_and_answers_without_a_session_are_stored(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    small = AnswerStore(client, prefix=f"test-{uuid.uuid4().hex[:8]}:backfill:", ttl_s=600, index_max=2)
+async def test_the_session_index_keeps_the_newest_and_answers_without_a_session_are_stored(backend):
+    small = new_store(backend, index_max=2)
     try:
         session = uuid.uuid4().hex
         for n in (1, 2, 3):
@@ -197,4 +220,20 @@ async def test_the_session_index_keeps_the_newest_and_answers_without_a_session_
         assert await small.put_once(lone)
         assert (await small.get(lone.ticket)).text == "answer 7"
     finally:
-        await client.aclose()
+        await small.redis.aclose()
+
+
+async def test_on_a_cluster_a_tickets_keys_share_one_slot_and_a_sessions_answers_spread(redis_cluster):
+    store = new_store(RedisConfig(url=redis_cluster.url, cluster=True))
+    try:
+        await store.redis.initialize()  # the slot map
+        slot = store.redis.keyslot
+        tickets = [make_ticket(TENANT, f"spread-{n}") for n in range(24)]
+        for ticket in tickets:
+            assert slot(store._answer(ticket)) == slot(store._delivered(ticket)) == slot(store._attempts(ticket))
+        # Many answers of one session are not piled on one master.
+        assert len({store.redis.nodes_manager.get_node_from_slot(slot(store._answer(t))).name for t in tickets}) > 1
+        with pytest.raises(ValueError):
+            ClusterAnswerStore(store.redis, prefix="ballast:{backfill}:", ttl_s=600)
+    finally:
+        await store.redis.aclose()

@@ -12,6 +12,7 @@ import grpc
 import pytest
 import pytest_asyncio
 import redis as redis_sync
+from redis.cluster import RedisCluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ballast.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -64,10 +65,20 @@ def metric(text: str, name: str, **labels) -> float:
     return total
 
 
+@pytest.fixture(scope="module", params=["server", "cluster"])
+def backend(request) -> tuple[str, bool]:
+    """Redis URL and whether it is a cluster: one Redis server, and a Redis Cluster of three
+    masters (a session's blocks spread over all three)."""
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster").url, True
+    return request.getfixturevalue("redis_server").url, False
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def cache(redis_server):
+async def cache(backend):
+    url, cluster = backend
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    app = await create_server(make_config(redis_server.url, prefix))
+    app = await create_server(make_config(url, prefix, BALLAST__REDIS__CLUSTER=str(cluster).lower()))
     yield app
     await app.shutdown(grace_s=1.0)
 
@@ -80,8 +91,9 @@ async def client(cache):
 
 
 @pytest.fixture(scope="module")
-def raw_redis(redis_server):
-    r = redis_sync.Redis.from_url(redis_server.url)
+def raw_redis(backend):
+    url, cluster = backend
+    r = RedisCluster.from_url(url) if cluster else redis_sync.Redis.from_url(url)
     yield r
     r.close()
 
@@ -182,6 +194,25 @@ async def test_ttl_is_set_capped_and_refreshed_by_reads(cache, client, raw_redis
     assert raw_redis.ttl(key) > 30  # a read gives the default TTL again
     await client.put(SCOPE, LAYOUT, blocks, 10**9, 5)
     assert raw_redis.ttl(key) <= cache.config.cache.max_ttl_s
+
+
+async def test_stats_and_metrics_show_a_redis_clusters_health(cache, client, backend):
+    _url, cluster = backend
+    if not cluster:
+        assert not (await client.stats(1)).HasField("redis_cluster")
+        assert "ballast_cache_redis_cluster_ok" not in cache.telemetry.render()
+        return
+    # The Redis probe reads the cluster's health every second.
+    assert await wait_for(lambda: _positive_stat(client))
+    health = (await client.stats(1)).redis_cluster
+    assert (health.state_ok, health.slots_ok, health.masters, health.masters_reachable) == (True, 16384, 3, 3)
+    text = cache.telemetry.render()
+    assert metric(text, "ballast_cache_redis_cluster_ok") == 1
+    assert metric(text, "ballast_cache_redis_cluster_masters", state="reachable") == 3
+
+
+async def _positive_stat(client) -> bool:
+    return (await client.stats(1)).redis_cluster.masters > 0
 
 
 def put_stream(*messages):

@@ -119,7 +119,7 @@ class KVStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVStatsReply(_message.Message):
-    __slots__ = ("blocks", "used_memory_bytes", "max_memory_bytes", "evicted_keys", "hits", "misses", "checksum_failures", "bytes_stored", "bytes_served")
+    __slots__ = ("blocks", "used_memory_bytes", "max_memory_bytes", "evicted_keys", "hits", "misses", "checksum_failures", "bytes_stored", "bytes_served", "redis_cluster")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class KVStatsReply(_message.Message):
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    REDIS_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     used_memory_bytes: int
     max_memory_bytes: int
@@ -138,4 +139,19 @@ class KVStatsReply(_message.Message):
     checksum_failures: int
     bytes_stored: int
     bytes_served: int
-    def __init__(self, blocks: _Optional[int] = ..., used_memory_bytes: _Optional[int] = ..., max_memory_bytes: _Optional[int] = ..., evicted_keys: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ...) -> None: ...
+    redis_cluster: RedisClusterHealth
+    def __init__(self, blocks: _Optional[int] = ..., used_memory_bytes: _Optional[int] = ..., max_memory_bytes: _Optional[int] = ..., evicted_keys: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ..., redis_cluster: _Optional[_Union[RedisClusterHealth, _Mapping]] = ...) -> None: ...
+
+class RedisClusterHealth(_message.Message):
+    __slots__ = ("state_ok", "slots_ok", "masters", "masters_reachable", "known_nodes")
+    STATE_OK_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_OK_FIELD_NUMBER: _ClassVar[int]
+    MASTERS_FIELD_NUMBER: _ClassVar[int]
+    MASTERS_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_NODES_FIELD_NUMBER: _ClassVar[int]
+    state_ok: bool
+    slots_ok: int
+    masters: int
+    masters_reachable: int
+    known_nodes: int
+    def __init__(self, state_ok: _Optional[bool] = ..., slots_ok: _Optional[int] = ..., masters: _Optional[int] = ..., masters_reachable: _Optional[int] = ..., known_nodes: _Optional[int] = ...) -> None: ...
