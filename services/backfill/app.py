@@ -134,8 +134,11 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     client = _redis_client(config.redis, config.redis.timeout_s)
     # Pub/sub blocks on reads by design: its own connection, without the command timeout.
     pubsub_client = _redis_client(config.redis, None)
-    store_type = ClusterAnswerStore if config.redis.cluster else AnswerStore
-    store = store_type(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max)
+    if config.redis.cluster:
+        store = ClusterAnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max,
+                                   config.redis.wait_replicas, config.redis.wait_timeout_ms)
+    else:
+        store = AnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max)
     notices = Notices(pubsub_client, store.channel)
     servicer = BackfillServicer(settings, Authenticator(config.auth), store, notices, metrics)
     metrics.observe_subscribers(lambda: servicer.subscribers)

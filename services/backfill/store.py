@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from typing import Iterable
 
@@ -95,14 +96,8 @@ return taken
 """
 
 
-# Redis Cluster: KEYS[1]: a session's index. ARGV: ticket, original timestamp (ms), index size,
-# TTL (s). The index half of _PUT_ONCE, on the index's own slot.
-_INDEX = """
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -tonumber(ARGV[3]) - 1)
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-return 1
-"""
+# Warn at most this often that writes went out without reaching their replicas.
+_WARN_EVERY_S = 60.0
 
 
 def _parse_answer(raw: bytes) -> backfill_pb2.BackfilledAnswer:
@@ -266,14 +261,21 @@ class Notices:
 
 
 class ClusterAnswerStore(AnswerStore):
-    """The same store on a Redis Cluster: every command and script stays in one hash slot."""
+    """The same store on a Redis Cluster: every command and script stays in one hash slot.
 
-    def __init__(self, client: AnyRedis, prefix: str, ttl_s: int, index_max: int = 1000) -> None:
+    With `wait_replicas`, each write that must survive a master failover (the answer, its
+    index entry, a delivery mark) goes out in one pipeline with a WAIT on the same master and
+    connection, and returns once that many replicas have it (or after `wait_timeout_ms`)."""
+
+    def __init__(self, client: AnyRedis, prefix: str, ttl_s: int, index_max: int = 1000,
+                 wait_replicas: int = 0, wait_timeout_ms: int = 500) -> None:
         if "{" in prefix or "}" in prefix:
             # A brace in the prefix would become the hash tag and put every key in one slot.
             raise ValueError(f"the backfill key prefix {prefix!r} may not contain braces on a Redis Cluster")
         super().__init__(client, prefix, ttl_s, index_max)
-        self._index_once = client.register_script(_INDEX)
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._warned_at = -_WARN_EVERY_S
 
     def _answer(self, ticket: str) -> str:
         return f"{self.prefix}{{{ticket}}}:answer"
@@ -284,17 +286,50 @@ class ClusterAnswerStore(AnswerStore):
     def _attempts(self, ticket: str) -> str:
         return f"{self.prefix}{{{ticket}}}:attempts"
 
+    async def _replicated(self, key: str, write) -> object:
+        """Runs `write(pipe)` (commands on `key`) and, with wait_replicas, a WAIT on the master of
+        `key` in the same pipeline: one connection to that master, so WAIT covers the write."""
+        if not self.wait_replicas:
+            pipe = self.redis.pipeline(transaction=False)
+            write(pipe)
+            return (await pipe.execute())[0]
+        await self.redis.initialize()  # the slot map, for the master of `key`
+        master = self.redis.get_node_from_key(key)
+        pipe = self.redis.pipeline(transaction=False)
+        write(pipe)
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, target_nodes=master)
+        *results, acked = await pipe.execute()
+        if int(acked) < self.wait_replicas:
+            now = time.monotonic()
+            if now - self._warned_at >= _WARN_EVERY_S:
+                self._warned_at = now
+                log.warning("a backfill write reached %s of %d replicas within %d ms: a failover of "
+                            "its master now could lose it", acked, self.wait_replicas, self.wait_timeout_ms)
+        return results[0]
+
     async def put_once(self, answer: backfill_pb2.BackfilledAnswer) -> bool:
         # Stored, then indexed, then announced: whoever the notice wakes finds the answer. A
         # crash between the steps leaves it stored but unindexed until the replay of the same
         # request calls this again (it indexes and announces whether or not it stores).
-        stored = await self.redis.set(self._answer(answer.ticket), answer.SerializeToString(),
-                                      nx=True, ex=self.ttl_s)
+        key = self._answer(answer.ticket)
+        stored = await self._replicated(key, lambda pipe: pipe.set(
+            key, answer.SerializeToString(), nx=True, ex=self.ttl_s))
         if answer.session_id:
-            await self._index_once(keys=[self._session(answer.tenant, answer.session_id)], args=[
-                answer.ticket, answer.received_at.ToMilliseconds(), self.index_max, self.ttl_s])
+            index = self._session(answer.tenant, answer.session_id)
+            await self._replicated(index, lambda pipe: self._index(pipe, index, answer))
         await self.redis.publish(self.channel, self._notice(answer))
         return bool(stored)
+
+    def _index(self, pipe, index: str, answer: backfill_pb2.BackfilledAnswer) -> None:
+        # _PUT_ONCE's index half: one key, so one master and one connection, in this order.
+        pipe.zadd(index, {answer.ticket: answer.received_at.ToMilliseconds()})
+        # Keep only the newest entries: a chatty session cannot grow the index forever.
+        pipe.zremrangebyrank(index, 0, -self.index_max - 1)
+        pipe.expire(index, self.ttl_s)
+
+    async def claim(self, ticket: str, subscriber: str) -> bool:
+        key = self._delivered(ticket)
+        return bool(await self._replicated(key, lambda pipe: pipe.set(key, subscriber, nx=True, ex=self.ttl_s)))
 
     async def claim_session(self, tenant: str, session_id: str, subscriber: str,
                             limit: int) -> list[backfill_pb2.BackfilledAnswer]:

@@ -185,7 +185,9 @@ class Mesh:
         spec = self.spec
         config = {
             "etcd": {"host": self.etcd.host, "port": self.etcd.port, "lease_ttl_s": spec.lease_ttl_s},
-            "redis": {"url": self.redis.url, "cluster": spec.redis_cluster},
+            # On the local cluster every master has one replica: backfill writes wait for it.
+            "redis": ({"url": self.redis.url, "cluster": True, "wait_replicas": 1} if spec.redis_cluster
+                      else {"url": self.redis.url}),
             "kafka": {"bootstrap": f"{self.kafka.host}:{self.kafka.port}"},
             "auth": {"enabled": spec.auth_enabled, "api_keys": spec.api_keys},
             # Subscribe and GetBackfill on the router relay to this mesh's backfill service.

@@ -85,6 +85,12 @@ class RedisConfig(Section):
                                   description="TLS to Redis (also turned on by a rediss:// URL).")
     cluster: bool = Field(False, description="The URL names one node of a Redis Cluster: the client "
                                              "discovers the others and follows slot moves.")
+    wait_replicas: int = Field(
+        0, ge=0, description="Backfill writes on a Redis Cluster wait (WAIT) until this many replicas "
+                             "have them, so a master failover loses no stored answer or delivery mark; "
+                             "0: no wait. Set it to the replicas per master.")
+    wait_timeout_ms: int = Field(500, gt=0, description="Longest such a wait; the write then counts as "
+                                                        "done, with a warning.")
 
     def connection_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of redis-py's from_url() beyond the URL: credentials and TLS."""
