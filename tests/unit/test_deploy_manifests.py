@@ -717,6 +717,9 @@ def test_overlays_point_at_the_dependencies():
         assert config.kafka.bootstrap == expected
         assert config.etcd.host == f"etcd.{kafka['metadata']['namespace']}.svc.cluster.local"
         assert config.redis.url.startswith(f"redis://redis-cluster.{kafka['metadata']['namespace']}.svc.cluster.local:")
+        # The chart runs a Redis Cluster: a plain client would fail every multi-key lookup.
+        assert config.redis.cluster
+    assert overlay_config(rendered(OVERLAYS["production-gpu"])).redis.wait_replicas >= 1
     readme = (K8S / "dependencies" / "README.md").read_text()
     for needle in ("bitnamicharts/etcd", "bitnamicharts/redis-cluster", "strimzi-kafka-operator"):
         assert needle in readme
