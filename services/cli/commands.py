@@ -59,7 +59,8 @@ def cmd_up(args) -> int:
         build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
     spec = MeshSpec(state_dir=args.state_dir, model_dir=args.model_dir, workers=args.workers,
                     router_port=args.router_port, router_http_port=args.http_port or None, engine=args.engine,
-                    secure=args.secure, redis_cluster=args.redis_cluster)
+                    secure=args.secure, redis_cluster=args.redis_cluster,
+                    routers=args.routers)
     mesh = Mesh(spec)
     print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers) ...", flush=True)
     started = time.monotonic()
@@ -151,7 +152,7 @@ def cmd_status(args) -> int:
     try:
         rows = asyncio.run(list_workers(config.etcd, with_lease_ttl=True))
     except Exception as exc:
-        print(f"cannot read etcd at {config.etcd.host}:{config.etcd.port}: {exc}", file=sys.stderr)
+        print(f"cannot read etcd at {config.etcd.display}: {exc}", file=sys.stderr)
         return 1
     breakers = _router_breakers(args)
     header = (f"{'id':<12} {'pool':<8} {'model':<8} {'version':<17} {'load':>7} {'kv':>5} {'temp':>6} "
@@ -275,7 +276,7 @@ def _rollout_call(args, make) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ETCD_ERRORS as exc:
-        print(f"cannot reach etcd at {config.etcd.host}:{config.etcd.port}: {exc}", file=sys.stderr)
+        print(f"cannot reach etcd at {config.etcd.display}: {exc}", file=sys.stderr)
         return 1
     print("\n".join(describe(rollout, {})))
     return 0
@@ -316,7 +317,7 @@ def cmd_rollout_status(args) -> int:
     try:
         rows = asyncio.run(rollout_status(config.etcd, args.model))
     except ETCD_ERRORS as exc:
-        print(f"cannot read etcd at {config.etcd.host}:{config.etcd.port}: {exc}", file=sys.stderr)
+        print(f"cannot read etcd at {config.etcd.display}: {exc}", file=sys.stderr)
         return 1
     for model, rollout, workers in rows:
         print("\n".join(describe(rollout, workers)) if not isinstance(rollout, str) else f"{model}: {rollout}")

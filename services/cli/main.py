@@ -31,6 +31,9 @@ def _add_up(sub) -> None:
                         "(a timing model: no model compute)")
     p.add_argument("--secure", action="store_true",
                    help="mutual TLS between the services, with development certificates in STATE_DIR/certs")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers to run: the first on --router-port (with the HTTP API), the others on the "
+                        "ports after it, gRPC only")
     p.add_argument("--redis-cluster", action="store_true",
                    help="the KV cache and the backfill store on a local Redis Cluster (3 masters, 1 replica each)")
     p.set_defaults(handler="services.cli.commands:cmd_up")

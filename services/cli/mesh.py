@@ -63,6 +63,9 @@ class MeshSpec:
     engine: str = "torch"
     # Mutual TLS between the services, with development certificates under state_dir/certs.
     secure: bool = False
+    # Routers on the same etcd, cache and backfill: the first one on router_port with the HTTP
+    # front, the others on the ports after it (or free ones), gRPC only.
+    routers: int = 1
     # The cache and the backfill store on a local Redis Cluster (3 masters, 1 replica each)
     # instead of one Redis server.
     redis_cluster: bool = False
@@ -315,15 +318,25 @@ class Mesh:
         self._launch_all([(service, "worker")], timeout or self.spec.start_timeout_s)
         return service
 
-    def start_router(self, timeout: float | None = None) -> ServiceProcess:
-        """Another router on the same etcd, cache and backfill, on a port of its own and
-        without the HTTP front: several routers share the clients (bench.mesh_scale)."""
+    def _new_router(self, port: int | None = None) -> ServiceProcess:
         self._router_seq += 1
         name = f"router-{self._router_seq}"
         # Each router replica keeps its own degraded-request outbox (a file one process holds).
-        env = {"BALLAST__ROUTER__PORT": str(free_ports(1)[0]), "BALLAST__ROUTER__HTTP_PORT": "null",
+        env = {"BALLAST__ROUTER__PORT": str(port or free_ports(1)[0]), "BALLAST__ROUTER__HTTP_PORT": "null",
                "BALLAST__DEGRADE__OUTBOX_PATH": f"outbox/{name}.sqlite"}
-        service = self._service_process(name, "services.router", env)
+        return self._service_process(name, "services.router", env)
+
+    def _extra_router_ports(self) -> list[int | None]:
+        """Ports of routers 2..N: after the first router's when it was given, else free ones."""
+        count = self.spec.routers - 1
+        if self.spec.router_port:
+            return [self.spec.router_port + i for i in range(1, count + 1)]
+        return [None] * count
+
+    def start_router(self, timeout: float | None = None) -> ServiceProcess:
+        """Another router on the same etcd, cache and backfill, on a port of its own and
+        without the HTTP front: several routers share the clients (bench.mesh_scale)."""
+        service = self._new_router()
         self._launch_all([(service, "router")], timeout or self.spec.start_timeout_s)
         return service
 
@@ -390,6 +403,7 @@ class Mesh:
                 server.wait_ready()
             self.write_config()
             batch = [(self._service_process(name, f"services.{name}", {}), name) for name in ("cache", "backfill", "router")]
+            batch += [(self._new_router(port), "router") for port in self._extra_router_ports()]
             batch += [(self._new_worker(), "worker") for _ in range(self.spec.workers)]
             self._launch_all(batch, timeout)
             self.wait_for_workers(self.spec.workers, timeout)

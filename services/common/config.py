@@ -48,8 +48,12 @@ class BackingTLSConfig(Section):
 
 
 class EtcdConfig(Section):
-    host: str = Field("127.0.0.1", description="etcd client host.")
+    host: str = Field("127.0.0.1", description="etcd client host (one member; see `endpoints`).")
     port: int = Field(2379, ge=1, le=65535, description="etcd client port.")
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="Client addresses (host:port) of every member of an etcd cluster; when set, host and "
+                    "port are not used. Calls go to one member and move to another when it fails.")
     prefix: str = Field("/ballast/", description="Root of every Ballast key.")
     timeout_s: float = Field(2.0, gt=0, description="Deadline of each etcd call.")
     lease_ttl_s: int = Field(3, ge=2, le=60, description="TTL of a worker's membership lease.")
@@ -59,6 +63,25 @@ class EtcdConfig(Section):
                                           "or the client certificate's CN when etcd checks certificates.")
     password: str = Field("", description="Password of `username` (BALLAST__ETCD__PASSWORD).")
     tls: BackingTLSConfig = Field(default_factory=BackingTLSConfig, description="TLS to etcd.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _host_and_port(cls, value: list[str]) -> list[str]:
+        for endpoint in value:
+            host, sep, port = endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{endpoint!r} is not host:port")
+        return value
+
+    @property
+    def members(self) -> list[str]:
+        """host:port of each member to try (the endpoints, else host and port)."""
+        return list(self.endpoints) or [f"{self.host}:{self.port}"]
+
+    @property
+    def display(self) -> str:
+        """Where etcd is, for messages."""
+        return ",".join(self.members)
 
     @field_validator("prefix")
     @classmethod

@@ -1,8 +1,13 @@
-"""The one way Ballast opens an etcd client: plaintext or TLS, with or without a user.
+"""The one way Ballast opens an etcd client: one member or a cluster, plaintext or TLS, with
+or without a user.
 
-aetcd authenticates a user itself but dials plaintext only, so `TLSEtcdClient` opens the
-same stubs over a TLS channel (server verified against `etcd.tls.ca_file`, and the client
-certificate presented when etcd checks them). Every etcd caller goes through `make_client`.
+aetcd dials one plaintext address, so `EtcdClient` opens the same stubs itself: over TLS when
+configured (server verified against `etcd.tls.ca_file`, the client certificate presented when
+etcd checks them), and on one member of `etcd.endpoints`. Each new client starts at the next
+member in turn and skips one that does not accept a connection; a call that fails makes its
+caller build a new client (they all reset on errors), which so moves to another member. Each
+channel speaks to one member under that member's own name, so TLS verifies each member's
+certificate as it is. Every etcd caller goes through `make_client`.
 """
 
 from __future__ import annotations
@@ -30,16 +35,61 @@ def tls_credentials(tls: BackingTLSConfig) -> grpc.ChannelCredentials:
                                         certificate_chain=_read_optional(tls.cert_file))
 
 
-class TLSEtcdClient(aetcd.Client):
-    """aetcd's client over a TLS channel."""
+# How long a new client waits for a member to accept a connection before trying the next.
+MEMBER_CONNECT_TIMEOUT_S = 1.0
 
-    def __init__(self, credentials: grpc.ChannelCredentials, **kwargs) -> None:
-        super().__init__(**kwargs)
+# Per endpoint list: the member the next client starts at (round robin over clients).
+_next_member: dict[tuple[str, ...], int] = {}
+
+
+def member_order(members: list[str]) -> list[str]:
+    """Every member, starting at the next one in turn."""
+    key = tuple(members)
+    start = _next_member.get(key, 0) % len(members)
+    _next_member[key] = start + 1
+    return members[start:] + members[:start]
+
+
+class EtcdClient(aetcd.Client):
+    """aetcd's client on one of several members, over TLS when `credentials` are given."""
+
+    def __init__(self, members: list[str], credentials: grpc.ChannelCredentials | None = None, **kwargs) -> None:
+        host, _, port = members[0].rpartition(":")
+        super().__init__(host=host, port=int(port), **kwargs)
+        self._members = members
         self._credentials = credentials
+        #: host:port of the member this client speaks to (once connected).
+        self.member: str | None = None
+
+    def _channel(self, member: str) -> grpc.aio.Channel:
+        options = list(self._options.items())
+        if self._credentials is not None:
+            return grpc.aio.secure_channel(member, self._credentials, options=options)
+        return grpc.aio.insecure_channel(member, options=options)
+
+    async def _open_channel(self) -> grpc.aio.Channel:
+        """A channel to the first member in turn that accepts a connection (with one member,
+        that member, unchecked: its calls say if it is away)."""
+        if len(self._members) == 1:
+            self.member = self._members[0]
+            return self._channel(self.member)
+        candidates = member_order(self._members)
+        for member in candidates:
+            channel = self._channel(member)
+            try:
+                await asyncio.wait_for(channel.channel_ready(), MEMBER_CONNECT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await channel.close()
+                continue
+            self.member = member
+            return channel
+        # None answers now: take the first anyway; its calls fail until one is back.
+        self.member = candidates[0]
+        return self._channel(self.member)
 
     @_handle_errors
     async def connect(self) -> None:
-        # The same steps as aetcd's connect(), with a secure channel.
+        # The same steps as aetcd's connect(), on a channel of our own.
         if self._connected.is_set():
             return
         if self._is_connecting:
@@ -47,8 +97,7 @@ class TLSEtcdClient(aetcd.Client):
             return
         try:
             self._is_connecting = True
-            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials,
-                                                   options=list(self._options.items()))
+            self.channel = await self._open_channel()
             if self._username is not None:
                 self.auth_stub = rpc.AuthStub(self.channel)
                 reply = await self.auth_stub.Authenticate(
@@ -66,13 +115,11 @@ class TLSEtcdClient(aetcd.Client):
 
 
 def make_client(config: EtcdConfig) -> aetcd.Client:
-    """A client for `config`: TLS when `etcd.tls.enabled`, a user when `etcd.username`."""
-    kwargs = dict(
-        host=config.host, port=config.port,
+    """A client for `config`: its members, TLS when `etcd.tls.enabled`, a user when `etcd.username`."""
+    return EtcdClient(
+        config.members,
+        tls_credentials(config.tls) if config.tls.enabled else None,
         username=config.username or None, password=config.password or None,
         # aetcd's timeout is whole seconds; round up so short configs still get a deadline.
         timeout=max(1, round(config.timeout_s + 0.49)),
     )
-    if config.tls.enabled:
-        return TLSEtcdClient(tls_credentials(config.tls), **kwargs)
-    return aetcd.Client(**kwargs)
