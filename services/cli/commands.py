@@ -59,7 +59,8 @@ def cmd_up(args) -> int:
         build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
     spec = MeshSpec(state_dir=args.state_dir, model_dir=args.model_dir, workers=args.workers,
                     router_port=args.router_port, router_http_port=args.http_port or None, engine=args.engine,
-                    secure=args.secure, redis_cluster=args.redis_cluster,
+                    secure=args.secure, redis_cluster=args.redis_cluster or args.clusters,
+                    etcd_cluster=args.etcd_cluster or args.clusters,
                     routers=args.routers)
     mesh = Mesh(spec)
     print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers) ...", flush=True)

@@ -36,6 +36,9 @@ def _add_up(sub) -> None:
                         "ports after it, gRPC only")
     p.add_argument("--redis-cluster", action="store_true",
                    help="the KV cache and the backfill store on a local Redis Cluster (3 masters, 1 replica each)")
+    p.add_argument("--etcd-cluster", action="store_true", help="etcd as a cluster of three members")
+    p.add_argument("--clusters", action="store_true",
+                   help="both: a Redis Cluster and a three-member etcd (add --routers 2 for several routers)")
     p.set_defaults(handler="services.cli.commands:cmd_up")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from services.cli.certs import BACKING_SERVERS, CA_CERT, backing_password, cert_path, init_certs, key_path, role_env
+from services.cli.etcd_cluster import LocalEtcdCluster
 from services.cli.kafka_tls import SecureKafkaBroker
 from services.cli.redis_cluster import LocalRedisCluster
 from services.cli.localservers import BackingSecurity, EtcdServer, KafkaBroker, LocalServer, RedisServer
@@ -69,6 +70,8 @@ class MeshSpec:
     # The cache and the backfill store on a local Redis Cluster (3 masters, 1 replica each)
     # instead of one Redis server.
     redis_cluster: bool = False
+    # etcd as a cluster of three members (the services get every member's address).
+    etcd_cluster: bool = False
 
     @property
     def start_timeout_s(self) -> float:
@@ -156,10 +159,15 @@ class Mesh:
         # the Kafka broker (TLS with client certificates).
         self.security = (BackingSecurity(self.certs_dir, backing_password(self.certs_dir))
                          if spec.secure else None)
-        self.etcd = EtcdServer(self.state_dir, spec.etcd_port, security=self.security)
-        if spec.redis_cluster and spec.secure:
-            # The bundled Valkey has no TLS, and a cluster of TLS-built servers is not set up here.
-            raise ValueError("a local Redis Cluster runs without TLS: --secure and a Redis Cluster together are not supported")
+        if spec.secure and (spec.redis_cluster or spec.etcd_cluster):
+            # The bundled Valkey has no TLS, and the local clusters are not secured.
+            raise ValueError("the local Redis Cluster and etcd cluster run without TLS: --secure and "
+                             "clusters together are not supported")
+        if spec.routers < 1:
+            raise ValueError("a mesh needs at least one router")
+        self.etcd: EtcdServer | LocalEtcdCluster = (
+            LocalEtcdCluster(self.state_dir, members=3) if spec.etcd_cluster
+            else EtcdServer(self.state_dir, spec.etcd_port, security=self.security))
         self.redis: RedisServer | LocalRedisCluster = (
             LocalRedisCluster(self.state_dir, masters=3, replicas_per_master=1, maxmemory=REDIS_MAXMEMORY // 3)
             if spec.redis_cluster
@@ -174,7 +182,7 @@ class Mesh:
         self.cache_port = spec.cache_port or next(picked)
         self.backfill_port = spec.backfill_port or next(picked)
         self.config_path = self.state_dir / CONFIG_FILE
-        self.infra: list[LocalServer | LocalRedisCluster] = [self.etcd, self.redis, self.kafka]
+        self.infra: list[LocalServer | LocalRedisCluster | LocalEtcdCluster] = [self.etcd, self.redis, self.kafka]
         self.services: list[ServiceProcess] = []
         self._worker_seq = 0
         self._router_seq = 1  # "router" is the first
@@ -187,7 +195,8 @@ class Mesh:
     def config_dict(self) -> dict:
         spec = self.spec
         config = {
-            "etcd": {"host": self.etcd.host, "port": self.etcd.port, "lease_ttl_s": spec.lease_ttl_s},
+            "etcd": {"host": self.etcd.host, "port": self.etcd.port, "lease_ttl_s": spec.lease_ttl_s,
+                     **({"endpoints": self.etcd.endpoints} if spec.etcd_cluster else {})},
             # On the local cluster every master has one replica: backfill writes wait for it.
             "redis": ({"url": self.redis.url, "cluster": True, "wait_replicas": 1} if spec.redis_cluster
                       else {"url": self.redis.url}),

@@ -719,7 +719,12 @@ def test_overlays_point_at_the_dependencies():
         assert config.redis.url.startswith(f"redis://redis-cluster.{kafka['metadata']['namespace']}.svc.cluster.local:")
         # The chart runs a Redis Cluster: a plain client would fail every multi-key lookup.
         assert config.redis.cluster
-    assert overlay_config(rendered(OVERLAYS["production-gpu"])).redis.wait_replicas >= 1
+    production = overlay_config(rendered(OVERLAYS["production-gpu"]))
+    assert production.redis.wait_replicas >= 1
+    # Every etcd member by name, as many as the chart runs.
+    members = yaml.safe_load((K8S / "dependencies" / "etcd-values.yaml").read_text())["replicaCount"]
+    assert production.etcd.members == [f"etcd-{i}.etcd-headless.ballast-deps.svc.cluster.local:2379"
+                                       for i in range(members)]
     readme = (K8S / "dependencies" / "README.md").read_text()
     for needle in ("bitnamicharts/etcd", "bitnamicharts/redis-cluster", "strimzi-kafka-operator"):
         assert needle in readme

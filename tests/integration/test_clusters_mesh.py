@@ -1,7 +1,9 @@
-"""The whole local mesh on a Redis Cluster (three masters with a replica each, `ballast up
---redis-cluster`): a session's KV is saved to and restored from the cluster, and a master
-killed (SIGKILL) while the backfill stores and pushes answers is replaced by its replica with
-no answer lost or pushed twice, and sessions still restore their KV afterwards."""
+"""The whole local mesh on clusters (`ballast up --clusters --routers 2`): a Redis Cluster of
+three masters with a replica each, a three-member etcd and two routers. A session's KV is
+saved to and restored from the Redis Cluster; a Redis master killed (SIGKILL) while the
+backfill stores and pushes answers is replaced by its replica with no answer lost or pushed
+twice, and sessions still restore their KV afterwards; the etcd leader killed while streams
+run breaks no stream and loses no worker's lease, and the member that comes back has them."""
 
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ import pytest_asyncio
 
 from ballast.v1 import common_pb2
 from services.cli.client import chat_request, collect
+from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.common.config import EtcdConfig
+from services.config import load_config
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from tests.integration.test_backfill_delivery import get_backfill, hand_off, pushes, stored_count
 from tests.integration.test_kv_session import TURN1, recompute, wait_lease_gone, wait_metric, worker_counters
 from tests.integration.test_mesh import metric_value, scrape
+from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
@@ -36,7 +42,7 @@ def mesh(tmp_path_factory, tiny_model_dir):
                      "redis_prefix": BACKFILL_PREFIX},
     }
     spec = MeshSpec(state_dir=tmp_path_factory.mktemp("cluster-mesh"), model_dir=tiny_model_dir, workers=2,
-                    worker_capacity=4, redis_cluster=True, overrides=overrides)
+                    worker_capacity=4, redis_cluster=True, etcd_cluster=True, routers=2, overrides=overrides)
     running = Mesh(spec).start()
     yield running
     running.stop()
@@ -144,3 +150,62 @@ async def test_a_master_killed_mid_batch_loses_and_repeats_no_answer(mesh, route
     await asyncio.to_thread(victim.start)
     await asyncio.to_thread(cluster.wait_healthy, 60)
     assert cluster.roles()[victim.name] == "replica"
+
+
+async def worker_leases(etcd: EtcdConfig) -> dict[str, int]:
+    return {record.id: record.lease_id for record, _ in await list_workers(etcd)}
+
+
+async def test_the_etcd_leader_killed_under_load_breaks_no_stream_and_loses_no_lease(mesh, router):
+    etcd = load_config(mesh.config_path, environ={}).etcd
+    assert len(etcd.endpoints) == 3
+    leases = await worker_leases(etcd)
+    assert sorted(leases) == sorted(w.name for w in mesh.workers())
+
+    requests = [chat_request(f"Tell me about parcel {i} and its route.", max_tokens=300, raw_prompt=True)
+                for i in range(4)]
+    references = [await collect(router, r, LOCAL_API_KEY, timeout=120) for r in requests]
+    tasks = [asyncio.create_task(collect(router, r, LOCAL_API_KEY, timeout=120)) for r in requests]
+    deadline = time.monotonic() + 30
+    while sum([metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in mesh.workers()]) < 4:
+        assert time.monotonic() < deadline, "the streams never all reached the workers"
+        await asyncio.sleep(0.02)
+
+    # Watch the registrations through the election: no worker may drop out.
+    missing: list[set[str]] = []
+    watching = True
+
+    async def watch() -> None:
+        while watching:
+            try:
+                seen = set(await worker_leases(etcd))
+            except Exception:  # noqa: BLE001 - a read during the election may fail; the next one counts
+                seen = None
+            if seen is not None and seen != set(leases):
+                missing.append(set(leases) - seen)
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch())
+    leader = mesh.etcd.leader()
+    leader.process.kill()
+    assert not all(task.done() for task in tasks), "every stream ended before the etcd leader died"
+    results = await asyncio.gather(*tasks)
+    await asyncio.to_thread(mesh.etcd.wait_healthy, 30)
+    # Two lease TTLs after the election: a lease that was not kept alive would be gone by now.
+    await asyncio.sleep(2 * mesh.spec.lease_ttl_s)
+    watching = False
+    await watcher
+
+    for result, reference in zip(results, references):
+        assert_served(result)
+        assert result.finished.resumes == 0, "a stream broke and moved"
+        assert result.token_ids == reference.token_ids
+    assert not missing, f"workers dropped out of etcd during the election: {missing}"
+    assert await worker_leases(etcd) == leases, "a worker's lease was lost and granted again"
+
+    # The member that comes back holds the same registrations under the same leases.
+    await asyncio.to_thread(leader.start)
+    await asyncio.to_thread(mesh.etcd.wait_healthy, 30)
+    only_the_returned = EtcdConfig(host=leader.host, port=leader.port, prefix=etcd.prefix)
+    assert await worker_leases(only_the_returned) == leases
+    assert_served(await collect(router, chat_request("Is the red charger in stock?", max_tokens=8), LOCAL_API_KEY))
