@@ -21,9 +21,8 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
-from services.cli.localservers import EtcdServer, LocalServer, ProcessStartError
+from services.cli.localservers import EtcdServer, LocalServer, ProcessStartError, ServerGroup
 from services.common.processes import free_ports
 
 __all__ = ["EtcdMember", "LocalEtcdCluster", "NoLeaderError"]
@@ -99,7 +98,7 @@ class EtcdMember(EtcdServer):
         return base64.b64decode(kvs[0].get("value", "")) if kvs else None
 
 
-class LocalEtcdCluster:
+class LocalEtcdCluster(ServerGroup):
     """`members` etcd members on `host`, bootstrapped together as one cluster."""
 
     default_start_timeout = 60.0
@@ -139,13 +138,11 @@ class LocalEtcdCluster:
     def alive_members(self) -> list[EtcdMember]:
         return [m for m in self._members if m.alive()]
 
+    def servers(self) -> list[LocalServer]:
+        return list(self._members)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, timeout: float | None = None) -> LocalEtcdCluster:
-        """Start every member and wait for a healthy cluster; on failure stop them all and raise."""
-        self.launch()
-        self.wait_ready(timeout)
-        return self
 
     def launch(self) -> None:
         """Start every member's process without waiting (see wait_ready)."""
@@ -184,27 +181,9 @@ class LocalEtcdCluster:
         self.startup_s = time.monotonic() - self._launched_at
         return self.startup_s
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop every member (reverse order). Idempotent; stops the rest if one fails."""
-        errors: list[BaseException] = []
-        for m in reversed(self._members):
-            try:
-                m.stop(timeout)
-            except Exception as e:  # keep stopping the rest
-                errors.append(e)
-        if errors:
-            raise errors[0]
 
-    def parts(self) -> list[LocalServer]:
-        """Every process of the cluster (one per member)."""
-        return list(self._members)
 
-    def __enter__(self) -> LocalEtcdCluster:
-        return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     # -- state, read live ----------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ __all__ = [
     "LocalInfra",
     "LocalServer",
     "RedisServer",
+    "ServerGroup",
     "create_topics",
     "find_etcd_binary",
     "find_redis_binary",
@@ -559,6 +560,57 @@ def create_topics(bootstrap: str, names: Iterable[str], partitions: int = 1,
     ensure_topics(bootstrap, names, partitions, replication, timeout_s=timeout)
 
 
+# -- groups of servers -------------------------------------------------------------------------
+
+
+def stop_all(servers: Iterable[LocalServer], timeout: float | None = None) -> None:
+    """Stops each server in the order given, going on past failures; raises the first one."""
+    errors: list[BaseException] = []
+    for server in servers:
+        try:
+            server.stop(timeout)
+        except Exception as e:  # keep stopping the rest
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+class ServerGroup:
+    """Several server processes started, stopped and recorded together (a local cluster).
+
+    Subclasses say which servers (`servers`) and how they come up (`launch`, `wait_ready`)."""
+
+    def servers(self) -> list[LocalServer]:
+        raise NotImplementedError
+
+    def launch(self) -> None:
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: float | None = None) -> object:
+        raise NotImplementedError
+
+    def start(self, timeout: float | None = None):
+        """Launch every server and wait until the group is ready; on failure nothing stays up."""
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops every server, the last started first. Idempotent."""
+        stop_all(reversed(self.servers()), timeout)
+
+    def parts(self) -> list[LocalServer]:
+        """Every process of the group (to record their PIDs)."""
+        return list(self.servers())
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
 # -- all three together ------------------------------------------------------------------------
 
 
@@ -609,14 +661,7 @@ class LocalInfra:
         return self
 
     def stop(self) -> None:
-        errors: list[BaseException] = []
-        for server in reversed(self.servers):
-            try:
-                server.stop()
-            except Exception as e:  # keep stopping the rest
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        stop_all(reversed(self.servers))
 
     def __enter__(self) -> LocalInfra:
         return self.start()

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import redis
@@ -35,7 +34,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.cli.localservers import LocalServer, ProcessStartError, RedisServer
+from services.cli.localservers import LocalServer, ProcessStartError, RedisServer, ServerGroup
 from services.common.processes import free_ports
 
 __all__ = ["ClusterNode", "LocalRedisCluster", "NodeEntry", "SLOTS", "parse_cluster_nodes"]
@@ -157,7 +156,7 @@ class ClusterNode(RedisServer):
             self.process.kill()
 
 
-class LocalRedisCluster:
+class LocalRedisCluster(ServerGroup):
     """A Valkey cluster of `masters` masters with `replicas_per_master` replicas each."""
 
     default_start_timeout = 60.0
@@ -195,13 +194,11 @@ class LocalRedisCluster:
         seeds = [redis.cluster.ClusterNode(n.host, n.port) for n in self.alive_nodes()]
         return redis.cluster.RedisCluster(startup_nodes=seeds, **kwargs)
 
+    def servers(self) -> list[LocalServer]:
+        return list(self.nodes)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, timeout: float | None = None) -> LocalRedisCluster:
-        """Start every node and assemble a new cluster; on failure stop them all and raise."""
-        self.launch()
-        self.wait_ready(timeout)
-        return self
 
     def launch(self) -> None:
         """Start every node's process without waiting (see wait_ready), as LocalServer does."""
@@ -250,27 +247,9 @@ class LocalRedisCluster:
                 return f"{node.name} knows {len(known)} of {len(self.nodes)} nodes"
         return None
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop every node, replicas first (reverse order). Idempotent."""
-        errors: list[BaseException] = []
-        for node in reversed(self.nodes):
-            try:
-                node.stop(timeout)
-            except Exception as e:  # keep stopping the rest
-                errors.append(e)
-        if errors:
-            raise errors[0]
 
-    def parts(self) -> list[LocalServer]:
-        """Every process of the cluster (one per node)."""
-        return list(self.nodes)
 
-    def __enter__(self) -> LocalRedisCluster:
-        return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     # -- state, read live ----------------------------------------------------------------------
 

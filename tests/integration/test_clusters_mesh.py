@@ -12,7 +12,6 @@ import time
 import uuid
 
 import pytest
-import pytest_asyncio
 
 from ballast.v1 import common_pb2
 from services.cli.client import chat_request, collect
@@ -20,8 +19,8 @@ from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.common.config import EtcdConfig
 from services.config import load_config
-from services.router.degrade.handoff import HandOff, HandOffSettings
 from tests.integration.test_backfill_delivery import get_backfill, hand_off, pushes, stored_count
+from tests.integration.test_backfill_delivery import handoff  # noqa: F401  (a fixture over this module's mesh)
 from tests.integration.test_kv_session import TURN1, recompute, wait_lease_gone, wait_metric, worker_counters
 from tests.integration.test_mesh import metric_value, scrape
 from tests.served import assert_served
@@ -46,16 +45,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running = Mesh(spec).start()
     yield running
     running.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def handoff(mesh, tmp_path):
-    """Hands records to the mesh's broker the way a router does."""
-    handoff = HandOff(HandOffSettings(outbox_path=tmp_path / "outbox.sqlite", bootstrap=mesh.kafka.bootstrap,
-                                      delivery_timeout_s=5))
-    await handoff.start()
-    yield handoff
-    await handoff.stop()
 
 
 async def served_by(mesh, before: dict) -> str:
