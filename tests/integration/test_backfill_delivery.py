@@ -13,7 +13,6 @@ import uuid
 
 import grpc
 import pytest
-import pytest_asyncio
 
 from ballast.v1 import backfill_pb2, common_pb2
 from services.cli.client import chat_request, collect
@@ -22,7 +21,7 @@ from services.common.degraded.codec import degraded_request_pb, kafka_key, make_
 from services.common.degraded.codec import Level
 from services.common.degraded.topics import DEADLETTER_TOPIC, DLQ_ERROR_HEADER
 from services.common.generation import Sampling
-from services.router.degrade.handoff import HandOff, HandOffSettings
+from services.router.degrade.handoff import HandOff
 from services.router.requests import InferenceRequest
 from tests.component.test_backfill_handoff import read_topic
 from tests.integration.test_mesh import metric_value, registered_ids, scrape
@@ -54,16 +53,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running = Mesh(spec).start()
     yield running
     running.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def handoff(mesh, tmp_path):
-    """Hands records to the mesh's broker the way a router does."""
-    handoff = HandOff(HandOffSettings(outbox_path=tmp_path / "outbox.sqlite", bootstrap=mesh.kafka.bootstrap,
-                                      delivery_timeout_s=5))
-    await handoff.start()
-    yield handoff
-    await handoff.stop()
 
 
 def backfill_service(mesh):

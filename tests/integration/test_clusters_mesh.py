@@ -20,7 +20,6 @@ from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.common.config import EtcdConfig
 from services.config import load_config
 from tests.integration.test_backfill_delivery import get_backfill, hand_off, pushes, stored_count
-from tests.integration.test_backfill_delivery import handoff  # noqa: F401  (a fixture over this module's mesh)
 from tests.integration.test_kv_session import TURN1, recompute, wait_lease_gone, wait_metric, worker_counters
 from tests.integration.test_mesh import metric_value, scrape
 from tests.served import assert_served

@@ -22,7 +22,6 @@ from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.common.degraded.codec import degraded_request_pb, kafka_key, make_ticket
 from services.common.degraded.codec import Level
 from services.common.generation import Sampling
-from services.config import BallastConfig
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.requests import InferenceRequest
 from tests.integration.test_mesh import wait_router_forgets

@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
