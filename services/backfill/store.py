@@ -38,8 +38,7 @@ from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
 from ballast.v1 import backfill_pb2
-from services.common.redis_client import UNAVAILABLE_ERRORS, AnyRedis
-from services.common.redis_client import pubsub as open_pubsub
+from services.common.redis_client import UNAVAILABLE_ERRORS, AnyRedis, open_pubsub
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -117,14 +116,18 @@ class AnswerStore:
         self._claim_session = client.register_script(_CLAIM_SESSION)
         self._put_once = client.register_script(_PUT_ONCE)
 
+    def _ticket_key(self, kind: str, ticket: str) -> str:
+        # The Lua of _CLAIM_SESSION builds answer and delivered keys the same way.
+        return f"{self.prefix}{kind}:{ticket}"
+
     def _answer(self, ticket: str) -> str:
-        return f"{self.prefix}answer:{ticket}"
+        return self._ticket_key("answer", ticket)
 
     def _delivered(self, ticket: str) -> str:
-        return f"{self.prefix}delivered:{ticket}"
+        return self._ticket_key("delivered", ticket)
 
     def _attempts(self, ticket: str) -> str:
-        return f"{self.prefix}attempts:{ticket}"
+        return self._ticket_key("attempts", ticket)
 
     def _session(self, tenant: str, session_id: str) -> str:
         return f"{self.prefix}session:{tenant}:{session_id}"
@@ -241,7 +244,7 @@ class Notices:
                         self._wake(data.decode(errors="replace") if isinstance(data, bytes) else str(data))
             except asyncio.CancelledError:
                 raise
-            except UNAVAILABLE_ERRORS + (RedisError,) as exc:
+            except (RedisError, *UNAVAILABLE_ERRORS) as exc:
                 log.debug("notice listener lost Redis (%r); subscriptions fall back to polling", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -277,27 +280,20 @@ class ClusterAnswerStore(AnswerStore):
         self.wait_timeout_ms = wait_timeout_ms
         self._warned_at = -_WARN_EVERY_S
 
-    def _answer(self, ticket: str) -> str:
-        return f"{self.prefix}{{{ticket}}}:answer"
-
-    def _delivered(self, ticket: str) -> str:
-        return f"{self.prefix}{{{ticket}}}:delivered"
-
-    def _attempts(self, ticket: str) -> str:
-        return f"{self.prefix}{{{ticket}}}:attempts"
+    def _ticket_key(self, kind: str, ticket: str) -> str:
+        # The ticket is the hash tag: all of one ticket's keys in one slot.
+        return f"{self.prefix}{{{ticket}}}:{kind}"
 
     async def _replicated(self, key: str, write) -> object:
         """Runs `write(pipe)` (commands on `key`) and, with wait_replicas, a WAIT on the master of
         `key` in the same pipeline: one connection to that master, so WAIT covers the write."""
-        if not self.wait_replicas:
-            pipe = self.redis.pipeline(transaction=False)
-            write(pipe)
-            return (await pipe.execute())[0]
-        await self.redis.initialize()  # the slot map, for the master of `key`
-        master = self.redis.get_node_from_key(key)
         pipe = self.redis.pipeline(transaction=False)
         write(pipe)
-        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, target_nodes=master)
+        if not self.wait_replicas:
+            return (await pipe.execute())[0]
+        await self.redis.initialize()  # the slot map, for the master of `key`
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms,
+                             target_nodes=self.redis.get_node_from_key(key))
         *results, acked = await pipe.execute()
         if int(acked) < self.wait_replicas:
             now = time.monotonic()

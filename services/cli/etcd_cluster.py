@@ -19,7 +19,6 @@ import base64
 import http.client
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from services.cli.localservers import EtcdServer, LocalServer, ProcessStartError, ServerGroup
@@ -100,6 +99,9 @@ class EtcdMember(EtcdServer):
 
 class LocalEtcdCluster(ServerGroup):
     """`members` etcd members on `host`, bootstrapped together as one cluster."""
+
+    # A member restarting or just killed: refused connections, a half answer, a gateway refusal.
+    transient_errors = _TRANSIENT
 
     default_start_timeout = 60.0
 
@@ -225,19 +227,3 @@ class LocalEtcdCluster(ServerGroup):
         if not any(m.member_id(refresh=False) == leader_id for m in alive):
             return f"the leader {leader_id:x} is not a running member"
         return None
-
-    def _wait_for(self, what: str, problem: Callable[[], str | None], deadline: float) -> None:
-        """Poll `problem` (None: done); past `deadline` raise with it and the members' log tails."""
-        last = "not checked yet"
-        while True:
-            try:
-                found = problem()
-            except _TRANSIENT as e:  # a member restarting or just killed
-                found = f"{type(e).__name__}: {e}"
-            if found is None:
-                return
-            last = found
-            if time.monotonic() >= deadline:
-                tails = "\n".join(f"--- {m.name} ({m.address}) ---\n{m.log_tail(8)}" for m in self._members)
-                raise ProcessStartError(f"timed out waiting for {what}: {last}", log_tail=tails)
-            time.sleep(0.1)

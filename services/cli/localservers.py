@@ -24,7 +24,7 @@ import shutil
 import ssl
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -580,6 +580,9 @@ class ServerGroup:
 
     Subclasses say which servers (`servers`) and how they come up (`launch`, `wait_ready`)."""
 
+    # What a probe of a member that is restarting or was just killed may raise: "not yet".
+    transient_errors: tuple[type[BaseException], ...] = (OSError,)
+
     def servers(self) -> list[LocalServer]:
         raise NotImplementedError
 
@@ -602,6 +605,23 @@ class ServerGroup:
     def parts(self) -> list[LocalServer]:
         """Every process of the group (to record their PIDs)."""
         return list(self.servers())
+
+    def _wait_for(self, what: str, problem: Callable[[], str | None], deadline: float) -> None:
+        """Polls `problem` (None: done; a transient error counts as a problem) until done; past
+        `deadline` raises ProcessStartError with the last problem and every server's log tail."""
+        last = "not checked yet"
+        while True:
+            try:
+                found = problem()
+            except self.transient_errors as e:
+                found = f"{type(e).__name__}: {e}"
+            if found is None:
+                return
+            last = found
+            if time.monotonic() >= deadline:
+                tails = "\n".join(f"--- {s.name} ({s.address}) ---\n{s.log_tail(8)}" for s in self.servers())
+                raise ProcessStartError(f"timed out waiting for {what}: {last}", log_tail=tails)
+            time.sleep(0.1)
 
     def __enter__(self):
         return self.start()

@@ -22,7 +22,7 @@ from services.cli.certs import BACKING_SERVERS, CA_CERT, backing_password, cert_
 from services.cli.etcd_cluster import LocalEtcdCluster
 from services.cli.kafka_tls import SecureKafkaBroker
 from services.cli.redis_cluster import LocalRedisCluster
-from services.cli.localservers import BackingSecurity, EtcdServer, KafkaBroker, LocalServer, RedisServer
+from services.cli.localservers import BackingSecurity, EtcdServer, KafkaBroker, LocalServer, RedisServer, ServerGroup
 from services.common.processes import ManagedProcess, ProcessStartError, free_ports, stop_pid, wait_until_ready
 
 STATE_FILE = "mesh.json"
@@ -182,7 +182,7 @@ class Mesh:
         self.cache_port = spec.cache_port or next(picked)
         self.backfill_port = spec.backfill_port or next(picked)
         self.config_path = self.state_dir / CONFIG_FILE
-        self.infra: list[LocalServer | LocalRedisCluster | LocalEtcdCluster] = [self.etcd, self.redis, self.kafka]
+        self.infra: list[LocalServer | ServerGroup] = [self.etcd, self.redis, self.kafka]
         self.services: list[ServiceProcess] = []
         self._worker_seq = 0
         self._router_seq = 1  # "router" is the first
@@ -258,7 +258,7 @@ class Mesh:
                          args: tuple[str, ...] = ()) -> ServiceProcess:
         env = {"BALLAST_CONFIG": str(self.config_path), "PYTHONUNBUFFERED": "1", **env}
         if self.spec.secure:
-            env = {**role_env(self.certs_dir, name.split("-")[0], backing=("etcd", "redis", "kafka")), **env}
+            env = {**role_env(self.certs_dir, name.split("-")[0], backing=BACKING_SERVERS), **env}
         process = ManagedProcess(
             name,
             [sys.executable, "-m", module, *args],

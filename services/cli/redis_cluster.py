@@ -24,7 +24,6 @@ be an IP address: CLUSTER MEET does not take names.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.cli.localservers import LocalServer, ProcessStartError, RedisServer, ServerGroup
+from services.cli.localservers import LocalServer, RedisServer, ServerGroup
 from services.common.processes import free_ports
 
 __all__ = ["ClusterNode", "LocalRedisCluster", "NodeEntry", "SLOTS", "parse_cluster_nodes"]
@@ -158,6 +157,9 @@ class ClusterNode(RedisServer):
 
 class LocalRedisCluster(ServerGroup):
     """A Valkey cluster of `masters` masters with `replicas_per_master` replicas each."""
+
+    # A node restarting or just killed.
+    transient_errors = (redis.RedisError, OSError)
 
     default_start_timeout = 60.0
 
@@ -297,20 +299,3 @@ class LocalRedisCluster(ServerGroup):
             if node.role() == "replica" and not node.master_link_up():
                 return f"{node.name}'s link to its master is not up"
         return None
-
-    def _wait_for(self, what: str, problem: Callable[[], str | None], deadline: float) -> None:
-        """Poll `problem` (None: done) until done; past `deadline` raise with the last problem
-        and each node's log tail."""
-        last = "not checked yet"
-        while True:
-            try:
-                found = problem()
-            except (redis.RedisError, OSError) as e:  # a node restarting or just killed
-                found = f"{type(e).__name__}: {e}"
-            if found is None:
-                return
-            last = found
-            if time.monotonic() >= deadline:
-                tails = "\n".join(f"--- {n.name} ({n.address}) ---\n{n.log_tail(8)}" for n in self.nodes)
-                raise ProcessStartError(f"timed out waiting for {what}: {last}", log_tail=tails)
-            time.sleep(0.1)

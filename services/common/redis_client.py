@@ -50,7 +50,7 @@ async def ping(client: AnyRedis) -> None:
         await client.ping()
 
 
-async def pubsub(client: AnyRedis, **options: Any):
+async def open_pubsub(client: AnyRedis, **options: Any):
     """A pub/sub object; on a cluster, after the client has learned the slot map (redis-py's
     cluster pub/sub picks its node from the map and fails on an empty one)."""
     if is_cluster(client):

@@ -13,8 +13,7 @@ import pytest_asyncio
 from ballast.v1 import backfill_pb2
 from services.backfill.store import AnswerStore, ClusterAnswerStore, Notices
 from services.common.config import RedisConfig
-from services.common.redis_client import is_cluster, make_client
-from services.common.redis_client import pubsub as open_pubsub
+from services.common.redis_client import is_cluster, make_client, open_pubsub
 from redis.asyncio.cluster import RedisCluster
 from services.common.degraded.codec import make_ticket, timestamp
 

@@ -25,12 +25,8 @@ TRANSIENT = (OSError, ValueError, RuntimeError)
 
 @pytest.fixture
 def cluster(tmp_path):
-    started = LocalEtcdCluster(tmp_path, members=3)
-    try:
-        started.start(timeout=60)
+    with LocalEtcdCluster(tmp_path, members=3) as started:
         yield started
-    finally:
-        started.stop()
 
 
 def _poll(condition: Callable[[], bool], timeout: float, what: str) -> float:

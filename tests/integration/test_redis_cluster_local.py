@@ -24,12 +24,8 @@ KEY = "ballast:failover-key"
 
 @pytest.fixture
 def cluster(tmp_path):
-    started = LocalRedisCluster(tmp_path, masters=3, replicas_per_master=1)
-    try:
-        started.start(timeout=60)
+    with LocalRedisCluster(tmp_path, masters=3, replicas_per_master=1) as started:
         yield started
-    finally:
-        started.stop()
 
 
 def _poll(condition: Callable[[], bool], timeout: float, what: str) -> float:
