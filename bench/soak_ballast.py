@@ -1,0 +1,230 @@
+"""The soak's Ballast phase: the local mesh, and how each fault is applied to it.
+
+Two routers (clients balance over both), N workers under their keepers (a crashed worker is
+forked again from a process that already imported the engine), the cache service on Redis,
+the backfill service on the Kafka broker, and the autoscaler with one warm standby: when the
+pool's p99 breaches, the leader promotes the standby. Workers report their temperature from
+a file here (on a GPU it is NVML), so "80 C" is written there; the slowdown a hot GPU has is
+applied as well, the same throttle the baseline's server gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.soak_faults import (
+    COOL_C, ETCD_RESTART, HOT_C, KAFKA_DOWN, MESH_FAULTS, REDIS_RESTART, ROUTER_KILL, WORKER_FAULTS, WORKER_HOT,
+    WORKER_KILL, WORKER_STALL, ScheduledFault, Throttle, signal_tree,
+)
+from services.cli.mesh import Mesh, MeshSpec, ServiceProcess
+from services.common.leader import LeaderLock
+from services.common.membership import MembershipWatcher, make_client
+from services.common.telemetry import DependencyStatus
+from services.config import load_config
+from services.router.autoscale.controller import LEADER_NAME as AUTOSCALER_LEADER, decision_key
+from services.worker.keeper import serving_pid
+
+POOL = "primary"
+RECOVERY_LIMIT_S = 120.0
+
+
+def autoscaler_overrides(workers: int, target_ms: float) -> dict:
+    """One warm standby; a breach (90 % of the target p99 TTFT over 8 s) promotes it."""
+    policy = {
+        "min_replicas": workers, "max_replicas": workers + 1, "standby_replicas": 1,
+        "target_p99_ttft_ms": target_ms, "calm_p99_ttft_ms": target_ms / 2,
+        "latency_window_s": 8.0, "min_samples": 10,
+        # One scale-out per soak, as the baseline's autoscaler makes; no scale-in during it.
+        "scale_out_cooldown_s": 3600, "calm_for_s": 3600,
+    }
+    return {"enabled": True, "executor": "local", "tick_s": 0.5, "report_interval_s": 0.5,
+            "pools": {POOL: policy}, "local": {"stop_grace_s": 5}}
+
+
+def mesh_spec(state_dir: Path, model_dir: Path, engine: str, workers: int, worker_extra: dict) -> MeshSpec:
+    return MeshSpec(state_dir=state_dir, model_dir=model_dir, engine=engine, workers=workers, routers=2,
+                    worker_capacity=8, lease_ttl_s=3, worker_test_files=True,
+                    overrides={"worker": {"respawn": True, **worker_extra}})
+
+
+def enable_autoscaler(mesh: Mesh, workers: int, target_ms: float) -> None:
+    """Turns the autoscaler on once the mesh's own workers serve: a leader that started with
+    them would count a pool of none and start a whole pool of its own. The routers restart
+    with the new config (before any traffic)."""
+    mesh.spec.overrides["autoscaler"] = autoscaler_overrides(workers, target_ms)
+    mesh.write_config()
+    for router in mesh.routers():
+        router.process.stop(timeout=40)
+        mesh.restart_service(router)
+
+
+def _metric(port: int, name: str) -> float | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + " ") or line.startswith(name + "{")]
+    return sum(values) if values else None
+
+
+class BallastSide:
+    """The mesh as the chaos driver sees it (`soak_faults.FaultTarget`)."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def kinds(self) -> tuple[str, ...]:
+        return WORKER_FAULTS + MESH_FAULTS
+
+    def _victim(self) -> ServiceProcess:
+        """The worker with most streams in flight now, so the fault hits work in flight."""
+        alive = [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
+        return max(alive, key=lambda w: _metric(w.metrics_port, "ballast_worker_in_flight") or 0.0)
+
+    def _answers(self, worker: ServiceProcess) -> float | None:
+        """When the worker answers on its metrics port again (it serves), or None."""
+        deadline = time.monotonic() + RECOVERY_LIMIT_S
+        while time.monotonic() < deadline:
+            if _metric(worker.metrics_port, "ballast_worker_in_flight") is not None:
+                return time.monotonic()
+            time.sleep(0.1)
+        return None
+
+    def apply(self, fault: ScheduledFault) -> tuple[str, float | None]:
+        handlers = {WORKER_KILL: self._kill_worker, WORKER_STALL: self._stall_worker, WORKER_HOT: self._heat_worker,
+                    ROUTER_KILL: self._kill_router, REDIS_RESTART: self._restart_redis,
+                    KAFKA_DOWN: self._broker_down, ETCD_RESTART: self._restart_etcd}
+        return handlers[fault.kind](fault)
+
+    def _kill_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
+        worker = self._victim()
+        offset = worker.process.log_path.stat().st_size
+        # The serving process and its engine process (vLLM's runs apart): a dead GPU host.
+        signal_tree(serving_pid(worker.pid), signal.SIGKILL)
+        try:
+            self.mesh.await_ready_after(worker, offset, timeout=RECOVERY_LIMIT_S)
+        except Exception:
+            return worker.name, None
+        return worker.name, time.monotonic()
+
+    def _stall_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
+        worker = self._victim()
+        pid = serving_pid(worker.pid)
+        signal_tree(pid, signal.SIGSTOP)
+        time.sleep(fault.hold_s)
+        signal_tree(pid, signal.SIGCONT)
+        return worker.name, self._answers(worker)
+
+    def _heat_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
+        worker = self._victim()
+        temperature = self.mesh.temperature_file(worker.name)
+        temperature.write_text(f"{HOT_C}\n")
+        throttle = Throttle(serving_pid(worker.pid)).start()
+        try:
+            time.sleep(fault.hold_s)
+        finally:
+            throttle.stop()
+            temperature.write_text(f"{COOL_C}\n")
+        return worker.name, self._answers(worker)
+
+    def _autoscaler_holder(self) -> str:
+        config = load_config(self.mesh.config_path, environ={})
+        lock = LeaderLock(config.etcd, AUTOSCALER_LEADER, "bench-soak")
+        return asyncio.run(lock.holder()) or ""
+
+    def _kill_router(self, fault: ScheduledFault) -> tuple[str, float | None]:
+        # Not the autoscaler's leader: workers its executor started would outlive it, nobody's
+        # to stop at the end. Its leadership moving is tests/integration/test_routers.py's.
+        holder = self._autoscaler_holder()
+        router = next(r for r in self.mesh.routers() if not holder.endswith(f"-{r.pid}"))
+        os.kill(router.pid, signal.SIGKILL)
+        router.process.wait()
+        # Restarted as its orchestrator would; meanwhile the other router takes every call.
+        fresh = self.mesh.restart_service(router, timeout=RECOVERY_LIMIT_S)
+        return fresh.name, time.monotonic()
+
+    def _restart_redis(self, fault: ScheduledFault) -> tuple[str, float | None]:
+        self.mesh.redis.restart()
+        return "redis", time.monotonic()
+
+    def _broker_down(self, fault: ScheduledFault) -> tuple[str, float | None]:
+        self.mesh.kafka.stop()
+        time.sleep(fault.hold_s)
+        self.mesh.kafka.start()
+        return "kafka", time.monotonic()
+
+    def _restart_etcd(self, fault: ScheduledFault) -> tuple[str, float | None]:
+        self.mesh.etcd.restart()
+        # Served again once every worker holds its registration again.
+        try:
+            self.mesh.wait_for_workers(len(self.mesh.workers()), RECOVERY_LIMIT_S)
+        except Exception:
+            return "etcd", None
+        return "etcd", time.monotonic()
+
+    def fragmentation(self) -> list[float]:
+        values = [_metric(w.metrics_port, "ballast_worker_kv_fragmentation_ratio") for w in self.mesh.workers()
+                  if w.process.alive()]
+        return [v for v in values if v is not None]
+
+
+class PromotionWatch:
+    """Workers that became routable after `mark()`: a promoted standby or a new worker."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.config = load_config(mesh.config_path, environ={})
+        self.membership = MembershipWatcher(self.config.etcd, DependencyStatus())
+        self.initial: set[str] = set()
+        self._started_wall = 0.0
+        self.first_new_at: float | None = None
+        self._task: asyncio.Task | None = None
+
+    def routable(self) -> set[str]:
+        return {w.id for w in self.membership.workers().values() if w.routable}
+
+    def standby(self) -> set[str]:
+        return {w.id for w in self.membership.workers().values() if w.standby}
+
+    async def start(self, serving: int, timeout: float) -> None:
+        await self.membership.start()
+        deadline = time.monotonic() + timeout
+        while not (len(self.routable()) >= serving and self.standby()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {serving} serving workers and a warm standby after {timeout:.0f}s")
+            await asyncio.sleep(0.2)
+        self.initial = self.routable()
+        self._started_wall = time.time()
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while self.first_new_at is None:
+            if self.routable() - self.initial:
+                self.first_new_at = time.monotonic()
+            await asyncio.sleep(0.05)
+
+    async def decided_at(self) -> float | None:
+        """When (monotonic) the autoscaler's leader decided its scale-out, read from etcd."""
+        client = make_client(self.config.etcd)
+        try:
+            await client.connect()
+            got = await client.get(decision_key(self.config.etcd.prefix, POOL).encode())
+        finally:
+            await client.close()
+        decision = None if got is None else json.loads(got.value)
+        if not decision or decision.get("action") != "scale_out" or decision["at"] < self._started_wall:
+            return None
+        return time.monotonic() - (time.time() - decision["at"])
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.membership.stop()
