@@ -107,9 +107,10 @@ async def _run_session(plan: SessionPlan, send: SendTurn, clock, samples: list[R
             return  # the soak is over: no new turn
         sample, answer = await send(plan.id, turn, conversation.messages_for(turn), clock)
         samples.append(sample)
-        if not sample.ok:
-            return  # the user saw the session break
-        conversation.record(turn, answer)
+        # A failed turn interrupts the session (counted), but the agent goes on with its next
+        # turn: both phases then carry the same offered load, whatever failed in one of them.
+        if sample.ok:
+            conversation.record(turn, answer)
 
 
 async def _open_loop(sessions: list[SessionPlan], send: SendTurn, clock, samples: list[RequestSample],
@@ -151,27 +152,35 @@ async def _chaos(target: FaultTarget, schedule: list[ScheduledFault], clock, ori
               + ("served again" if recovered is not None else "NOT observed to serve again"), flush=True)
 
 
-# A phase's scale-out: when (monotonic) the added capacity served, and when the phase's own
-# autoscaler decided (None: it acts on the clients' breach, as the baseline's does).
-ScaleOut = Callable[[], Awaitable[tuple[float | None, float | None]]]
+# A phase's scale-out: waits for the added capacity to serve; returns when (monotonic).
+ScaleOut = Callable[[], Awaitable[float | None]]
+# When (monotonic) the phase's own autoscaler decided to scale out, if it has one that
+# decides by itself (Ballast's, on the p99 its router measures); None until it does.
+Decided = Callable[[], float | None]
 
 
 async def _watch_breach(samples: list[RequestSample], clock, origin: float, target_ms: float,
-                        scale_out: ScaleOut, outcome: PhaseOutcome, ends_at: float) -> None:
-    """Waits for the clients' rolling p99 TTFT to reach 90 % of the target, then has the
-    phase add capacity and notes when it serves. An autoscaler that saw its breach before the
-    clients' p99 showed it is timed from its own decision."""
+                        scale_out: ScaleOut, decided: Decided, outcome: PhaseOutcome, ends_at: float) -> None:
+    """Waits for the breach: the clients' rolling p99 TTFT at 90 % of the target, or the
+    phase's own autoscaler deciding first; then has the phase add capacity and notes when it
+    serves."""
     while clock() < ends_at:
         await asyncio.sleep(0.25)
         p99 = rolling_ttft_p99(samples, clock())
-        if p99 is not None and p99 >= BREACH_AT * target_ms:
+        own = decided()
+        if own is not None:
+            outcome.breach_at = own - origin
+            print(f"  [{clock():6.1f}s] the autoscaler decided to scale out at {outcome.breach_at:.1f}s", flush=True)
+        elif p99 is not None and p99 >= BREACH_AT * target_ms:
             outcome.breach_at = clock()
             print(f"  [{outcome.breach_at:6.1f}s] p99 TTFT {p99:.0f} ms: breach, adding capacity", flush=True)
-            serving, decided = await scale_out()
-            outcome.serving_at = None if serving is None else serving - origin
-            if decided is not None:
-                outcome.breach_at = min(outcome.breach_at, decided - origin)
-            return
+        else:
+            continue
+        serving = await scale_out()
+        outcome.serving_at = None if serving is None else serving - origin
+        if serving is not None:
+            print(f"  [{outcome.serving_at:6.1f}s] added capacity serving", flush=True)
+        return
 
 
 async def _sample_fragmentation(measure: Callable[[], list[float]], outcome: PhaseOutcome, clock,
@@ -182,7 +191,7 @@ async def _sample_fragmentation(measure: Callable[[], list[float]], outcome: Pha
 
 
 async def drive_phase(name: str, plan: Plan, send: SendTurn, target: FaultTarget, scale_out: ScaleOut,
-                      fragmentation: Callable[[], list[float]]) -> PhaseOutcome:
+                      decided: Decided, fragmentation: Callable[[], list[float]]) -> PhaseOutcome:
     """The unloaded S measurement, then the soak with its faults, on one phase's parts."""
     outcome = PhaseOutcome()
     print(f"[{name}] unloaded S-tier latency for {plan.unloaded_s:.0f}s", flush=True)
@@ -198,7 +207,7 @@ async def drive_phase(name: str, plan: Plan, send: SendTurn, target: FaultTarget
 
     ends_at = plan.duration_s
     helpers = [asyncio.create_task(_watch_breach(outcome.samples, clock, origin, plan.target_ms, scale_out,
-                                                 outcome, ends_at)),
+                                                 decided, outcome, ends_at)),
                asyncio.create_task(_sample_fragmentation(fragmentation, outcome, clock, ends_at))]
     chaos = asyncio.create_task(_chaos(target, schedule, clock, origin, outcome.faults))
     await _open_loop(plan.sessions, send, clock, outcome.samples, ends_at)
@@ -234,14 +243,15 @@ async def _baseline_async(plan: Plan, engine: str, model_dir: Path, workers: int
         async def send(session, turn, messages, clock):
             return await baseline_turn(client, MODEL_NAME, session, turn, messages, clock)
 
-        async def scale_out() -> tuple[float | None, None]:
+        async def scale_out() -> float | None:
             healthy = await asyncio.to_thread(fleet.add_server)
             port = fleet.servers[-1].port
             while port not in transport.ports:  # joins at the balancer's next probe
                 await asyncio.sleep(0.05)
-            return max(healthy, time.monotonic() - 0.05), None
+            return max(healthy, time.monotonic() - 0.05)
 
-        return await drive_phase("baseline", plan, send, fleet, scale_out, fleet.fragmentation)
+        # The plain autoscaler acts on the clients' breach, at once: it decides nothing by itself.
+        return await drive_phase("baseline", plan, send, fleet, scale_out, lambda: None, fleet.fragmentation)
     finally:
         await fleet.stop_probe()
         await client.close()
@@ -264,13 +274,13 @@ async def _ballast_async(plan: Plan, mesh, side) -> PhaseOutcome:
         async def send(session, turn, messages, clock):
             return await ballast_turn(stub, metadata, MODEL_NAME, session, turn, messages, clock)
 
-        async def scale_out() -> tuple[float | None, float | None]:
+        async def scale_out() -> float | None:
             deadline = time.monotonic() + SCALE_OUT_LIMIT_S
             while watch.first_new_at is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            return watch.first_new_at, await watch.decided_at()
+            return watch.first_new_at
 
-        return await drive_phase("ballast", plan, send, side, scale_out, side.fragmentation)
+        return await drive_phase("ballast", plan, send, side, scale_out, lambda: watch.decided_at, side.fragmentation)
     finally:
         await channel.close()
         await watch.stop()

@@ -24,7 +24,7 @@ from bench.soak_faults import (
 )
 from services.cli.mesh import Mesh, MeshSpec, ServiceProcess
 from services.common.leader import LeaderLock
-from services.common.membership import MembershipWatcher, make_client
+from services.common.membership import ETCD_ERRORS, MembershipWatcher, make_client
 from services.common.telemetry import DependencyStatus
 from services.config import load_config
 from services.router.autoscale.controller import LEADER_NAME as AUTOSCALER_LEADER, decision_key
@@ -185,7 +185,8 @@ class PromotionWatch:
         self.initial: set[str] = set()
         self._started_wall = 0.0
         self.first_new_at: float | None = None
-        self._task: asyncio.Task | None = None
+        self.decided_at: float | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def routable(self) -> set[str]:
         return {w.id for w in self.membership.workers().values() if w.routable}
@@ -202,7 +203,8 @@ class PromotionWatch:
             await asyncio.sleep(0.2)
         self.initial = self.routable()
         self._started_wall = time.time()
-        self._task = asyncio.get_running_loop().create_task(self._watch())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch()), loop.create_task(self._first_decision())]
 
     async def _watch(self) -> None:
         while self.first_new_at is None:
@@ -210,21 +212,26 @@ class PromotionWatch:
                 self.first_new_at = time.monotonic()
             await asyncio.sleep(0.05)
 
-    async def decided_at(self) -> float | None:
-        """When (monotonic) the autoscaler's leader decided its scale-out, read from etcd."""
+    async def _first_decision(self) -> None:
+        """Notes when (monotonic) the autoscaler's leader first decided a scale-out after
+        `start`: the key holds only the latest decision, so it is read until one shows."""
         client = make_client(self.config.etcd)
+        await client.connect()
         try:
-            await client.connect()
-            got = await client.get(decision_key(self.config.etcd.prefix, POOL).encode())
+            while self.decided_at is None:
+                try:
+                    got = await client.get(decision_key(self.config.etcd.prefix, POOL).encode())
+                except ETCD_ERRORS:  # etcd restarting (a fault of the soak): read again
+                    got = None
+                decision = None if got is None else json.loads(got.value)
+                if decision and decision.get("action") == "scale_out" and decision["at"] >= self._started_wall:
+                    self.decided_at = time.monotonic() - (time.time() - decision["at"])
+                await asyncio.sleep(0.1)
         finally:
             await client.close()
-        decision = None if got is None else json.loads(got.value)
-        if not decision or decision.get("action") != "scale_out" or decision["at"] < self._started_wall:
-            return None
-        return time.monotonic() - (time.time() - decision["at"])
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.membership.stop()
