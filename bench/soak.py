@@ -39,7 +39,8 @@ from typing import Awaitable, Callable
 from bench.common import SIM_PROFILE, model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from bench.goals import judge, print_goals
 from bench.soak_faults import (
-    SURGE, WORKER_FAULTS, FaultTarget, ScheduledFault, fault_schedule, settled_at, surge_window,
+    SURGE, WORKER_FAULTS, FaultTarget, ScheduledFault, adopt_orphans, end_leftovers, fault_schedule, settled_at,
+    surge_window,
 )
 from bench.soak_table import (
     ABSOLUTE_GOALS, FaultRecord, RequestSample, comparison_goals, fault_rows, fault_table, measured_for_goals,
@@ -286,9 +287,18 @@ async def _ballast_async(plan: Plan, mesh, side) -> PhaseOutcome:
         await watch.stop()
 
 
+def _report_leftovers(phase: str) -> None:
+    left = end_leftovers()
+    if left:
+        print(f"[{phase}] stopped {len(left)} process(es) left behind: {left}", flush=True)
+
+
 def run_baseline(plan: Plan, engine: str, model_dir: Path, workers: int) -> PhaseOutcome:
     with tempfile.TemporaryDirectory(prefix="ballast-soak-baseline-") as state:
-        return asyncio.run(_baseline_async(plan, engine, model_dir, workers, Path(state)))
+        try:
+            return asyncio.run(_baseline_async(plan, engine, model_dir, workers, Path(state)))
+        finally:
+            _report_leftovers("baseline")
 
 
 def run_ballast(plan: Plan, engine: str, model_dir: Path, workers: int) -> PhaseOutcome:
@@ -306,6 +316,7 @@ def run_ballast(plan: Plan, engine: str, model_dir: Path, workers: int) -> Phase
             return asyncio.run(_ballast_async(plan, mesh, BallastSide(mesh)))
         finally:
             mesh.stop()
+            _report_leftovers("ballast")
 
 
 # -- the table -----------------------------------------------------------------------------------
@@ -361,6 +372,8 @@ def run_benchmark(engine: str, minutes: float, workers: int, rate: float, target
                 unloaded=plan_sessions(seed + 1, unloaded_s, 2.0, NO_SURGE, mix=ONLY_S),
                 unloaded_s=unloaded_s, duration_s=duration, surge=surge, seed=seed, target_ms=target_ms)
     model_dir = model_dir or model_dir_for(preset)
+    # Whatever a phase's processes leave behind stays this run's to find and stop.
+    adopt_orphans()
     baseline = run_baseline(plan, engine, model_dir, workers)
     ballast = run_ballast(plan, engine, model_dir, workers)
     baseline_row, baseline_faults, baseline_records = summarize(baseline, plan)

@@ -37,7 +37,9 @@ RECOVERY_LIMIT_S = 120.0
 def autoscaler_overrides(workers: int, target_ms: float) -> dict:
     """One warm standby; a breach (90 % of the target p99 TTFT over 8 s) promotes it."""
     policy = {
-        "min_replicas": workers, "max_replicas": workers + 1, "standby_replicas": 1,
+        # Room for the promoted standby and a fresh one behind it, so a worker that drops out
+        # and comes back (its keeper) does not have a standby started and stopped meanwhile.
+        "min_replicas": workers, "max_replicas": workers + 2, "standby_replicas": 1,
         "target_p99_ttft_ms": target_ms, "calm_p99_ttft_ms": target_ms / 2,
         "latency_window_s": 8.0, "min_samples": 10,
         # One scale-out per soak, as the baseline's autoscaler makes; no scale-in during it.

@@ -12,10 +12,12 @@ process) and a throttle that slows a process the way an overheating GPU slows.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -138,6 +140,51 @@ def signal_tree(pid: int, signum: int) -> int:
         except ProcessLookupError:
             pass
     return sent
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> None:
+    """Makes this process the reaper of its descendants' orphans, so a process one of its
+    children started and left behind stays in its tree (and is found by `end_leftovers`)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def end_leftovers(grace_s: float = 10.0) -> list[int]:
+    """Stops every process still below this one (after a phase's own stop: what it left
+    behind), SIGTERM then SIGKILL, and reaps them; returns their pids."""
+    left = process_tree(os.getpid())[1:]
+    for signum in (signal.SIGCONT, signal.SIGTERM):
+        for pid in left:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _reap() < len(left) and process_tree(os.getpid())[1:]:
+        time.sleep(0.1)
+    for pid in process_tree(os.getpid())[1:]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.2)
+    _reap()
+    return left
+
+
+def _reap() -> int:
+    """Collects exited children (orphans adopted, too); returns how many."""
+    reaped = 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped += 1
 
 
 class Throttle:

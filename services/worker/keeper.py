@@ -17,7 +17,9 @@ What the keeper does not hide:
 SIGTERM or SIGINT to the keeper is passed to the worker, which drains as usual; the keeper
 exits with the worker's status. The worker runs in its own process group (a signal sent to
 the keeper's group reaches it once, through the keeper, not twice) and dies with the keeper
-(PR_SET_PDEATHSIG), so killing the keeper never leaves a worker behind.
+(PR_SET_PDEATHSIG), so killing the keeper never leaves a worker behind. When a worker dies,
+the keeper kills what is left in its process group: vLLM's engine process, which does not
+end with a worker killed or stopped by a signal.
 
 The keeper imports modules and reads config, nothing more: no gRPC channel or server, no
 etcd client, no telemetry exists before the fork (gRPC supports fork only before its first
@@ -163,6 +165,7 @@ class Keeper:
             os.close(read_end)
         _, status = os.waitpid(pid, 0)
         self._child = None
+        _end_group(pid)
         return status, was_ready
 
     def _child_main(self, keeper: int, ready_fd: int, stop_signals: set[signal.Signals]) -> int:
@@ -188,6 +191,16 @@ class Keeper:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+
+
+def _end_group(worker_pid: int) -> None:
+    """Kills what a dead worker left in its process group. vLLM runs its engine in a process
+    of its own that outlives a worker killed or stopped by a signal (on a GPU it would keep
+    the GPU's memory); started by the worker, it is in the worker's group."""
+    try:
+        os.killpg(worker_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # nothing was left
 
 
 def serving_pid(keeper_pid: int) -> int | None:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Each child appends one line to the runs file, then acts out what the mode says for that run.
 SCRIPT = textwrap.dedent("""
-    import logging, os, signal, sys, time
+    import logging, os, signal, subprocess, sys, time
     logging.basicConfig(level=logging.INFO)
     from services.worker.keeper import Keeper, RespawnPolicy
     mode, runs, max_crashes = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -31,12 +31,21 @@ SCRIPT = textwrap.dedent("""
         n = len(open(runs).read().split())
         if mode == "die-before-ready":
             return 3
-        ready()
+        if mode != "with-engine":
+            ready()
         if mode == "killed-then-clean" and n < 3:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "crash-loop":
             return 1
-        if mode == "wait-for-term":
+        if mode == "with-engine":
+            # Like vLLM's engine process: started by the worker, ended by nobody but the keeper.
+            engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            with open(runs + ".engines", "a") as f:
+                f.write(f"{engine.pid}\\n")
+            ready()
+            if n < 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if mode in ("wait-for-term", "with-engine"):
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             print("serving", flush=True)
             time.sleep(60)
@@ -102,6 +111,29 @@ def test_killing_the_keeper_takes_its_worker_with_it(tmp_path):
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(worker)
+
+
+def test_what_a_dead_worker_left_in_its_group_is_ended(tmp_path):
+    """vLLM's engine process outlives a worker killed by SIGKILL, and one that exits on
+    SIGTERM without stopping it: the keeper ends it both times."""
+    keeper = run_keeper(tmp_path, "with-engine")
+    assert "killed by SIGKILL; starting a fresh one" in keeper.stdout.readline()
+    assert "serving" in keeper.stdout.readline()  # the second worker
+    engines = [int(pid) for pid in (tmp_path / "runs.engines").read_text().split()]
+    assert len(engines) == 2
+    _until_gone(engines[0])
+    assert _alive(engines[1])
+    keeper.send_signal(signal.SIGTERM)
+    output, _ = keeper.communicate(timeout=30)
+    assert keeper.returncode == 0, output
+    _until_gone(engines[1])
+
+
+def _until_gone(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), f"process {pid} outlived its worker"
 
 
 def _alive(pid: int) -> bool:
