@@ -304,6 +304,7 @@ def run_baseline(plan: Plan, engine: str, model_dir: Path, workers: int) -> Phas
 def run_ballast(plan: Plan, engine: str, model_dir: Path, workers: int) -> PhaseOutcome:
     from bench.soak_ballast import BallastSide, enable_autoscaler, mesh_spec
     from services.cli.mesh import Mesh
+    from services.common.processes import ProcessStartError
 
     extra = {"sim_profile": str(_sim_profile(engine))} if engine == "sim" else {}
     with tempfile.TemporaryDirectory(prefix="ballast-soak-") as state:
@@ -311,7 +312,14 @@ def run_ballast(plan: Plan, engine: str, model_dir: Path, workers: int) -> Phase
         try:
             print(f"[ballast] starting the mesh: 2 routers, {workers} {engine} workers and a warm standby",
                   flush=True)
-            mesh.start()
+            try:
+                mesh.start()
+            except ProcessStartError as exc:
+                # A free port picked for a service can be taken meanwhile by a client's
+                # outgoing connection: once, on fresh ports.
+                print(f"[ballast] the mesh did not start ({exc}); once more on fresh ports", flush=True)
+                mesh = Mesh(mesh_spec(Path(state) / "again", model_dir, engine, workers, extra))
+                mesh.start()
             enable_autoscaler(mesh, workers, plan.target_ms)
             return asyncio.run(_ballast_async(plan, mesh, BallastSide(mesh)))
         finally:

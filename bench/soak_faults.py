@@ -110,7 +110,7 @@ class FaultTarget(Protocol):
 
 
 def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (from /proc), parents first."""
+    """`pid` and its live descendants (from /proc), parents first."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -120,8 +120,10 @@ def process_tree(pid: int) -> list[int]:
         except OSError:
             continue
         # The command name may hold spaces and parentheses: the fields after the last ")" are fixed.
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
+        state, parent = stat.rsplit(")", 1)[1].split()[:2]
+        if state == "Z":
+            continue  # exited, only not yet reaped: nothing left to stop
+        children.setdefault(int(parent), []).append(int(entry.name))
     tree, queue = [], [pid]
     while queue:
         current = queue.pop(0)

@@ -133,3 +133,26 @@ def test_process_tree_lists_children_and_the_throttle_leaves_them_running():
         for pid in reversed(process_tree(parent.pid)):
             os.kill(pid, signal.SIGKILL)
         parent.wait()
+
+
+ORPHAN_SCRIPT = """
+import os, subprocess, sys, time
+from bench.soak_faults import adopt_orphans, end_leftovers, process_tree
+adopt_orphans()
+# A child that starts a grandchild and exits at once: the grandchild is orphaned.
+subprocess.run([sys.executable, "-c",
+                "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"])
+deadline = time.monotonic() + 10
+while len(process_tree(os.getpid())) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+orphans = process_tree(os.getpid())[1:]
+left = end_leftovers(grace_s=5)
+print(len(orphans), left == orphans, len(process_tree(os.getpid())[1:]))
+"""
+
+
+def test_an_orphan_a_child_left_behind_is_found_and_stopped():
+    run = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1", "True", "0"]
