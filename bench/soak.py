@@ -140,7 +140,10 @@ async def _closed_loop(sessions: list[SessionPlan], send: SendTurn, clock, sampl
 
 async def _chaos(target: FaultTarget, schedule: list[ScheduledFault], clock, origin: float,
                  records: list[FaultRecord]) -> None:
-    for fault in schedule:
+    """Strikes each fault at its moment, whatever the earlier ones are still doing (a worker
+    may take minutes to serve again): faults overlap as they would in production."""
+
+    async def strike(fault: ScheduledFault) -> None:
         delay = fault.at_s - clock()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -151,6 +154,9 @@ async def _chaos(target: FaultTarget, schedule: list[ScheduledFault], clock, ori
                                    fault.hold_s))
         print(f"  [{clock():6.1f}s] {fault.kind} on {name}: "
               + ("served again" if recovered is not None else "NOT observed to serve again"), flush=True)
+
+    await asyncio.gather(*(strike(fault) for fault in schedule))
+    records.sort(key=lambda record: record.injected_at)
 
 
 # A phase's scale-out: waits for the added capacity to serve; returns when (monotonic).

@@ -11,18 +11,22 @@ applied as well, the same throttle the baseline's server gets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 from bench.soak_faults import (
     COOL_C, ETCD_RESTART, HOT_C, KAFKA_DOWN, MESH_FAULTS, REDIS_RESTART, ROUTER_KILL, WORKER_FAULTS, WORKER_HOT,
     WORKER_KILL, WORKER_STALL, ScheduledFault, Throttle, signal_tree,
 )
 from services.cli.mesh import Mesh, MeshSpec, ServiceProcess
+from services.common.processes import ProcessStartError
 from services.common.leader import LeaderLock
 from services.common.membership import ETCD_ERRORS, MembershipWatcher, make_client
 from services.common.telemetry import DependencyStatus
@@ -82,14 +86,32 @@ class BallastSide:
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
+        # Workers under a fault now: a second fault picks another one.
+        self._faulted: set[str] = set()
+        self._faulted_lock = threading.Lock()
 
     def kinds(self) -> tuple[str, ...]:
         return WORKER_FAULTS + MESH_FAULTS
 
     def _victim(self) -> ServiceProcess:
-        """The worker with most streams in flight now, so the fault hits work in flight."""
-        alive = [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
-        return max(alive, key=lambda w: _metric(w.metrics_port, "ballast_worker_in_flight") or 0.0)
+        """The worker with most streams in flight now and not under another fault (any
+        serving one, when every one is), so the fault hits work in flight; it counts as
+        under this fault until `apply` ends."""
+        with self._faulted_lock:
+            alive = [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
+            free = [w for w in alive if w.name not in self._faulted] or alive
+            victim = max(free, key=lambda w: _metric(w.metrics_port, "ballast_worker_in_flight") or 0.0)
+            self._faulted.add(victim.name)
+            return victim
+
+    @contextlib.contextmanager
+    def _worker_under_fault(self) -> Iterator[ServiceProcess]:
+        worker = self._victim()
+        try:
+            yield worker
+        finally:
+            with self._faulted_lock:
+                self._faulted.discard(worker.name)
 
     def _answers(self, worker: ServiceProcess) -> float | None:
         """When the worker answers on its metrics port again (it serves), or None."""
@@ -107,35 +129,35 @@ class BallastSide:
         return handlers[fault.kind](fault)
 
     def _kill_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
-        worker = self._victim()
-        offset = worker.process.log_path.stat().st_size
-        # The serving process and its engine process (vLLM's runs apart): a dead GPU host.
-        signal_tree(serving_pid(worker.pid), signal.SIGKILL)
-        try:
-            self.mesh.await_ready_after(worker, offset, timeout=RECOVERY_LIMIT_S)
-        except Exception:
-            return worker.name, None
-        return worker.name, time.monotonic()
+        with self._worker_under_fault() as worker:
+            offset = worker.process.log_path.stat().st_size
+            # The serving process and its engine process (vLLM's runs apart): a dead GPU host.
+            signal_tree(serving_pid(worker.pid), signal.SIGKILL)
+            try:
+                self.mesh.await_ready_after(worker, offset, timeout=RECOVERY_LIMIT_S)
+            except ProcessStartError:
+                return worker.name, None
+            return worker.name, time.monotonic()
 
     def _stall_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
-        worker = self._victim()
-        pid = serving_pid(worker.pid)
-        signal_tree(pid, signal.SIGSTOP)
-        time.sleep(fault.hold_s)
-        signal_tree(pid, signal.SIGCONT)
-        return worker.name, self._answers(worker)
+        with self._worker_under_fault() as worker:
+            pid = serving_pid(worker.pid)
+            signal_tree(pid, signal.SIGSTOP)
+            time.sleep(fault.hold_s)
+            signal_tree(pid, signal.SIGCONT)
+            return worker.name, self._answers(worker)
 
     def _heat_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
-        worker = self._victim()
-        temperature = self.mesh.temperature_file(worker.name)
-        temperature.write_text(f"{HOT_C}\n")
-        throttle = Throttle(serving_pid(worker.pid)).start()
-        try:
-            time.sleep(fault.hold_s)
-        finally:
-            throttle.stop()
-            temperature.write_text(f"{COOL_C}\n")
-        return worker.name, self._answers(worker)
+        with self._worker_under_fault() as worker:
+            temperature = self.mesh.temperature_file(worker.name)
+            temperature.write_text(f"{HOT_C}\n")
+            throttle = Throttle(serving_pid(worker.pid)).start()
+            try:
+                time.sleep(fault.hold_s)
+            finally:
+                throttle.stop()
+                temperature.write_text(f"{COOL_C}\n")
+            return worker.name, self._answers(worker)
 
     def _autoscaler_holder(self) -> str:
         config = load_config(self.mesh.config_path, environ={})
@@ -168,7 +190,7 @@ class BallastSide:
         # Served again once every worker holds its registration again.
         try:
             self.mesh.wait_for_workers(len(self.mesh.workers()), RECOVERY_LIMIT_S)
-        except Exception:
+        except ProcessStartError:
             return "etcd", None
         return "etcd", time.monotonic()
 

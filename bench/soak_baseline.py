@@ -93,6 +93,9 @@ class PlainFleet:
         self.transport = transport
         self.servers: list[PlainServer] = []
         self._lock = threading.Lock()
+        # Servers under a fault now: a second fault picks another one.
+        self._faulted: set[str] = set()
+        self._faulted_lock = threading.Lock()
         self._health_task: asyncio.Task | None = None
 
     # -- processes --------------------------------------------------------------------------
@@ -185,12 +188,24 @@ class PlainFleet:
         return WORKER_FAULTS
 
     def _victim(self) -> PlainServer:
-        """A server running requests now (the busiest), so the fault hits work in flight."""
-        alive = [s for s in self.servers if s.alive()]
-        return max(alive, key=lambda s: running_requests(s.port))
+        """The busiest server not under another fault (any, when every one is), so the fault
+        hits work in flight; it counts as under this fault until `apply` ends."""
+        with self._faulted_lock:
+            alive = [s for s in self.servers if s.alive()]
+            free = [s for s in alive if s.name not in self._faulted] or alive
+            victim = max(free, key=lambda s: running_requests(s.port))
+            self._faulted.add(victim.name)
+            return victim
 
     def apply(self, fault: ScheduledFault) -> tuple[str, float | None]:
         server = self._victim()
+        try:
+            return self._apply_to(server, fault)
+        finally:
+            with self._faulted_lock:
+                self._faulted.discard(server.name)
+
+    def _apply_to(self, server: PlainServer, fault: ScheduledFault) -> tuple[str, float | None]:
         if fault.kind == WORKER_KILL:
             _kill_group(server.pid)
             server.process.wait()

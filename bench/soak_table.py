@@ -8,7 +8,7 @@ not as a fast answer); times are seconds since the phase began.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
@@ -97,6 +97,8 @@ def phase_row(samples: Sequence[RequestSample], unloaded_s: Sequence[RequestSamp
         "session_interruption_rate": session_interruption_rate(samples),
         "degraded_rate": _rate(sum(s.degraded for s in ok), len(ok)),
         "resumed_requests": sum(s.resumes > 0 for s in samples),
+        # What the failures were, as the client saw them (gRPC status or exception type).
+        "errors_by_kind": dict(Counter(s.error or "unknown" for s in samples if not s.ok)),
         "scale_out_s": math.nan if scale_out_s is None else scale_out_s,
         "s_tier_p99_ms": s_p99,
         "s_tier_unloaded_p99_ms": s_unloaded,
