@@ -33,10 +33,17 @@ def _fault_line(kind: str, pair: dict) -> str:
     def side(row: dict | None) -> str:
         if row is None:
             return "no such part"
-        return (f"{row['requests_hit']} hit, {row['failed']} failed, {row['interrupted']} cut off, "
-                f"recovered in {_cell(row['recovery_s'])} s")
+        recovery = row["recovery_s"]
+        recovered = ("not seen serving again" if recovery is None or math.isnan(recovery)
+                     else f"recovered in {_cell(recovery)} s")
+        return f"{row['requests_hit']} hit, {row['failed']} failed, {row['interrupted']} cut off, {recovered}"
 
     return f"| {kind.replace('_', ' ')} | {side(pair['baseline'])} | {side(pair['ballast'])} |"
+
+
+def _kinds(row: dict) -> str:
+    kinds = row.get("errors_by_kind") or {}
+    return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())) or "none"
 
 
 def render(result: dict) -> str:
@@ -50,7 +57,10 @@ def render(result: dict) -> str:
              "| | plain servers, round-robin | Ballast |", "|---|---|---|"]
     for key, label, unit in ROWS:
         lines.append(f"| {label} | {format_value(baseline[key], unit)} | {format_value(ballast[key], unit)} |")
-    lines += ["", "| fault | plain servers | Ballast |", "|---|---|---|"]
+    lines += ["", f"JSON answers Ballast repaired (counted apart from valid ones): "
+                  f"{format_value(ballast.get('json_repaired_rate', math.nan), '%')}. Failures as the clients saw them: "
+                  f"plain {_kinds(baseline)}; Ballast {_kinds(ballast)}.",
+              "", "| fault | plain servers | Ballast |", "|---|---|---|"]
     lines += [_fault_line(kind, pair) for kind, pair in result["faults"].items()]
     missed = [g["name"] for g in result.get("goals", []) if not g["met"]]
     lines += ["", ("Every goal met." if not missed else "Goals missed: " + "; ".join(missed) + "."),

@@ -151,13 +151,13 @@ def test_readme_block_is_rendered_from_the_result_and_replaced_in_place():
                                          "ballast": {"requests_hit": 8, "failed": 0, "interrupted": 0,
                                                      "recovery_s": 0.6}},
                          "etcd_restart": {"baseline": None, "ballast": {"requests_hit": 2, "failed": 0,
-                                                                        "interrupted": 0, "recovery_s": 1.2}}},
+                                                                        "interrupted": 0, "recovery_s": math.nan}}},
               "goals": [{"name": "Ballast error rate", "met": True}]}
     block = render(result)
     assert block.startswith(BEGIN) and block.endswith(END)
     assert "| client-visible errors | 2 % | 0 % |" in block
     assert "| worker kill | 9 hit, 3 failed, 2 cut off, recovered in 31 s |" in block
-    assert "| etcd restart | no such part |" in block
+    assert "| etcd restart | no such part | 2 hit, 0 failed, 0 cut off, not seen serving again |" in block
     assert "abcdef1234" in block and "Every goal met." in block
     readme = f"# Ballast\n\nintro\n\n{BEGIN}\nold\n{END}\n\nrest\n"
     updated = replace_block(readme, block)
