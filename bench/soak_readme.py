@@ -57,7 +57,11 @@ def render(result: dict) -> str:
              "| | plain servers, round-robin | Ballast |", "|---|---|---|"]
     for key, label, unit in ROWS:
         lines.append(f"| {label} | {format_value(baseline[key], unit)} | {format_value(ballast[key], unit)} |")
-    lines += ["", f"JSON answers Ballast repaired (counted apart from valid ones): "
+    lines += ["", f"Ballast answered {format_value(ballast.get('degraded_rate', math.nan), '%')} of its successful "
+                  f"requests degraded (light model or rules, marked so in the answer; the backfill delivers the "
+                  f"full model's later), the plain servers "
+                  f"{format_value(baseline.get('degraded_rate', math.nan), '%')}. "
+                  f"JSON answers Ballast repaired (counted apart from valid ones): "
                   f"{format_value(ballast.get('json_repaired_rate', math.nan), '%')}. Failures as the clients saw them: "
                   f"plain {_kinds(baseline)}; Ballast {_kinds(ballast)}.",
               "", "| fault | plain servers | Ballast |", "|---|---|---|"]

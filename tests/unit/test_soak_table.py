@@ -145,7 +145,7 @@ def test_timeline_and_surge_record():
 
 def test_readme_block_is_rendered_from_the_result_and_replaced_in_place():
     result = {"engine": "vllm", "minutes": 10, "workers": 2, "sessions_planned": 120, "machine": {"cpus": 2},
-              "commit": {"sha": "abcdef1234567"}, "baseline": _row(error_rate=0.02), "ballast": _row(),
+              "commit": {"sha": "abcdef1234567"}, "baseline": _row(error_rate=0.02), "ballast": _row(degraded_rate=0.1),
               "faults": {"worker_kill": {"baseline": {"requests_hit": 9, "failed": 3, "interrupted": 2,
                                                       "recovery_s": 31.0},
                                          "ballast": {"requests_hit": 8, "failed": 0, "interrupted": 0,
@@ -159,6 +159,7 @@ def test_readme_block_is_rendered_from_the_result_and_replaced_in_place():
     assert "| worker kill | 9 hit, 3 failed, 2 cut off, recovered in 31 s |" in block
     assert "| etcd restart | no such part | 2 hit, 0 failed, 0 cut off, not seen serving again |" in block
     assert "abcdef1234" in block and "Every goal met." in block
+    assert "Ballast answered 10 % of its successful requests degraded" in block
     readme = f"# Ballast\n\nintro\n\n{BEGIN}\nold\n{END}\n\nrest\n"
     updated = replace_block(readme, block)
     assert updated.startswith("# Ballast\n\nintro\n\n") and updated.endswith("\n\nrest\n") and "old" not in updated
