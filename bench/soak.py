@@ -16,7 +16,7 @@ speed) in both phases; a router killed, Redis restarted, the Kafka broker down, 
 restarted in Ballast's (the baseline has none of those parts).
 
 Prints the table, writes bench/results/soak.json (keys `baseline`, `ballast`, `faults`, with
-the goals judged in code) and bench/results/soak.png (latency over time, faults marked). The
+the goals judged in code) and bench/results/soak_latency.png (latency over time, faults marked). The
 README's opening table is generated from soak.json (`python -m bench.soak_readme`).
 
     python -m bench.soak [--engine vllm|torch|sim] [--minutes 10] [--workers 2] [--rate 0.4]
@@ -410,10 +410,9 @@ def run_benchmark(engine: str, minutes: float, workers: int, rate: float, target
     print_goals(result)
     path = write_result(out, result)
     print(f"wrote {path}")
-    from bench.soak_chart import draw
+    from bench.soak_chart import chart_path, draw
 
-    stamped = json.loads(path.read_text())
-    print(f"wrote {draw(stamped, baseline.samples, ballast.samples, out.with_suffix('.png'))}")
+    print(f"wrote {draw(json.loads(path.read_text()), chart_path(path))}")
     return 0 if result["met"] else 1
 
 

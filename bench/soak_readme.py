@@ -69,7 +69,7 @@ def render(result: dict) -> str:
     missed = [g["name"] for g in result.get("goals", []) if not g["met"]]
     lines += ["", ("Every goal met." if not missed else "Goals missed: " + "; ".join(missed) + "."),
               "See [the soak](#the-chaos-soak) for how it is run and what limits it; "
-              "the chart is `bench/results/soak.png`.", "", END]
+              "the chart of latency over time is `bench/results/soak_latency.png`.", "", END]
     return "\n".join(lines)
 
 

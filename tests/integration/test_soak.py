@@ -47,7 +47,7 @@ def test_the_table_has_both_phases_every_row_and_a_row_per_fault(soak):
     assert [row[0] for row in result["table"]] == [label for _, label, _ in ROWS]
     assert {g["metric"] for g in result["goals"]} >= {"ballast_error_rate", "vs_baseline_p99_ms"}
     assert result["commit"]["sha"] and result["machine"]["cpus"] >= 1
-    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert out.with_name("soak_latency.png").stat().st_size > 10_000
     assert "the table (same traffic, same faults)" in stdout
 
 
