@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -29,6 +30,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100 * len(ordered)))
     return ordered[rank - 1]
+
+
+def metric_sum(port: int, names: Sequence[str], timeout: float = 2.0) -> float | None:
+    """The sum of the samples of the metrics `names` on a /metrics endpoint of 127.0.0.1
+    (every label set); None when the endpoint does not answer or has none of them."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if any(line.startswith(name + " ") or line.startswith(name + "{") for name in names)]
+    return sum(values) if values else None
 
 
 def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:

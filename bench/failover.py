@@ -39,13 +39,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
+from bench.common import metric_sum, model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
 from bench.goals import LOWER, HIGHER, Goal, judge, print_goals
 from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, open_channel
@@ -201,13 +200,7 @@ async def _direct_client(addresses, prompt_ids, stop: asyncio.Event, references,
 
 def _in_flight(worker) -> float:
     """Streams the worker is serving now, from its /metrics."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=2) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("ballast_worker_in_flight ") or line.startswith("ballast_worker_in_flight{"))
+    return metric_sum(worker.metrics_port, ("ballast_worker_in_flight",)) or 0.0
 
 
 # The longest the kill loop waits for its last victims to serve again.

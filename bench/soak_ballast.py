@@ -11,19 +11,17 @@ applied as well, the same throttle the baseline's server gets.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
-import threading
 import time
-import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import ContextManager
 
+from bench.common import metric_sum
 from bench.soak_faults import (
     COOL_C, ETCD_RESTART, HOT_C, KAFKA_DOWN, MESH_FAULTS, REDIS_RESTART, ROUTER_KILL, WORKER_FAULTS, WORKER_HOT,
-    WORKER_KILL, WORKER_STALL, ScheduledFault, Throttle, signal_tree,
+    WORKER_KILL, WORKER_STALL, ScheduledFault, Throttle, Victims, signal_tree,
 )
 from services.cli.mesh import Mesh, MeshSpec, ServiceProcess
 from services.common.processes import ProcessStartError
@@ -70,15 +68,9 @@ def enable_autoscaler(mesh: Mesh, workers: int, target_ms: float) -> None:
         mesh.restart_service(router)
 
 
-def _metric(port: int, name: str) -> float | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name + " ") or line.startswith(name + "{")]
-    return sum(values) if values else None
+def _in_flight(worker: ServiceProcess) -> float | None:
+    """Streams the worker serves now (None: its metrics do not answer)."""
+    return metric_sum(worker.metrics_port, ("ballast_worker_in_flight",))
 
 
 class BallastSide:
@@ -86,38 +78,21 @@ class BallastSide:
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
-        # Workers under a fault now: a second fault picks another one.
-        self._faulted: set[str] = set()
-        self._faulted_lock = threading.Lock()
+        self._victims = Victims()
 
     def kinds(self) -> tuple[str, ...]:
         return WORKER_FAULTS + MESH_FAULTS
 
-    def _victim(self) -> ServiceProcess:
-        """The worker with most streams in flight now and not under another fault (any
-        serving one, when every one is), so the fault hits work in flight; it counts as
-        under this fault until `apply` ends."""
-        with self._faulted_lock:
-            alive = [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
-            free = [w for w in alive if w.name not in self._faulted] or alive
-            victim = max(free, key=lambda w: _metric(w.metrics_port, "ballast_worker_in_flight") or 0.0)
-            self._faulted.add(victim.name)
-            return victim
-
-    @contextlib.contextmanager
-    def _worker_under_fault(self) -> Iterator[ServiceProcess]:
-        worker = self._victim()
-        try:
-            yield worker
-        finally:
-            with self._faulted_lock:
-                self._faulted.discard(worker.name)
+    def _worker_under_fault(self) -> ContextManager[ServiceProcess]:
+        """The busiest serving worker not under another fault, for the block's length."""
+        alive = [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
+        return self._victims.busiest(alive, lambda w: w.name, lambda w: _in_flight(w) or 0.0)
 
     def _answers(self, worker: ServiceProcess) -> float | None:
         """When the worker answers on its metrics port again (it serves), or None."""
         deadline = time.monotonic() + RECOVERY_LIMIT_S
         while time.monotonic() < deadline:
-            if _metric(worker.metrics_port, "ballast_worker_in_flight") is not None:
+            if _in_flight(worker) is not None:
                 return time.monotonic()
             time.sleep(0.1)
         return None
@@ -195,8 +170,8 @@ class BallastSide:
         return "etcd", time.monotonic()
 
     def fragmentation(self) -> list[float]:
-        values = [_metric(w.metrics_port, "ballast_worker_kv_fragmentation_ratio") for w in self.mesh.workers()
-                  if w.process.alive()]
+        values = [metric_sum(w.metrics_port, ("ballast_worker_kv_fragmentation_ratio",))
+                  for w in self.mesh.workers() if w.process.alive()]
         return [v for v in values if v is not None]
 
 

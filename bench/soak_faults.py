@@ -12,6 +12,7 @@ process) and a throttle that slows a process the way an overheating GPU slows.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import random
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 from bench.common import percentile
 from bench.soak_table import RequestSample
@@ -31,6 +32,7 @@ SURGE = "surge"
 ROUTER_KILL, REDIS_RESTART, KAFKA_DOWN, ETCD_RESTART = "router_kill", "redis_restart", "kafka_down", "etcd_restart"
 WORKER_FAULTS = (WORKER_KILL, WORKER_STALL, WORKER_HOT)
 MESH_FAULTS = (ROUTER_KILL, REDIS_RESTART, KAFKA_DOWN, ETCD_RESTART)
+T = TypeVar("T")
 
 # Where in the soak (fraction of its length) each fault strikes; the surge takes 0.42-0.58
 # and one kill lands inside it.
@@ -94,6 +96,28 @@ def settled_at(samples: Sequence[RequestSample], after: float, reference_ms: flo
             return start + window_s
         start += 1.0
     return None
+
+
+class Victims:
+    """Which worker a fault strikes: the busiest one not under another fault (any, when every
+    one is), so it hits work in flight and two overlapping faults hit two workers."""
+
+    def __init__(self) -> None:
+        self._under: set[str] = set()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def busiest(self, candidates: Sequence[T], name: Callable[[T], str], load: Callable[[T], float]) -> Iterator[T]:
+        """The victim, counted as under a fault until the block ends."""
+        with self._lock:
+            free = [c for c in candidates if name(c) not in self._under] or list(candidates)
+            victim = max(free, key=load)
+            self._under.add(name(victim))
+        try:
+            yield victim
+        finally:
+            with self._lock:
+                self._under.discard(name(victim))
 
 
 class FaultTarget(Protocol):
