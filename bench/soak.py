@@ -364,6 +364,19 @@ def timeline(samples: list[RequestSample], bucket_s: float = 5.0) -> list[dict]:
             for index, group in sorted(buckets.items())]
 
 
+def samples_path(result_path: Path) -> Path:
+    return result_path.with_name(result_path.stem + "_samples.json")
+
+
+def write_samples(path: Path, baseline: PhaseOutcome, ballast: PhaseOutcome) -> Path:
+    """Every request of both phases, unloaded and soak, one object each: what the table's
+    rows are computed from, kept so a row can be explained after the run."""
+    phases = {name: {"unloaded": [asdict(s) for s in outcome.unloaded], "soak": [asdict(s) for s in outcome.samples]}
+              for name, outcome in (("baseline", baseline), ("ballast", ballast))}
+    path.write_text(json.dumps(phases, separators=(",", ":")) + "\n")
+    return path
+
+
 def print_soak_table(baseline: dict, ballast: dict, faults: dict) -> None:
     print("\nthe table (same traffic, same faults)")
     print_table(["row", "plain baseline", "Ballast"], table_lines(baseline, ballast))
@@ -410,6 +423,7 @@ def run_benchmark(engine: str, minutes: float, workers: int, rate: float, target
     print_goals(result)
     path = write_result(out, result)
     print(f"wrote {path}")
+    print(f"wrote {write_samples(samples_path(path), baseline, ballast)}")
     from bench.soak_chart import chart_path, draw
 
     print(f"wrote {draw(json.loads(path.read_text()), chart_path(path))}")

@@ -39,6 +39,17 @@ BALLAST_ATTEMPTS = 3
 RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
 
+# The longest failed JSON answer a sample keeps.
+FAILED_JSON_CHARS = 400
+
+
+def record_json(sample: RequestSample, text: str, schema: dict | None, repaired_document: str = "") -> None:
+    """Judges a finished answer against its schema into the sample, keeping a failure's text."""
+    sample.json_outcome = json_outcome(text, schema, repaired_document)
+    if sample.json_outcome == JSON_FAILED:
+        sample.failed_json = (repaired_document or text)[:FAILED_JSON_CHARS]
+
+
 def json_outcome(text: str, schema: dict | None, repaired_document: str = "") -> str:
     """How a JSON answer fares against its schema: valid as streamed, repaired (the server's
     repaired document validates), or failed. "" for a free-text turn."""
@@ -124,7 +135,7 @@ async def baseline_turn(client: openai.AsyncOpenAI, model: str, session: str, tu
         sample.cut = bool(text)
     sample.end = clock()
     if sample.ok:
-        sample.json_outcome = json_outcome(text, turn.schema)
+        record_json(sample, text, turn.schema)
     return sample, text
 
 
@@ -182,7 +193,7 @@ async def ballast_turn(stub, metadata, model: str, session: str, turn: TurnPlan,
         sample.tokens = finished.usage.completion_tokens
         sample.resumes += finished.resumes
         sample.degraded = finished.degradation != common_pb2.DEGRADATION_NONE
-        sample.json_outcome = json_outcome(text, turn.schema, finished.structured_output)
+        record_json(sample, text, turn.schema, finished.structured_output)
     else:
         sample.cut = received > 0
     return sample, text

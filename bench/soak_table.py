@@ -38,6 +38,9 @@ class RequestSample:
     tokens: int = 0
     # Times the stream moved (server-side resumes plus client retries with the same id).
     resumes: int = 0
+    # What the client received, kept only for a JSON answer that failed its schema (the
+    # evidence of why; bounded).
+    failed_json: str = ""
 
     @property
     def e2e_ms(self) -> float:

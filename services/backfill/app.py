@@ -136,9 +136,10 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     pubsub_client = _redis_client(config.redis, None)
     if config.redis.cluster:
         store = ClusterAnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max,
-                                   config.redis.wait_replicas, config.redis.wait_timeout_ms)
+                                   settings.claim_lease_s, config.redis.wait_replicas, config.redis.wait_timeout_ms)
     else:
-        store = AnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max)
+        store = AnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max,
+                            settings.claim_lease_s)
     notices = Notices(pubsub_client, store.channel)
     servicer = BackfillServicer(settings, Authenticator(config.auth), store, notices, metrics)
     metrics.observe_subscribers(lambda: servicer.subscribers)

@@ -1,11 +1,13 @@
 """`ballast.v1.Backfill`: better answers pushed to the user once per ticket, or read on demand.
 
 A subscription first pushes what its session (or ticket) already has, oldest original request
-first, then waits for notices. Before pushing answers it takes their delivery marks (a ticket's
-with SET NX; a session's ready answers together, in one script): of all subscriptions on every
-replica, exactly one pushes each ticket. If a push cannot be written (the client left), the
-marks of it and of the rest of its batch are given back, with a notice, so the next
-subscription gets them. Callers only ever see their own tenant's answers.
+first, then waits for notices. Before pushing answers it takes their delivery marks as leases
+(a ticket's alone; a session's ready answers together, in one script): of all subscriptions on
+every replica, one pushes each ticket. Once a push is written its mark is kept for the answer's
+lifetime. If a push cannot be written (the client left), the marks of it and of the rest of its
+batch are given back, with a notice, so the next subscription gets them; a subscription that
+dies holding marks loses them when their lease expires. Callers only ever see their own
+tenant's answers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import uuid
 from typing import AsyncIterator
 
 import grpc
+from redis.exceptions import RedisError
 
 from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.backfill.metrics import BackfillMetrics
@@ -85,6 +88,8 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
                         # Not written: let the next subscription push these. Shielded: we may be cancelled.
                         await asyncio.shield(self._give_back(answers[i:], subscriber))
                         raise
+                    # Shielded too: the push is out, and a lease left to expire would send it again.
+                    await asyncio.shield(self._confirm(answer, subscriber))
                     if self.metrics is not None:
                         self.metrics.delivered.add(1)
                 if which == "ticket" and answers:
@@ -113,6 +118,25 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
             return None, True
         return answer, False
 
+    async def _confirm(self, answer: backfill_pb2.BackfilledAnswer, subscriber: str) -> None:
+        """Keeps the mark of a written push for the answer's lifetime, trying again while the
+        store is away for up to half the lease; past that the lease may expire and the answer
+        be pushed again (twice rather than never)."""
+        deadline = time.monotonic() + self.settings.claim_lease_s / 2
+        delay = 0.1
+        while True:
+            try:
+                if not await self.store.confirm(answer.ticket, subscriber):
+                    log.warning("the lease on %s expired before its push was confirmed; it may be pushed again",
+                                answer.ticket)
+                return
+            except (RedisError, OSError) as exc:
+                if time.monotonic() + delay > deadline:
+                    log.warning("could not confirm the push of %s (%r); it may be pushed again", answer.ticket, exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     async def _give_back(self, answers: list[backfill_pb2.BackfilledAnswer], subscriber: str) -> None:
         for answer in answers:
             try:
@@ -127,8 +151,6 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
         except (OSError, ConnectionError) as exc:
             raise Unavailable(f"answer store unreachable: {exc}") from None
         except Exception as exc:
-            from redis.exceptions import RedisError
-
             if isinstance(exc, RedisError):
                 raise Unavailable(f"answer store unreachable: {exc}") from None
             raise

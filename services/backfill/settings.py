@@ -59,6 +59,9 @@ class BackfillSettings(Section):
     # per open subscription, so a short timer costs the most where subscriptions are many.
     subscribe_poll_s: float = Field(30.0, gt=0, description="Subscriptions re-check Redis this often even without a notice.")
     subscribe_max_s: float = Field(3600.0, gt=0, description="Longest life of one subscription stream.")
+    # A subscription that dies between taking an answer and pushing it (its process killed, its
+    # Redis reply lost) holds the answer this long; then the next subscription's read pushes it.
+    claim_lease_s: float = Field(30.0, ge=1, description="How long a subscription holds an answer it is pushing.")
     max_subscribers: int = Field(1000, ge=1, description="Open subscriptions at most; more get RESOURCE_EXHAUSTED.")
     shutdown_grace_s: float = Field(5.0, ge=0, description="Time streams and replays get on stop.")
 

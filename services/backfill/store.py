@@ -3,7 +3,14 @@
 Keys (prefix `ballast:backfill:` by default), all with the answer TTL:
 - `answer:{ticket}`: the BackfilledAnswer, written with SET NX (a replayed duplicate never
   replaces the first answer);
-- `delivered:{ticket}`: the delivery mark, SET NX by the one subscription that pushes it;
+- `delivered:{ticket}`: the delivery mark. A subscription that is about to push an answer
+  takes it as a lease (`claim:<subscriber>`, for `claim_lease_s`) and, once the push is
+  written, keeps it for the answer's TTL (`sent:<subscriber>`). Taking it again under the same
+  lease is allowed, so a claim whose reply was lost (a connection cut, a cluster client that
+  sends again after a failover) is not mistaken for another subscription's; a lease whose
+  subscription died before the push expires, and the answer goes to the next one. An answer
+  is pushed at least once, and more than once only if the store stays away for a whole lease
+  right after a push;
 - `session:{tenant}:{session}`: sorted set of a session's tickets by original timestamp,
   capped, for Subscribe to catch up;
 - `attempts:{ticket}`: failed replays so far (survives restarts, so a request that crashes the
@@ -22,14 +29,15 @@ its index live in different hash slots. There a ticket's keys share one slot (th
 their hash tag: `{prefix}{<ticket>}:answer`, `...:delivered`, `...:attempts`), each command
 or script names keys of one slot only, and the two steps above take a few round trips in an
 order that keeps their promises: the answer is stored before it is indexed, and indexed
-before the notice; a delivery mark is taken with SET NX, so one subscription alone pushes each
-answer.
+before the notice; a delivery mark is taken by a one-key script, so one subscription alone
+pushes each answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import defaultdict
 from typing import Iterable
@@ -43,8 +51,28 @@ from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
-# Deletes the delivery mark only if this subscriber set it (an unclaim after a failed write),
-# then announces the answer again (ARGV[2]: channel, ARGV[3]: notice) so a waiting
+# KEYS[1]: a delivery mark. ARGV: this subscriber's lease, its length (s). Takes the mark when
+# it is free or already this lease (1), else leaves it (0).
+_CLAIM = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
+return 1
+"""
+
+# KEYS[1]: a delivery mark. ARGV: this subscriber's lease, its sent mark, the answer's TTL (s).
+# The push was written: the lease becomes the sent mark, kept as long as the answer (1); 0 if
+# the mark is another's (this lease expired and another subscription took it).
+_CONFIRM = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[2] then return 1 end
+if holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', tonumber(ARGV[3]))
+return 1
+"""
+
+# Deletes the delivery mark only if this subscriber's lease holds it (an unclaim after a failed
+# write), then announces the answer again (ARGV[2]: channel, ARGV[3]: notice) so a waiting
 # subscription takes it now.
 _UNCLAIM = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -73,16 +101,18 @@ return 0
 """
 
 
-# KEYS[1]: a session's index. ARGV: key prefix, subscriber id, mark TTL (s), most answers to take.
-# Returns ticket, answer, ticket, answer, ...: the stored answers of the session not delivered
-# yet, oldest original request first, each now marked as delivered by this subscriber.
+# KEYS[1]: a session's index. ARGV: key prefix, this subscriber's lease, lease length (s), most
+# answers to take. Returns ticket, answer, ticket, answer, ...: the stored answers of the session
+# not delivered yet (no mark, or this lease's), oldest original request first, each now held by
+# this lease.
 _CLAIM_SESSION = """
 local taken = {}
 local limit = tonumber(ARGV[4])
 for _, ticket in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if #taken >= 2 * limit then break end
   local mark = ARGV[1] .. 'delivered:' .. ticket
-  if redis.call('EXISTS', mark) == 0 then
+  local holder = redis.call('GET', mark)
+  if not holder or holder == ARGV[2] then
     local answer = redis.call('GET', ARGV[1] .. 'answer:' .. ticket)
     if answer then
       redis.call('SET', mark, ARGV[2], 'EX', tonumber(ARGV[3]))
@@ -105,13 +135,28 @@ def _parse_answer(raw: bytes) -> backfill_pb2.BackfilledAnswer:
     return answer
 
 
+def lease_mark(subscriber: str) -> str:
+    """A delivery mark held while `subscriber` pushes the answer."""
+    return f"claim:{subscriber}"
+
+
+def sent_mark(subscriber: str) -> str:
+    """A delivery mark once `subscriber` has written the push."""
+    return f"sent:{subscriber}"
+
+
 class AnswerStore:
-    def __init__(self, client: AnyRedis, prefix: str, ttl_s: int, index_max: int = 1000) -> None:
+    def __init__(self, client: AnyRedis, prefix: str, ttl_s: int, index_max: int = 1000,
+                 claim_lease_s: float = 30.0) -> None:
         self.redis = client
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.index_max = index_max
+        # Whole seconds for EX; at least one.
+        self.claim_lease_s = max(1, math.ceil(claim_lease_s))
         self.channel = f"{prefix}notify"
+        self._claim = client.register_script(_CLAIM)
+        self._confirm = client.register_script(_CONFIRM)
         self._unclaim = client.register_script(_UNCLAIM)
         self._claim_session = client.register_script(_CLAIM_SESSION)
         self._put_once = client.register_script(_PUT_ONCE)
@@ -155,29 +200,38 @@ class AnswerStore:
     async def claim_session(self, tenant: str, session_id: str, subscriber: str,
                             limit: int) -> list[backfill_pb2.BackfilledAnswer]:
         """Takes the delivery marks of up to `limit` stored, undelivered answers of the session
-        (oldest original request first) and returns those answers. The index is per tenant, so
-        they are the tenant's own."""
+        (oldest original request first) as leases and returns those answers. The index is per
+        tenant, so they are the tenant's own."""
         reply = await self._claim_session(keys=[self._session(tenant, session_id)],
-                                          args=[self.prefix, subscriber, self.ttl_s, limit])
+                                          args=[self.prefix, lease_mark(subscriber), self.claim_lease_s, limit])
         answers = []
         for ticket, raw in zip(reply[::2], reply[1::2]):
             try:
                 answers.append(_parse_answer(raw))
             except DecodeError:
-                # Not written by put_once. It stays marked, so no subscription of the session
+                # Not written by put_once. Marked for good, so no subscription of the session
                 # trips on it again; the rest go out.
+                await self.confirm(ticket.decode(errors="replace"), subscriber)
                 log.error("unreadable answer %s in session %s of %s; skipped",
                           ticket.decode(errors="replace"), session_id, tenant)
         return answers
 
     async def claim(self, ticket: str, subscriber: str) -> bool:
-        """Sets the delivery mark; True for the one caller that may push this ticket."""
-        return bool(await self.redis.set(self._delivered(ticket), subscriber, nx=True, ex=self.ttl_s))
+        """Takes the delivery mark as a lease; True for the one caller that may push this ticket
+        (again True for the same subscriber while its lease holds)."""
+        return bool(await self._claim(keys=[self._delivered(ticket)],
+                                      args=[lease_mark(subscriber), self.claim_lease_s]))
+
+    async def confirm(self, ticket: str, subscriber: str) -> bool:
+        """The push was written: the mark is kept for the answer's TTL, so no one pushes it again.
+        False if the lease had expired and another subscription holds the mark."""
+        return bool(await self._confirm(keys=[self._delivered(ticket)],
+                                        args=[lease_mark(subscriber), sent_mark(subscriber), self.ttl_s]))
 
     async def unclaim(self, answer: backfill_pb2.BackfilledAnswer, subscriber: str) -> None:
         """Gives a claimed answer back (the push did not reach the stream) and announces it again."""
         await self._unclaim(keys=[self._delivered(answer.ticket)],
-                            args=[subscriber, self.channel, self._notice(answer)])
+                            args=[lease_mark(subscriber), self.channel, self._notice(answer)])
 
     async def add_attempt(self, ticket: str) -> int:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -271,11 +325,11 @@ class ClusterAnswerStore(AnswerStore):
     connection, and returns once that many replicas have it (or after `wait_timeout_ms`)."""
 
     def __init__(self, client: AnyRedis, prefix: str, ttl_s: int, index_max: int = 1000,
-                 wait_replicas: int = 0, wait_timeout_ms: int = 500) -> None:
+                 claim_lease_s: float = 30.0, wait_replicas: int = 0, wait_timeout_ms: int = 500) -> None:
         if "{" in prefix or "}" in prefix:
             # A brace in the prefix would become the hash tag and put every key in one slot.
             raise ValueError(f"the backfill key prefix {prefix!r} may not contain braces on a Redis Cluster")
-        super().__init__(client, prefix, ttl_s, index_max)
+        super().__init__(client, prefix, ttl_s, index_max, claim_lease_s)
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self._warned_at = -_WARN_EVERY_S
@@ -325,7 +379,13 @@ class ClusterAnswerStore(AnswerStore):
 
     async def claim(self, ticket: str, subscriber: str) -> bool:
         key = self._delivered(ticket)
-        return bool(await self._replicated(key, lambda pipe: pipe.set(key, subscriber, nx=True, ex=self.ttl_s)))
+        return bool(await self._replicated(key, lambda pipe: pipe.eval(
+            _CLAIM, 1, key, lease_mark(subscriber), self.claim_lease_s)))
+
+    async def confirm(self, ticket: str, subscriber: str) -> bool:
+        key = self._delivered(ticket)
+        return bool(await self._replicated(key, lambda pipe: pipe.eval(
+            _CONFIRM, 1, key, lease_mark(subscriber), sent_mark(subscriber), self.ttl_s)))
 
     async def claim_session(self, tenant: str, session_id: str, subscriber: str,
                             limit: int) -> list[backfill_pb2.BackfilledAnswer]:
@@ -335,20 +395,29 @@ class ClusterAnswerStore(AnswerStore):
         # Which are stored and not yet delivered: one pipeline (a batch per master).
         pipe = self.redis.pipeline(transaction=False)
         for ticket in tickets:
-            pipe.exists(self._delivered(ticket))
+            pipe.get(self._delivered(ticket))
             pipe.get(self._answer(ticket))
         replies = await pipe.execute()
         answers: list[backfill_pb2.BackfilledAnswer] = []
-        for ticket, delivered, raw in zip(tickets, replies[::2], replies[1::2]):
+        for ticket, holder, raw in zip(tickets, replies[::2], replies[1::2]):
             if len(answers) >= limit:
                 break
-            if delivered or raw is None:
+            if raw is None or holder not in (None, lease_mark(subscriber).encode()):
                 continue
             # The mark decides: another subscription may have taken it since the read.
-            if not await self.claim(ticket, subscriber):
+            try:
+                taken = await self.claim(ticket, subscriber)
+            except (RedisError, *UNAVAILABLE_ERRORS):
+                if not answers:
+                    raise
+                # What is held goes out now; the rest waits for the next read (a lease this
+                # claim may have taken expires if no read comes).
+                break
+            if not taken:
                 continue
             try:
                 answers.append(_parse_answer(raw))
             except DecodeError:
+                await self.confirm(ticket, subscriber)  # marked for good, as on one server
                 log.error("unreadable answer %s in session %s of %s; skipped", ticket, session_id, tenant)
         return answers

@@ -68,9 +68,36 @@ async def test_a_session_claim_takes_each_ready_answer_once_oldest_first(store):
     assert [a.text for a in first] == ["answer 1", "answer 2"]  # by original timestamp, at most 2
     rest = await store.claim_session(TENANT, session, "sub-b", limit=10)
     assert [a.text for a in rest] == ["answer 3"]
+    # The same lease takes its answers again (a claim whose reply was lost must not lose them)...
+    assert [a.text for a in await store.claim_session(TENANT, session, "sub-a", limit=10)] == ["answer 1", "answer 2"]
+    # ...until their pushes are confirmed: then no one takes them again.
+    for pushed in first:
+        assert await store.confirm(pushed.ticket, "sub-a")
+        assert await store.confirm(pushed.ticket, "sub-a")  # confirming twice changes nothing
     assert await store.claim_session(TENANT, session, "sub-a", limit=10) == []
-    # The marks are the ticket marks: a ticket subscription cannot push them again.
+    # The marks are the ticket marks: a ticket subscription cannot push them again, whether
+    # their push was confirmed or is still under another's lease.
+    assert not await store.claim(first[0].ticket, "sub-c")
     assert not await store.claim(stored[0].ticket, "sub-c")
+    assert not await store.confirm(stored[0].ticket, "sub-c")
+    assert await store.claim(stored[0].ticket, "sub-b")
+
+
+async def test_a_lease_whose_subscription_died_expires_and_the_answer_goes_to_the_next(backend):
+    store = new_store(backend, claim_lease_s=1)
+    try:
+        session = uuid.uuid4().hex
+        a = answer(session, 1)
+        await store.put_once(a)
+        assert [x.ticket for x in await store.claim_session(TENANT, session, "died", limit=10)] == [a.ticket]
+        assert await store.claim_session(TENANT, session, "next", limit=10) == []
+        await asyncio.sleep(1.5)  # the lease's own TTL in Redis, not a timing assumption
+        assert [x.ticket for x in await store.claim_session(TENANT, session, "next", limit=10)] == [a.ticket]
+        # The one that died cannot confirm a push it no longer holds.
+        assert not await store.confirm(a.ticket, "died")
+        assert await store.confirm(a.ticket, "next")
+    finally:
+        await store.redis.aclose()
 
 
 async def test_a_session_claim_sees_only_its_tenants_index(store):
@@ -163,8 +190,9 @@ async def test_a_push_that_was_not_written_gives_back_it_and_the_rest_of_its_bat
     """The stream stops at the push after `written` written ones (the client left): the unwritten
     answers of the claimed batch go to the next subscription, the written ones never again."""
     session = uuid.uuid4().hex
-    for n in (1, 2, 3):
-        await store.put_once(answer(session, n))
+    answers = [answer(session, n) for n in (1, 2, 3)]
+    for a in answers:
+        await store.put_once(a)
     servicer = subscription_servicer(store, backend)
     try:
         stream = servicer.Subscribe(backfill_pb2.SubscribeRequest(session_id=session), CallContext())
@@ -174,6 +202,9 @@ async def test_a_push_that_was_not_written_gives_back_it_and_the_rest_of_its_bat
         expected = [f"answer {n}" for n in (1, 2, 3)][written:]
         assert await pushed(servicer, session, len(expected)) == expected
         assert await store.claim_session(TENANT, session, "late", limit=10) == []
+        # Every written push was confirmed: its mark is kept for good, no lease left to expire.
+        for a in answers:
+            assert (await store.redis.get(store._delivered(a.ticket))).startswith(b"sent:")
     finally:
         await servicer.notices.redis.aclose()
 
@@ -189,6 +220,8 @@ async def test_an_unreadable_answer_is_skipped_and_the_rest_are_pushed(store):
 
     assert [a.ticket for a in await store.claim_session(TENANT, session, "sub-a", limit=10)] == [good.ticket]
     assert await store.claim_session(TENANT, session, "sub-b", limit=10) == []
+    # The unreadable one is marked for good, not leased: no later read trips on it again.
+    assert (await store.redis.get(store._delivered(bad_ticket))).startswith(b"sent:")
 
 
 async def test_put_once_keeps_the_first_answer_and_announces_every_time(store):

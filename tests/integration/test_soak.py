@@ -51,6 +51,10 @@ def test_the_table_has_both_phases_every_row_and_a_row_per_fault(soak):
     assert {g["metric"] for g in result["goals"]} >= {"ballast_error_rate", "vs_baseline_p99_ms"}
     assert result["commit"]["sha"] and result["machine"]["cpus"] >= 1
     assert out.with_name("soak_latency.png").stat().st_size > 10_000
+    samples = json.loads(out.with_name("soak_samples.json").read_text())
+    for phase in ("baseline", "ballast"):
+        assert len(samples[phase]["soak"]) == result[phase]["requests"]
+        assert {s["tier"] for s in samples[phase]["unloaded"]} == {"S"}
     assert "the table (same traffic, same faults)" in stdout
 
 

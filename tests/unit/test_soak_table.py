@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from bench.soak import rolling_ttft_p99, surge_record, timeline, PhaseOutcome
-from bench.soak_clients import RoundRobinTransport, json_outcome
+from bench.soak_clients import FAILED_JSON_CHARS, RoundRobinTransport, json_outcome, record_json
 from bench.soak_readme import BEGIN, END, render, replace_block
 from bench.soak_table import (
     ABSOLUTE_GOALS, JSON_FAILED, JSON_REPAIRED, JSON_VALID, FaultRecord, RequestSample, comparison_goals, fault_rows,
@@ -102,6 +102,20 @@ def test_json_outcome_is_judged_against_the_schema_not_the_server():
     assert json_outcome('{"category": "billing"', schema, repaired_document='{"category": 3}') == JSON_FAILED
     assert json_outcome('{"category": "food", "urgent": true}', schema) == JSON_FAILED
     assert json_outcome("anything", None) == ""
+
+
+def test_a_sample_keeps_the_text_of_a_failed_json_answer_only():
+    schema = SCHEMAS["ticket_triage"]
+    failed, valid = sample(), sample()
+    record_json(failed, '{"category": "food", "urgent": true}' + " " * 1000, schema)
+    record_json(valid, '{"category": "billing", "urgent": true}', schema)
+    assert failed.json_outcome == JSON_FAILED and failed.failed_json.startswith('{"category": "food"')
+    assert len(failed.failed_json) == FAILED_JSON_CHARS
+    assert valid.json_outcome == JSON_VALID and valid.failed_json == ""
+    # What is kept is what failed: the server's repaired document when it sent one.
+    repaired = sample()
+    record_json(repaired, '{"category": "bil', schema, repaired_document='{"category": "bil", "urgent": false}')
+    assert repaired.failed_json == '{"category": "bil", "urgent": false}'
 
 
 def test_round_robin_transport_rotates_over_the_ports_in_rotation():
