@@ -17,7 +17,7 @@ from services.common.tier_pb import TIER_TO_PB
 from services.router.events import Event, Finished, Resumed, Started, Tokens, WorkerFinished
 from services.router.requests import InferenceRequest
 from services.router.resilience.resume import ResumePlan
-from services.router.structured.repair import Status
+from services.router.structured.repair import Status, StructuredResult
 
 STRUCTURED_STATUS = {
     Status.VALID: common_pb2.STRUCTURED_VALID,
@@ -51,13 +51,17 @@ def _finished_pb(event: Finished) -> inference_pb2.Finished:
         resumes=event.resumes,
         dropped_messages=list(event.dropped_messages),
     )
-    result = event.structured
-    if result is not None:
-        finished.structured_status = STRUCTURED_STATUS[result.status]
-        finished.structured_repairs.extend(result.messages)
-        finished.structured_output = result.text
-        finished.structured_errors.extend(result.errors)
+    if event.structured is not None:
+        set_structured(finished, event.structured)
     return finished
+
+
+def set_structured(finished: inference_pb2.Finished, result: StructuredResult) -> None:
+    """A JSON answer's validation outcome, on the Finished the client receives."""
+    finished.structured_status = STRUCTURED_STATUS[result.status]
+    finished.structured_repairs.extend(result.messages)
+    finished.structured_output = result.text
+    finished.structured_errors.extend(result.errors)
 
 
 async def events_to_pb(events: AsyncIterator[Event]) -> AsyncIterator[inference_pb2.GenerateEvent]:

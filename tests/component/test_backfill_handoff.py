@@ -4,6 +4,7 @@ to a real Kafka-protocol broker (outbox first; broker down → outbox fills → 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import replace
@@ -23,6 +24,7 @@ from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.ladder import Reason
 from services.router.degrade.outbox import OutboxFull
 from services.router.requests import InferenceRequest, Message
+from services.router.structured import check_schema
 from tests.polling import poll
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -191,6 +193,22 @@ async def test_rules_answer_after_both_pools_fail(degrader, kafka_broker, topic)
     # The hand-off keeps why it left the primary pool, and what finally answered.
     assert degraded.reason == "admission" and degraded.level == common_pb2.DEGRADATION_RULES
     assert degraded.degraded_text == text and degraded.degraded_by == "rules"
+
+
+async def test_a_rules_answer_to_a_json_request_is_a_document_of_its_schema(degrader):
+    schema = check_schema(json.dumps({
+        "type": "object", "additionalProperties": False, "required": ["status", "order_id"],
+        "properties": {"status": {"enum": ["shipped", "pending"]}, "order_id": {"type": "string"}},
+    }))
+    pools = FakePools({"big": NoLiveWorker("no live worker for model 'big'"), "small": NoLiveWorker("no live worker")})
+    events = await run_all(degrader, pools, replace(make_request("Has order 7 shipped?"), schema=schema))
+    text = "".join(e.tokens.text for e in events if e.HasField("tokens"))
+    finished = events[-1].finished
+    assert finished.degradation == common_pb2.DEGRADATION_RULES
+    # What streamed is the document itself, it conforms, and it is marked as filled in.
+    assert json.loads(text) == {"status": "shipped", "order_id": ""} and schema.is_valid(json.loads(text))
+    assert finished.structured_status == common_pb2.STRUCTURED_REPAIRED
+    assert finished.structured_output == text and finished.structured_repairs
 
 
 async def test_no_degradation_when_not_allowed_or_after_tokens(degrader):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.router.structured import RepairKind, Status, check_schema, repair
+from services.router.structured import RepairKind, Status, check_schema, placeholder_answer, repair
 
 PRODUCT = check_schema(json.dumps({
     "type": "object",
@@ -245,3 +245,20 @@ def test_unicode_survives_repair():
     result = repair('{"product_id": "手机壳-39", "price": "39", "stock_status": "in_stock"', PRODUCT)
     assert result.status is Status.REPAIRED
     assert "手机壳-39" in result.text and result.value["price"] == 39
+
+
+def test_an_answer_without_a_model_is_the_schemas_placeholder_and_says_so():
+    result = placeholder_answer(PRODUCT)
+    assert result.status is Status.REPAIRED
+    assert [r.kind for r in result.repairs] == [RepairKind.FILLED]
+    # Every required field, each its default, first enum value or zero; nothing optional.
+    assert json.loads(result.text) == {"product_id": "", "price": 0, "stock_status": "in_stock"}
+    assert PRODUCT.is_valid(result.value)
+    nested = placeholder_answer(ORDER)
+    assert nested.status is Status.REPAIRED and ORDER.is_valid(nested.value)
+
+
+def test_a_schema_no_placeholder_satisfies_is_failed_not_passed_off():
+    impossible = check_schema(json.dumps({"type": "string", "minLength": 3}))
+    result = placeholder_answer(impossible)
+    assert result.status is Status.FAILED and result.errors

@@ -33,6 +33,8 @@ from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.ladder import RULES, Decision, Ladder, Rung, decide
 from services.router.degrade.outbox import OutboxDepth, OutboxError
 from services.router.degrade.rules import RuleEngine, stream_text
+from services.router.events_pb import set_structured
+from services.router.structured.repair import placeholder_answer
 
 log = logging.getLogger(__name__)
 
@@ -243,23 +245,31 @@ class Degrader:
 
     async def _rules(self, request: Any, tier: str, tier_reason: str, first: Decision,
                      received_at: float) -> AsyncIterator[inference_pb2.GenerateEvent]:
-        answer = self.rules.answer_request(request)
+        text = self.rules.answer_request(request).text
+        # A JSON request gets a document of its schema, not the rule's sentence: the client's
+        # parser must not break because the big model is down.
+        structured = placeholder_answer(request.schema) if getattr(request, "schema", None) is not None else None
+        if structured is not None:
+            text = structured.text
         yield inference_pb2.GenerateEvent(started=inference_pb2.Started(
             request_id=request.request_id, tier=TIER_TO_PB.get(tier, common_pb2.TIER_AUTO),
             tier_reason=tier_reason, model=RULES, model_version=self.rules.version,
         ))
         encoder = self.encoder_for(request.model) if self.encoder_for is not None else None
         sent = 0
-        for piece_text, ids in _pieces(answer.text, self.config.rules_piece_chars, encoder):
+        for piece_text, ids in _pieces(text, self.config.rules_piece_chars, encoder):
             yield inference_pb2.GenerateEvent(tokens=common_pb2.Tokens(text=piece_text, token_ids=ids, first_index=sent))
             sent += len(ids)
-        ticket = await self._hand_off(request, tier, first, Rung(Level.RULES), answer.text, received_at)
-        yield inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
+        ticket = await self._hand_off(request, tier, first, Rung(Level.RULES), text, received_at)
+        finished = inference_pb2.Finished(
             reason=common_pb2.FINISH_REASON_STOP,
             usage=common_pb2.Usage(prompt_tokens=0, completion_tokens=sent),
             degradation=common_pb2.DEGRADATION_RULES,
             backfill_ticket=ticket,
-        ))
+        )
+        if structured is not None:
+            set_structured(finished, structured)
+        yield inference_pb2.GenerateEvent(finished=finished)
 
     async def _hand_off(self, request: Any, tier: str, first: Decision, rung: Rung, text: str,
                         received_at: float) -> str:

@@ -7,6 +7,7 @@ from services.router.structured.repair import (
     RepairKind,
     Status,
     StructuredResult,
+    placeholder_answer,
     repair,
 )
 from services.router.structured.schema import Schema, check_schema
@@ -19,5 +20,6 @@ __all__ = [
     "StructuredMetrics",
     "StructuredResult",
     "check_schema",
+    "placeholder_answer",
     "repair",
 ]

@@ -98,6 +98,19 @@ def repair(output_text: str, schema: Schema) -> StructuredResult:
 _NOTHING = object()
 
 
+def placeholder_answer(schema: Schema) -> StructuredResult:
+    """The document an answer made without a model (the rule engine's) gives a JSON request:
+    the schema's placeholder (each required field its default, const, first enum value or its
+    type's zero value). REPAIRED, with a FILLED repair: it conforms, and says it holds no
+    model's values."""
+    repairs = [Repair(RepairKind.FILLED, "no model answered: the schema's placeholder values were filled in")]
+    value = _Conformer(schema, []).placeholder(schema.document, schema.resolver(), 0)
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    if not schema.is_valid(value):
+        return StructuredResult(Status.FAILED, value, text, tuple(repairs), tuple(schema.errors(value)))
+    return StructuredResult(Status.REPAIRED, value, text, tuple(repairs))
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
