@@ -38,6 +38,7 @@ from typing import Awaitable, Callable
 
 from bench.common import SIM_PROFILE, model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from bench.goals import judge, print_goals
+from bench.soak_cpu import CpuMeter
 from bench.soak_faults import (
     SURGE, WORKER_FAULTS, FaultTarget, ScheduledFault, adopt_orphans, end_leftovers, fault_schedule, settled_at,
     surge_window,
@@ -55,6 +56,7 @@ BREACH_AT = 0.9  # of the target, as the autoscaler's own rule
 SCALE_OUT_LIMIT_S = 420.0
 DRAIN_LIMIT_S = 90.0
 FRAGMENTATION_PERIOD_S = 2.0
+CPU_PERIOD_S = 2.0
 # Sessions per second when --rate is not given: about half of what each engine's workers
 # serve on this kind of machine, so the 3x surge goes past capacity.
 DEFAULT_RATE = {"vllm": 0.25, "torch": 0.25, "sim": 2.0}
@@ -84,6 +86,9 @@ class PhaseOutcome:
     breach_at: float | None = None
     serving_at: float | None = None
     fragmentation: list[float] = field(default_factory=list)
+    # CPU seconds by part over the soak's window, and the share of the machine's cores busy.
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    busy_share: float = math.nan
 
     @property
     def scale_out_s(self) -> float | None:
@@ -197,6 +202,12 @@ async def _sample_fragmentation(measure: Callable[[], list[float]], outcome: Pha
         await asyncio.sleep(FRAGMENTATION_PERIOD_S)
 
 
+async def _sample_cpu(meter: CpuMeter, clock, ends_at: float) -> None:
+    while clock() < ends_at:
+        await asyncio.to_thread(meter.sample)
+        await asyncio.sleep(CPU_PERIOD_S)
+
+
 async def drive_phase(name: str, plan: Plan, send: SendTurn, target: FaultTarget, scale_out: ScaleOut,
                       decided: Decided, fragmentation: Callable[[], list[float]]) -> PhaseOutcome:
     """The unloaded S measurement, then the soak with its faults, on one phase's parts."""
@@ -213,11 +224,18 @@ async def drive_phase(name: str, plan: Plan, send: SendTurn, target: FaultTarget
         return time.monotonic() - origin
 
     ends_at = plan.duration_s
+    meter = CpuMeter()
+    meter.start()
     helpers = [asyncio.create_task(_watch_breach(outcome.samples, clock, origin, plan.target_ms, scale_out,
                                                  decided, outcome, ends_at)),
-               asyncio.create_task(_sample_fragmentation(fragmentation, outcome, clock, ends_at))]
+               asyncio.create_task(_sample_fragmentation(fragmentation, outcome, clock, ends_at)),
+               asyncio.create_task(_sample_cpu(meter, clock, ends_at))]
     chaos = asyncio.create_task(_chaos(target, schedule, clock, origin, outcome.faults))
     await _open_loop(plan.sessions, send, clock, outcome.samples, ends_at)
+    meter.sample()
+    outcome.cpu_s, outcome.busy_share = meter.by_part(), meter.machine_busy_share()
+    print(f"[{name}] CPU seconds by part over the soak: {outcome.cpu_s}; "
+          f"cores busy {outcome.busy_share:.0%}", flush=True)
     try:
         await asyncio.wait_for(chaos, timeout=DRAIN_LIMIT_S)
     except asyncio.TimeoutError:
@@ -350,6 +368,8 @@ def summarize(outcome: PhaseOutcome, plan: Plan) -> tuple[dict, dict, list[Fault
     faults = [*outcome.faults, surge_record(outcome, plan.surge)]
     row = phase_row(outcome.samples, outcome.unloaded, outcome.scale_out_s, outcome.fragmentation)
     row["breach_at_s"] = outcome.breach_at
+    row["cpu_s_by_part"] = outcome.cpu_s
+    row["machine_busy_share"] = outcome.busy_share
     return row, fault_rows(outcome.samples, faults, plan.duration_s), faults
 
 

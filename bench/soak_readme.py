@@ -46,6 +46,17 @@ def _kinds(row: dict) -> str:
     return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())) or "none"
 
 
+def _cpu(row: dict) -> str:
+    parts = row.get("cpu_s_by_part") or {}
+    if not parts:
+        return "not measured"
+    total = sum(parts.values())
+    engines = parts.get("engine", 0.0)
+    rest = ", ".join(f"{part} {seconds:.0f}" for part, seconds in parts.items() if part != "engine")
+    return (f"{total:.0f} CPU-s, of which the engines {engines:.0f} ({engines / total:.0%}); {rest}; "
+            f"cores busy {_cell(row.get('machine_busy_share', math.nan) * 100)} %")
+
+
 def render(result: dict) -> str:
     baseline, ballast = result["baseline"], result["ballast"]
     machine, stamp = result.get("machine", {}), result.get("commit", {})
@@ -64,6 +75,7 @@ def render(result: dict) -> str:
                   f"JSON answers Ballast repaired (counted apart from valid ones): "
                   f"{format_value(ballast.get('json_repaired_rate', math.nan), '%')}. Failures as the clients saw them: "
                   f"plain {_kinds(baseline)}; Ballast {_kinds(ballast)}.",
+              "", f"Where the CPU went during the soak: plain {_cpu(baseline)}. Ballast {_cpu(ballast)}.",
               "", "| fault | plain servers | Ballast |", "|---|---|---|"]
     lines += [_fault_line(kind, pair) for kind, pair in result["faults"].items()]
     missed = [g["name"] for g in result.get("goals", []) if not g["met"]]

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
+from ballast.v1 import common_pb2, inference_pb2
 from services.common.degraded.codec import decode_degraded, make_ticket
 from services.common.degraded.codec import Level
 from services.common.errors import InvalidArgument, NoLiveWorker, ResourceExhausted, RetryBudgetExhausted, Unavailable

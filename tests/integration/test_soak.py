@@ -51,6 +51,10 @@ def test_the_table_has_both_phases_every_row_and_a_row_per_fault(soak):
     assert {g["metric"] for g in result["goals"]} >= {"ballast_error_rate", "vs_baseline_p99_ms"}
     assert result["commit"]["sha"] and result["machine"]["cpus"] >= 1
     assert out.with_name("soak_latency.png").stat().st_size > 10_000
+    # Where the CPU went: the baseline's servers; Ballast's workers, routers and the rest.
+    assert {"server front", "clients"} <= set(result["baseline"]["cpu_s_by_part"])
+    assert {"worker front", "router", "cache", "clients"} <= set(result["ballast"]["cpu_s_by_part"])
+    assert 0 < result["ballast"]["machine_busy_share"] <= 1
     samples = json.loads(out.with_name("soak_samples.json").read_text())
     for phase in ("baseline", "ballast"):
         assert len(samples[phase]["soak"]) == result[phase]["requests"]

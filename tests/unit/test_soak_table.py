@@ -159,7 +159,9 @@ def test_timeline_and_surge_record():
 
 def test_readme_block_is_rendered_from_the_result_and_replaced_in_place():
     result = {"engine": "vllm", "minutes": 10, "workers": 2, "sessions_planned": 120, "machine": {"cpus": 2},
-              "commit": {"sha": "abcdef1234567"}, "baseline": _row(error_rate=0.02), "ballast": _row(degraded_rate=0.1),
+              "commit": {"sha": "abcdef1234567"}, "baseline": _row(error_rate=0.02),
+              "ballast": {**_row(degraded_rate=0.1), "cpu_s_by_part": {"engine": 300.0, "router": 60.0, "etcd": 40.0},
+                          "machine_busy_share": 0.97},
               "faults": {"worker_kill": {"baseline": {"requests_hit": 9, "failed": 3, "interrupted": 2,
                                                       "recovery_s": 31.0},
                                          "ballast": {"requests_hit": 8, "failed": 0, "interrupted": 0,
@@ -174,6 +176,8 @@ def test_readme_block_is_rendered_from_the_result_and_replaced_in_place():
     assert "| etcd restart | no such part | 2 hit, 0 failed, 0 cut off, not seen serving again |" in block
     assert "abcdef1234" in block and "Every goal met." in block
     assert "Ballast answered 10 % of its successful requests degraded" in block
+    assert "plain not measured" in block
+    assert "Ballast 400 CPU-s, of which the engines 300 (75%); router 60, etcd 40; cores busy 97 %" in block
     readme = f"# Ballast\n\nintro\n\n{BEGIN}\nold\n{END}\n\nrest\n"
     updated = replace_block(readme, block)
     assert updated.startswith("# Ballast\n\nintro\n\n") and updated.endswith("\n\nrest\n") and "old" not in updated
