@@ -19,7 +19,11 @@ from bench.soak_faults import process_tree
 # The first match decides; checked against the command line (and the process name, which
 # vLLM sets for its engine process).
 PARTS = (
+    # vLLM renames its processes (setproctitle): the scheduler "VLLM::EngineCore", the model
+    # runner that computes the forward passes "VLLM::Worker", its server "VLLM::APIServer".
     ("EngineCore", "engine"),
+    ("VLLM::Worker", "engine"),
+    ("VLLM::APIServer", "server front"),
     ("vllm.entrypoints.openai.api_server", "server front"),
     ("bench.plain_server", "server front"),
     ("services.worker", "worker front"),

@@ -11,6 +11,8 @@ from bench.soak_cpu import CLIENTS, OTHER, CpuMeter, machine_busy_s, part_of
 
 def test_processes_are_sorted_into_parts_by_their_command_line():
     assert part_of("VLLM::EngineCore python -m services.worker") == "engine"
+    assert part_of("VLLM::Worker VLLM::Worker") == "engine"  # the model runner, renamed by vLLM
+    assert part_of("VLLM::APIServer VLLM::APIServer") == "server front"
     assert part_of("python python -m vllm.entrypoints.openai.api_server --model m") == "server front"
     assert part_of("python python -m bench.plain_server --engine torch") == "server front"
     assert part_of("python python -m services.worker") == "worker front"
