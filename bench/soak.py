@@ -232,7 +232,7 @@ async def drive_phase(name: str, plan: Plan, send: SendTurn, target: FaultTarget
                asyncio.create_task(_sample_cpu(meter, clock, ends_at))]
     chaos = asyncio.create_task(_chaos(target, schedule, clock, origin, outcome.faults))
     await _open_loop(plan.sessions, send, clock, outcome.samples, ends_at)
-    meter.sample()
+    await asyncio.to_thread(meter.sample)
     outcome.cpu_s, outcome.busy_share = meter.by_part(), meter.machine_busy_share()
     print(f"[{name}] CPU seconds by part over the soak: {outcome.cpu_s}; "
           f"cores busy {outcome.busy_share:.0%}", flush=True)

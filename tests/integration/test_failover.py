@@ -96,9 +96,12 @@ async def wait_registered(mesh, names, timeout=30.0):
         await asyncio.sleep(0.2)
 
 
+async def worker_in_flight(worker) -> float:
+    return metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight")
+
+
 async def in_flight_by_worker(mesh) -> dict:
-    return {worker.name: metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight")
-            for worker in mesh.workers()}
+    return {worker.name: await worker_in_flight(worker) for worker in mesh.workers()}
 
 
 class Progress:
@@ -163,14 +166,10 @@ async def test_kill9_at_random_points_loses_no_stream(mesh, router, references):
     await wait_registered(mesh, [w.name for w in mesh.workers()])
 
 
-async def worker_in_flight(worker) -> float:
-    return metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight")
-
-
 async def busy_worker(mesh):
     """A worker with the most streams in flight now (None if none has one): the router may keep
     a just-restarted worker in slow start, so a fixed choice of victim can hold no stream."""
-    counts = {worker.name: await worker_in_flight(worker) for worker in mesh.workers()}
+    counts = await in_flight_by_worker(mesh)
     busiest = max(mesh.workers(), key=lambda w: counts[w.name])
     return busiest if counts[busiest.name] > 0 else None
 

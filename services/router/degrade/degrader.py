@@ -248,7 +248,7 @@ class Degrader:
         text = self.rules.answer_request(request).text
         # A JSON request gets a document of its schema, not the rule's sentence: the client's
         # parser must not break because the big model is down.
-        structured = placeholder_answer(request.schema) if getattr(request, "schema", None) is not None else None
+        structured = placeholder_answer(request.schema) if request.schema is not None else None
         if structured is not None:
             text = structured.text
         yield inference_pb2.GenerateEvent(started=inference_pb2.Started(
