@@ -105,6 +105,7 @@ class FakeAsyncLLM:
         self.eos_at, self.cached, self.fail, self.fail_after = eos_at, cached, fail, fail_after
         self.finish_override, self.step_delay = finish_override, step_delay
         self.calls: list[tuple[dict, FakeSamplingParams, str]] = []
+        self.priorities: list[int] = []
         self.aborted: list[str] = []
         self.slept: list[int] = []
         self.woken = 0
@@ -124,8 +125,9 @@ class FakeAsyncLLM:
             return 4 + (sum(context[-3:]) * 7 + len(context) * 13) % (self.vocab - 4)
         return 4 + rng.randrange(self.vocab - 4)
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, priority=0):
         self.calls.append((prompt, params, request_id))
+        self.priorities.append(priority)
         self.active.add(request_id)
         context = list(prompt["prompt_token_ids"])
         sampler = (getattr(params, "extra_args", None) or {}).get(SAMPLER_KEY)
@@ -460,7 +462,7 @@ def test_worker_config_fields_and_engine_args(model_dir):
         "model": str(model_dir), "tokenizer": str(model_dir), "served_model_name": "tiny",
         "dtype": "bfloat16", "kv_cache_dtype": "fp8", "max_model_len": 256, "gpu_memory_utilization": 0.9,
         "enable_chunked_prefill": True, "enable_prefix_caching": True, "enforce_eager": False,
-        "enable_sleep_mode": False, "max_num_seqs": 8, "disable_log_stats": False,
+        "enable_sleep_mode": False, "max_num_seqs": 8, "scheduling_policy": "priority", "disable_log_stats": False,
         "trust_remote_code": False, "logits_processors": list(PROCESSOR_NAMES)}
 
 
@@ -524,6 +526,15 @@ async def test_greedy_stream_becomes_token_deltas(model_dir, tokenizer):
     assert prompt == {"prompt_token_ids": PROMPT, "cache_salt": "acme"} and request_id.startswith("r1-")
     assert params.output_kind is RequestOutputKind.DELTA and params.max_tokens == 10
     assert fake.aborted == [] and engine.stats().running == 0
+
+
+async def test_requests_reach_vllm_with_their_tiers_priority_and_a_resume_one_tier_ahead(model_dir, tokenizer):
+    engine, fake = make_engine(model_dir, tokenizer)
+    await engine.start()
+    for priority in (0, 1, 2):  # tier S, A, B (services.worker.servicer)
+        await collect(engine, replace(request(PROMPT, max_tokens=4), priority=priority))
+    await collect(engine, replace(request(PROMPT, generated=[5, 6], max_tokens=4), priority=2))
+    assert fake.priorities == [0, 1, 2, 1]
 
 
 async def test_resume_sends_prompt_plus_generated_and_continues_the_text(model_dir, tokenizer):

@@ -12,6 +12,7 @@ setting on vLLM, and one engine start is 30-80 s here.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 from typing import Any
@@ -166,6 +167,34 @@ class TestVllmEngineConformance(EngineConformance):
         assert first == len(prompt)
         assert again < len(prompt), "the same tenant's prefix was not reused"
         assert other == len(prompt), "another tenant reused this tenant's cached prefix"
+
+    async def test_a_waiting_s_request_starts_before_a_b_request_queued_earlier(self, endless):
+        """With every sequence busy, vLLM admits what waits by priority (tier S 0, B 2),
+        not in arrival order: a worker holding more than it runs still starts S first."""
+        prompt = tuple(endless.tokenize("The customer paid"))
+        longest = endless.model.max_context - len(prompt) - 1
+
+        def tier(rid: str, priority: int, max_tokens: int) -> EngineRequest:
+            return EngineRequest(rid, prompt, (), Sampling(max_tokens=max_tokens), priority=priority)
+
+        running = [endless.generate(tier(f"busy-{i}", 2, longest)) for i in range(cpu_settings().max_concurrency)]
+        late_b = endless.generate(tier("late-b", 2, 4))
+        s = endless.generate(tier("s", 0, 4))
+        try:
+            for stream in running:
+                await stream.__anext__()  # each holds one of the engine's sequences
+            b_first = asyncio.ensure_future(late_b.__anext__())
+            await asyncio.sleep(0.3)
+            s_first = asyncio.ensure_future(s.__anext__())
+            await asyncio.sleep(0.3)
+            assert not b_first.done() and not s_first.done(), "a sequence was free"
+            await running[0].aclose()  # frees one sequence
+            await asyncio.wait_for(s_first, 60)
+            assert not b_first.done(), "the B request queued first took the freed sequence"
+            await asyncio.wait_for(b_first, 60)  # and it runs once the next one frees
+        finally:
+            for stream in (*running, late_b, s):
+                await stream.aclose()
 
     async def test_reports_vllm_kv_use_and_fragmentation(self, endless):
         prompt = tuple(endless.tokenize("The customer paid"))

@@ -18,7 +18,7 @@ from services.worker.vllm.stats import SchedulerSnapshot, SchedulerStatsSink
 class VllmClient(Protocol):
     """What the engine uses of vLLM's engine client (AsyncLLM), plus its stats."""
 
-    def generate(self, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[Any]: ...
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, priority: int = 0) -> AsyncIterator[Any]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -56,6 +56,10 @@ def engine_args(model_dir: Path, model_name: str, settings: VllmSettings, plan: 
         "enforce_eager": settings.enforce_eager,
         "enable_sleep_mode": settings.sleep_on_standby and (api is None or api.supports_sleep_mode),
         "max_num_seqs": settings.max_concurrency,
+        # Requests waiting for one of those sequences are admitted by tier (S first), not in
+        # arrival order: a worker that holds more than it runs (several routers filling it
+        # at once) still starts S before B.
+        "scheduling_policy": "priority",
         # Scheduler stats reach our stat logger only while stats are on.
         "disable_log_stats": False,
         "trust_remote_code": False,
@@ -95,8 +99,8 @@ class AsyncLLMClient:
         """Calls `callback` with the KV connector's counts each time vLLM reports them."""
         self._sink.connector_callback = callback
 
-    def generate(self, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[Any]:
-        return self._engine.generate(prompt, sampling_params, request_id)
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, priority: int = 0) -> AsyncIterator[Any]:
+        return self._engine.generate(prompt, sampling_params, request_id, priority=priority)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
