@@ -1,4 +1,4 @@
-"""Guided decoding for the torch engine: a JSON Schema as an allowed-token mask per step.
+"""Guided decoding for the torch and sim engines: a JSON Schema as an allowed-token mask per step.
 
 `GuideCompiler` turns a model's tokenizer into llguidance's view of it once, and compiles
 each schema into a grammar matcher (cached, then copied per request). `JsonGuide` follows
@@ -24,13 +24,17 @@ import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import llguidance
-import numpy as np
-import torch
 
 from services.common.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+
+# numpy and torch are imported where a mask is built (`JsonGuide.mask`): the sim engine
+# guides with the compiler and the matcher alone (`accepts`, `advance`), without torch.
 
 # Compact separators and no free whitespace between tokens: a weak model given the freedom
 # to emit whitespace can spend its whole budget on newlines and never close the document.
@@ -149,9 +153,16 @@ class JsonGuide:
         mask = self.mask()
         return any(bool(mask[t]) for t in self.eos_token_ids if t < self.vocab_size)
 
+    def accepts(self, token: int) -> bool:
+        """Whether the grammar allows `token` next (nothing is consumed)."""
+        return self._matcher.validate_tokens([int(token)]) == 1
+
     # --- per step -------------------------------------------------------------------
-    def mask(self) -> torch.Tensor:
+    def mask(self) -> "torch.Tensor":
         """Bool tensor of `vocab_size` on the CPU: True for each id allowed next."""
+        import numpy as np
+        import torch
+
         if self._mask is None:
             bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
             # llguidance packs id i into bit i % 32 of 32-bit word i // 32, little-endian.
@@ -163,8 +174,10 @@ class JsonGuide:
             self._mask = torch.from_numpy(allowed)
         return self._mask
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: "torch.Tensor") -> "torch.Tensor":
         """A float32 CPU copy of 1-D `logits` with every disallowed id at -inf."""
+        import torch
+
         out = logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
         mask = self.mask()
         n = min(out.numel(), mask.numel())

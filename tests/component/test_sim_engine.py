@@ -103,3 +103,67 @@ async def test_slowdown_scales_every_wait(tiny_model_dir, monkeypatch):
     waits.clear()
     [d async for d in engine.generate(_request(5))]
     assert waits == pytest.approx([0.012] + [0.006] * 4)
+
+
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {"order": {"type": "integer"}, "status": {"type": "string", "enum": ["shipped", "late"]},
+                   "note": {"type": "string", "maxLength": 12}},
+    "required": ["order", "status", "note"],
+    "additionalProperties": False,
+}
+
+
+async def _guided(engine: SimEngine, seed: int, generated: tuple[int, ...] = (), max_tokens: int = 48):
+    import json
+
+    from services.common.generation import Sampling
+    from services.worker.engine import EngineRequest
+
+    request = EngineRequest(request_id=f"guided-{seed}", prompt_ids=(5, 6, 7), generated_ids=generated,
+                            sampling=Sampling(max_tokens=max_tokens, temperature=1.0, seed=seed),
+                            response_format=json.dumps(ORDER_SCHEMA))
+    tokens, text, finish = [], "", None
+    async for delta in engine.generate(request):
+        tokens += delta.token_ids
+        text += delta.text
+        finish = delta.finish_reason
+    return tokens, text, finish
+
+
+async def test_a_json_schema_answer_follows_the_schema_and_a_resume_continues_it_exactly(tiny_model_dir):
+    import json
+
+    import jsonschema
+
+    from services.worker.engine import FinishReason
+
+    engine = _make(tiny_model_dir)
+    await engine.start()
+    complete = 0
+    for seed in range(12):
+        tokens, text, finish = await _guided(engine, seed)
+        if finish == FinishReason.STOP:
+            # Ended by the engine: the document is complete and conforms.
+            jsonschema.validate(json.loads(text), ORDER_SCHEMA)
+            complete += 1
+        for k in (1, len(tokens) // 2):
+            rest, _, rest_finish = await _guided(engine, seed, tuple(tokens[:k]), 48 - k)
+            assert tokens[:k] + rest == tokens, (seed, k)
+            assert rest_finish == finish
+    # Closing ids are tried often enough that most documents end within 48 tokens.
+    assert complete >= 9, complete
+
+
+async def test_a_schema_that_cannot_be_guided_is_refused_before_anything_starts(tiny_model_dir):
+    from services.common.errors import InvalidArgument
+    from services.common.generation import Sampling
+    from services.worker.engine import EngineRequest
+
+    engine = _make(tiny_model_dir)
+    await engine.start()
+    request = EngineRequest(request_id="bad-schema", prompt_ids=(5, 6, 7), generated_ids=(),
+                            sampling=Sampling(max_tokens=8), response_format='{"type": "no-such-type"}')
+    with pytest.raises(InvalidArgument):
+        engine.generate(request)
+    assert engine.stats().running == 0

@@ -7,6 +7,8 @@ step as the profile says, and streams token ids from `tokens` over the model fol
 tokenizer, with the same incremental detokenization and stop strings as the other engines.
 Waiting is sleeping, so a sim worker uses almost no CPU: many of them measure Ballast, not
 model compute. EOS ids are never drawn; a stream ends at max_tokens or a stop string.
+A request with a JSON Schema (`response_format`) is drawn under the schema's grammar
+(`guided_draw`) and ends once its document is complete.
 
 `faults` (services.worker.sim.faults) makes it misbehave on purpose: fail streams after k
 tokens, hang, run slower, or take its time to start.
@@ -17,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import random
 import secrets
 from dataclasses import replace
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from services.common.errors import Unavailable
 from services.worker.detokenizer import TextStream, finished_before_start
@@ -33,6 +36,11 @@ from services.worker.sim.profile import SimProfile
 from services.worker.sim.tokens import TokenSource
 from services.worker.validation import validate_request
 
+if TYPE_CHECKING:
+    from services.worker.guided import GuideCompiler, JsonGuide
+    from services.worker.sim.guided_draw import GuidedDraw
+
+log = logging.getLogger(__name__)
 
 _HANG_POLL_S = 0.05
 
@@ -82,6 +90,8 @@ class SimEngine:
         self.profile = profile or SimProfile()
         self.faults = faults or SimFaults()
         description = describe_model(Path(model_dir), model_name)
+        # The model's own EOS ids end a guided document, even with EOS switched off.
+        self._model_eos = description.eos_token_ids
         if eos_token_ids is not None:
             description = replace(description, eos_token_ids=tuple(int(i) for i in eos_token_ids))
         self._description = description
@@ -91,6 +101,9 @@ class SimEngine:
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         ordinary = sorted(i for token, i in vocab.items() if token not in special)
         self._tokens = TokenSource(ordinary)
+        # Built on the first request with a JSON Schema (llguidance, from the torch extra).
+        self._guides: GuideCompiler | None = None
+        self._guided_draw: GuidedDraw | None = None
         self._slots = _Slots(max_concurrency or self.profile.max_num_seqs)
         self._prefix = PrefixCache(self.profile.kv_blocks, self.profile.block_tokens)
         self._rng = random.Random(self.profile.seed)
@@ -119,7 +132,25 @@ class SimEngine:
 
     def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         validate_request(request, self._vocab_size, self._description.max_context)
-        return self._generate(request)
+        guide = self._guide(request) if request.response_format else None
+        return self._generate(request, guide)
+
+    def _guide(self, request: EngineRequest) -> JsonGuide | None:
+        """The request's grammar, fast-forwarded over its generated ids (InvalidArgument for a
+        schema that cannot be guided); None, as on the torch engine, when those ids leave it."""
+        from services.worker.guided import GuideCompiler, GuideMismatch
+        from services.worker.sim.guided_draw import GuidedDraw
+
+        if self._guides is None:
+            self._guides = GuideCompiler(self._description.tokenizer_json, self._vocab_size, self._model_eos)
+            ordinary = self._tokens.ordinary_ids
+            self._guided_draw = GuidedDraw(self._tokens, [self._tokenizer.decode([i]) for i in ordinary])
+        try:
+            return self._guides.guide(request.response_format, request.generated_ids)
+        except GuideMismatch as exc:
+            log.warning("request %s: generated ids leave the grammar (%s); continuing unguided",
+                        request.request_id, exc)
+            return None
 
     async def _sleep(self, ms: float) -> None:
         await asyncio.sleep(self.profile.jittered(ms, self._rng) * self.faults.slowdown / 1000)
@@ -139,7 +170,7 @@ class SimEngine:
         # Offset from greedy's 0, so a sampled stream with seed 0 is not the greedy one.
         return (s.seed + 1) if s.seed is not None else secrets.randbits(62) + 1
 
-    async def _generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+    async def _generate(self, request: EngineRequest, guide: JsonGuide | None) -> AsyncIterator[TokenDelta]:
         s = request.sampling
         text = TextStream(self._tokenizer, s.stop, initial_ids=request.generated_ids)
         done = finished_before_start(text, s.max_tokens)
@@ -163,16 +194,26 @@ class SimEngine:
                 if i:
                     await self._sleep(self.profile.decode_step_ms(self._slots.running, sum(self._kv_tokens.values())))
                 self._check_fail_after(i)
-                token = self._tokens.token(seed, prompt_key, len(context) + i)
+                if guide is None:
+                    token = self._tokens.token(seed, prompt_key, len(context) + i)
+                else:
+                    assert self._guided_draw is not None
+                    token = self._guided_draw.next_token(guide, seed, prompt_key, len(context) + i)
+                    if token is None:  # only the end fits: the document is as complete as it gets
+                        yield TokenDelta([], text.finish(), FinishReason.STOP,
+                                         prefill_tokens=uncached if first else None)
+                        return
+                    guide.advance(token)
                 self._kv_tokens[key] += 1
                 self._generated_total += 1
                 piece, stopped = text.push(token)
                 finish = None
                 if stopped:
                     finish = FinishReason.STOP
-                elif i == s.max_tokens - 1:
+                elif i == s.max_tokens - 1 or (guide is not None and guide.accepting):
                     piece += text.finish()
-                    finish = FinishReason.STOP if text.stopped else FinishReason.LENGTH
+                    complete = text.stopped or (guide is not None and guide.accepting)
+                    finish = FinishReason.STOP if complete else FinishReason.LENGTH
                 yield TokenDelta([token], piece, finish, prefill_tokens=uncached if first else None)
                 first = False
                 if finish is not None:

@@ -24,6 +24,18 @@ class TokenSource:
     def prompt_key(prompt_ids: Sequence[int]) -> bytes:
         return hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids), digest_size=16).digest()
 
-    def token(self, seed: int, prompt_key: bytes, position: int) -> int:
-        digest = hashlib.blake2b(prompt_key + struct.pack("<Qq", seed & (2**64 - 1), position), digest_size=8)
-        return self._ids[int.from_bytes(digest.digest(), "little") % len(self._ids)]
+    @property
+    def ordinary_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def token(self, seed: int, prompt_key: bytes, position: int, attempt: int = 0) -> int:
+        """The id at `position`; a guided draw that did not fit takes the next `attempt`."""
+        return self._ids[draw(seed, prompt_key, position, attempt) % len(self._ids)]
+
+
+def draw(seed: int, prompt_key: bytes, position: int, attempt: int = 0) -> int:
+    """A 64-bit number from (seed, prompt, position, attempt) alone."""
+    packed = struct.pack("<Qq", seed & (2**64 - 1), position)
+    if attempt:
+        packed += struct.pack("<q", attempt)
+    return int.from_bytes(hashlib.blake2b(prompt_key + packed, digest_size=8).digest(), "little")
