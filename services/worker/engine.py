@@ -36,6 +36,13 @@ class EngineRequest:
     # Scheduling priority, lower first: tier S 0, A 1, B 2 (services.worker.servicer).
     priority: int = 1
 
+    @property
+    def scheduling_priority(self) -> int:
+        """The priority an engine schedules this request at: its tier's, one tier ahead for
+        a resumed stream (it carries tokens generated elsewhere: it broke mid-answer, and
+        its user is already waiting on a pause)."""
+        return self.priority - 1 if self.generated_ids else self.priority
+
 
 @dataclass
 class TokenDelta:

@@ -160,10 +160,10 @@ class JsonGuide:
     # --- per step -------------------------------------------------------------------
     def mask(self) -> "torch.Tensor":
         """Bool tensor of `vocab_size` on the CPU: True for each id allowed next."""
-        import numpy as np
-        import torch
-
         if self._mask is None:
+            import numpy as np
+            import torch
+
             bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
             # llguidance packs id i into bit i % 32 of 32-bit word i // 32, little-endian.
             allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)

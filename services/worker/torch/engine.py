@@ -233,9 +233,7 @@ class TorchEngine:
             yield done
             return
         seed = fresh_seed() if s.seed is None else s.seed
-        # A resumed stream (it carries tokens generated elsewhere) broke mid-answer: its user
-        # is already waiting on a pause, so its work goes one tier ahead of its own.
-        priority = request.priority - 1 if request.generated_ids else request.priority
+        priority = request.scheduling_priority
         start_pos = len(request.generated_ids)
         context = [*request.prompt_ids, *request.generated_ids]
         guide = None

@@ -284,7 +284,7 @@ class VllmEngine:
                 raise map_vllm_error(exc, api.error_types, lambda: client.errored) from exc
             params = self._sampling_params(api, request)
             prompt = api.tokens_prompt(context, cache_salt=request.tenant)
-            stream = client.generate(prompt, params, request_id, priority=_vllm_priority(request))
+            stream = client.generate(prompt, params, request_id, priority=request.scheduling_priority)
             emitted, first = 0, True
             while True:
                 try:
@@ -444,12 +444,6 @@ async def _drain(stream: Any) -> None:
         log.debug("vLLM stream failed after its final output", exc_info=True)
         return
     log.debug("vLLM stream yielded after its final output")
-
-
-def _vllm_priority(request: EngineRequest) -> int:
-    """vLLM's priority of a request (lower first), the torch engine's order: its tier's, one
-    tier ahead for a resumed stream, whose user is already waiting on a pause."""
-    return request.priority - 1 if request.generated_ids else request.priority
 
 
 def _prefill_tokens(output: Any, context_tokens: int) -> int | None:
