@@ -62,10 +62,10 @@ tls-servers:
 
 test: install tls-servers
 	$(PY) scripts/gen_protos.py --check
-	$(PY) -m pytest -q -rs tests/unit
-	$(PY) -m pytest -q -rs --durations=10 tests/component
-	$(PY) -m pytest -q -rs --durations=15 tests/integration tests/gpu
-	BALLAST_REQUIRE_VLLM=1 $(PY) -m pytest -q -rs --durations=10 tests/vllm
+	$(PY) -m pytest -q -rfEs tests/unit
+	$(PY) -m pytest -q -rfEs --durations=10 tests/component
+	$(PY) -m pytest -q -rfEs --durations=15 tests/integration tests/gpu
+	BALLAST_REQUIRE_VLLM=1 $(PY) -m pytest -q -rfEs --durations=10 tests/vllm
 
 protos: install
 	$(PY) scripts/gen_protos.py
