@@ -9,10 +9,12 @@ router's admission, routing and relay, gRPC, etcd membership.
 For each number of workers (added as the run goes: 1, 4, 16, 64) and each number of
 concurrent streams (closed loop: each client starts its next stream when one ends), the
 same load runs first straight to the workers (the baseline: Worker/Generate round robin,
-prompt ids prepared beforehand) and then through 1, 2 and 4 routers (clients spread evenly).
+prompt ids prepared beforehand), then through a bare relay (bench.bare_relay: one Python gRPC
+hop doing nothing else, the floor under any relay written like the router), and then through
+1, 2 and 4 routers (clients spread evenly).
 For each point: added TTFT p50/p99 (routed minus direct, same workers and streams), router
 CPU seconds per 1000 relayed tokens (from /proc, every router summed), relayed tokens/s (per
-router process too). For each number of workers, the time a change of one worker's record
+router process too), and the same for the bare relay. For each number of workers, the time a change of one worker's record
 (its health failing) takes to reach every one of four routers.
 
 The load generator is one process, and it shares this machine's cores with the routers and
@@ -42,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.bare_relay import start_bare_relay
 from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 
@@ -76,6 +79,7 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
     ttfts: list[float] = []
     tokens = 0
     errors = 0
+    error_codes: dict[str, int] = {}
     counter = itertools.count()
     end = time.monotonic() + seconds
 
@@ -103,8 +107,9 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
                             first = time.perf_counter()
                         if time.monotonic() < end:
                             tokens += len(event.tokens.token_ids)
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as error:
                 errors += 1
+                error_codes[error.code().name] = error_codes.get(error.code().name, 0) + 1
                 continue
             if first is not None:
                 ttfts.append((first - start) * 1000)
@@ -113,7 +118,7 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
     await asyncio.gather(*(client() for _ in range(streams)))
     for channel in channels:
         await channel.close()
-    return {"ttft_ms": ttfts, "tokens": tokens, "errors": errors, "seconds": min(seconds, time.monotonic() - started)}
+    return {"ttft_ms": ttfts, "tokens": tokens, "errors": errors, "error_codes": error_codes, "seconds": min(seconds, time.monotonic() - started)}
 
 
 def _load_process(args: tuple, results) -> None:
@@ -232,6 +237,7 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                 mesh.start_router()
             routers = mesh.routers()
             workers = []
+            relay = None
             prompt_ids = prompt_ids_for(model_dir)
             for target in worker_steps:
                 while len(workers) < target:
@@ -239,8 +245,16 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                     workers += started
                 time.sleep(2.0)  # every router's watch has the new workers
                 membership[target] = asyncio.run(_membership_change_s(mesh, workers[0].id, routers))
+                if relay is not None:
+                    relay.stop()
+                relay, relay_address = start_bare_relay([w.address for w in workers],
+                                                        Path(state) / "logs" / f"bare-relay-{target}.log")
                 for streams in stream_steps:
                     direct = run_load("direct", [w.address for w in workers], streams, seconds, prompt_ids, LOCAL_API_KEY)
+                    assert relay.pid is not None
+                    relay_cpu_before = cpu_seconds(relay.pid)
+                    bare = run_load("direct", [relay_address], streams, seconds, prompt_ids, LOCAL_API_KEY)
+                    bare["cpu_s"] = cpu_seconds(relay.pid) - relay_cpu_before
                     for count in router_steps:
                         chosen = routers[:count]
                         cpu_before = [cpu_seconds(r.pid) for r in chosen]
@@ -249,21 +263,25 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                                           LOCAL_API_KEY)
                         busy_after = machine_busy()
                         cpu = sum(cpu_seconds(r.pid) - b for r, b in zip(chosen, cpu_before))
-                        row = _row(target, streams, count, direct, routed, cpu, busy_before, busy_after)
+                        row = _row(target, streams, count, direct, routed, cpu, busy_before, busy_after, bare)
                         rows.append(row)
                         print(f"workers {target:3d} streams {streams:5d} routers {count}: "
-                              f"added TTFT p50 {row['added_ttft_p50_ms']:.2f} ms p99 {row['added_ttft_p99_ms']:.2f} ms, "
+                              f"added TTFT p50 {row['added_ttft_p50_ms']:.2f} ms p99 {row['added_ttft_p99_ms']:.2f} ms "
+                              f"(bare relay {row['relay_added_ttft_p50_ms']:.2f} / {row['relay_added_ttft_p99_ms']:.2f}), "
                               f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok, "
                               f"machine busy {row['cpu_busy']:.0%}", flush=True)
         finally:
+            if relay is not None:
+                relay.stop()
             mesh.stop()
     return _report(rows, membership, seconds, out)
 
 
 def _row(workers: int, streams: int, routers: int, direct: dict, routed: dict, cpu: float,
-         busy_before: tuple[float, float], busy_after: tuple[float, float]) -> dict:
+         busy_before: tuple[float, float], busy_after: tuple[float, float], bare: dict) -> dict:
     d50, d99 = percentile(direct["ttft_ms"], 50), percentile(direct["ttft_ms"], 99)
     r50, r99 = percentile(routed["ttft_ms"], 50), percentile(routed["ttft_ms"], 99)
+    b50, b99 = percentile(bare["ttft_ms"], 50), percentile(bare["ttft_ms"], 99)
     tokens_per_s = routed["tokens"] / routed["seconds"] if routed["seconds"] else math.nan
     busy = (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
     return {
@@ -273,7 +291,14 @@ def _row(workers: int, streams: int, routers: int, direct: dict, routed: dict, c
         "router_cpu_s": cpu, "router_cpu_s_per_1k_tokens": cpu / routed["tokens"] * 1000 if routed["tokens"] else math.nan,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_router": tokens_per_s / routers,
         "direct_tokens_per_s": direct["tokens"] / direct["seconds"] if direct["seconds"] else math.nan,
-        "errors": routed["errors"], "direct_errors": direct["errors"],
+        # The bare relay (bench.bare_relay: one Python gRPC hop, none of Ballast's work) on the
+        # same workers and load: the floor under the router's added latency and CPU.
+        "relay_ttft_p50_ms": b50, "relay_ttft_p99_ms": b99,
+        "relay_added_ttft_p50_ms": b50 - d50, "relay_added_ttft_p99_ms": b99 - d99,
+        "relay_tokens_per_s": bare["tokens"] / bare["seconds"] if bare["seconds"] else math.nan,
+        "relay_cpu_s_per_1k_tokens": bare["cpu_s"] / bare["tokens"] * 1000 if bare["tokens"] else math.nan,
+        "errors": routed["errors"], "direct_errors": direct["errors"], "relay_errors": bare["errors"],
+        "error_codes": routed["error_codes"],
         "samples": len(routed["ttft_ms"]), "direct_samples": len(direct["ttft_ms"]), "cpu_busy": busy,
     }
 
@@ -283,11 +308,14 @@ def _pick(rows: list[dict], **match) -> list[dict]:
 
 
 def _report(rows: list[dict], membership: dict[int, float], seconds: float, out: Path) -> int:
-    print_table(["workers", "streams", "routers", "added p50 ms", "added p99 ms", "CPU s/1k tok", "tok/s",
-                 "tok/s/router", "busy", "errors"],
+    print_table(["workers", "streams", "routers", "added p50 ms", "added p99 ms", "bare p50 ms", "bare p99 ms",
+                 "CPU s/1k tok", "bare CPU", "tok/s", "bare tok/s", "tok/s/router", "busy", "errors"],
                 [[r["workers"], r["streams"], r["routers"], r["added_ttft_p50_ms"], r["added_ttft_p99_ms"],
-                  r["router_cpu_s_per_1k_tokens"], r["tokens_per_s"], r["tokens_per_s_per_router"],
-                  f"{r['cpu_busy']:.0%}", r["errors"]] for r in rows])
+                  r["relay_added_ttft_p50_ms"], r["relay_added_ttft_p99_ms"],
+                  r["router_cpu_s_per_1k_tokens"], r["relay_cpu_s_per_1k_tokens"], r["tokens_per_s"],
+                  r["relay_tokens_per_s"], r["tokens_per_s_per_router"], f"{r['cpu_busy']:.0%}", r["errors"]]
+                 for r in rows])
+    print("bare: the same load through a bare Python gRPC relay (bench.bare_relay), the floor under any relay")
     print("membership change reaching every router: "
           + ", ".join(f"{w} workers {s * 1000:.0f} ms" for w, s in membership.items()))
     small = [r for r in rows if r["streams"] <= 100 and r["routers"] == 1]
@@ -303,13 +331,22 @@ def _report(rows: list[dict], membership: dict[int, float], seconds: float, out:
         "cpu_per_token_spread": (max(spread_points) / min(spread_points) - 1) if len(spread_points) > 1 else math.nan,
         "two_router_scaling": (two[0]["tokens_per_s"] / one[0]["tokens_per_s"]) if one and two else math.nan,
     }
+    # Context for the goals, not goals: what one bare Python gRPC hop costs on this machine.
+    floor = {
+        "relay_added_ttft_p50_ms_upto_100": max((r["relay_added_ttft_p50_ms"] for r in small), default=math.nan),
+        "relay_added_ttft_p99_ms_upto_100": max((r["relay_added_ttft_p99_ms"] for r in small), default=math.nan),
+        "relay_peak_tokens_per_s": max((r["relay_tokens_per_s"] for r in _pick(rows, workers=top_w, routers=1)),
+                                       default=math.nan),
+    }
     one_router = sorted(_pick(rows, workers=top_w, routers=1), key=lambda r: r["streams"])
     saturation = max(one_router, key=lambda r: r["tokens_per_s"]) if one_router else None
     result = {"rows": rows, "membership_change_s": {str(k): v for k, v in membership.items()}, "seconds": seconds,
-              "engine": "sim", "tokens_per_stream": TOKENS, **measured,
+              "engine": "sim", "tokens_per_stream": TOKENS, **measured, **floor,
               "one_router_peak": saturation, **judge(GOALS, measured)}
     # Not mesh_scale.png: bench.report draws that one (the goals).
     _plot(rows, out.with_name(out.stem + "_cost.png"))
+    print(f"bare relay, up to 100 streams: added TTFT p50 {floor['relay_added_ttft_p50_ms_upto_100']:.2f} ms, "
+          f"p99 {floor['relay_added_ttft_p99_ms_upto_100']:.2f} ms; its peak {floor['relay_peak_tokens_per_s']:.0f} tok/s")
     print_goals(result)
     print(f"wrote {write_result(out, result)}")
     return 0 if result["met"] else 1

@@ -1,8 +1,12 @@
-"""What the router adds: the same requests direct to a worker, through the router over gRPC,
-and through the router's OpenAI-compatible HTTP front (SSE).
+"""What the router adds: the same requests direct to a worker, through a bare relay, through
+the router over gRPC, and through the router's OpenAI-compatible HTTP front (SSE).
 
-One run starts a local mesh with one worker, then sends N requests rotating over the three
-paths (direct, gRPC, HTTP, in an order that changes every round) so all see the same machine
+The bare relay (bench.bare_relay) forwards Worker/Generate and does nothing else: what it adds
+is the floor under any relay written like the router (one more Python gRPC hop), and the
+router's added latency minus the bare relay's is the router's own work.
+
+One run starts a local mesh with one worker, then sends N requests rotating over the four
+paths (direct, bare relay, gRPC, HTTP, in an order that changes every round) so all see the same machine
 state. The direct client sends prompt token ids it prepared beforehand; the routed clients
 send text, so the router's authentication, validation, tokenization, balancing and relaying
 all count as overhead; the HTTP client (aiohttp, one kept-alive connection, as an SDK keeps
@@ -18,11 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.bare_relay import start_bare_relay
 from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -37,7 +43,7 @@ GOALS = (
     Goal("added TTFT p50 of HTTP/SSE over gRPC, same router", "http_added_ttft_p50_ms", 1.0, LOWER, " ms"),
 )
 REPEATED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_e2e_p50_ms", "added_e2e_p99_ms", "relay_ratio",
-            "http_added_ttft_p50_ms", "http_added_ttft_p99_ms")
+            "http_added_ttft_p50_ms", "http_added_ttft_p99_ms", "bare_added_ttft_p50_ms", "router_over_bare_ttft_p50_ms")
 
 PROMPTS = [
     "Where is my order? I paid for a blue phone case yesterday.",
@@ -80,13 +86,14 @@ async def _timed_http(session, url: str, body: dict) -> tuple[float, float, int]
     return ((first or end) - start) * 1000, (end - start) * 1000, chunks
 
 
-async def _measure(mesh: Mesh, requests: int, max_tokens: int) -> dict:
+async def _measure(mesh: Mesh, requests: int, max_tokens: int, bare_address: str) -> dict:
     import aiohttp
 
     worker = mesh.workers()[0]
     async with open_channel(worker.address) as wchan, open_channel(mesh.router_address) as rchan, \
-            aiohttp.ClientSession() as http:
+            open_channel(bare_address) as bchan, aiohttp.ClientSession() as http:
         worker_stub = worker_pb2_grpc.WorkerStub(wchan)
+        bare_stub = worker_pb2_grpc.WorkerStub(bchan)
         router_stub = inference_pb2_grpc.InferenceStub(rchan)
         tokenizer = ModelTokenizer.from_model_info(await worker_stub.GetModelInfo(worker_pb2.ModelInfoRequest()))
         routed_requests = [chat_request(p, max_tokens=max_tokens, raw_prompt=True) for p in PROMPTS]
@@ -102,15 +109,17 @@ async def _measure(mesh: Mesh, requests: int, max_tokens: int) -> dict:
                        for p in PROMPTS]
         http_url = f"{mesh.http_base_url}/completions"
         metadata = (("x-api-key", LOCAL_API_KEY),)
-        samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "router": [], "http": []}
+        samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "bare": [], "router": [], "http": []}
         warmup = 10
-        paths = ("direct", "router", "http")
+        paths = tuple(samples)
         for i in range(requests + warmup):
             k = i % len(PROMPTS)
-            order = paths[i % 3:] + paths[:i % 3]
+            order = paths[i % len(paths):] + paths[:i % len(paths)]
             for path in order:
                 if path == "direct":
                     sample = await _timed(lambda: worker_stub.Generate(direct_requests[k], timeout=30))
+                elif path == "bare":
+                    sample = await _timed(lambda: bare_stub.Generate(direct_requests[k], timeout=30))
                 elif path == "router":
                     sample = await _timed(lambda: router_stub.Generate(routed_requests[k], metadata=metadata, timeout=30))
                 else:
@@ -131,11 +140,19 @@ def _summarise(samples: dict) -> dict:
             "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
             "tokens_per_s": tokens / (sum(e2e) / 1000), "requests": len(rows),
         }
-    d, r, h = out["direct"], out["router"], out["http"]
+    d, b, r, h = out["direct"], out["bare"], out["router"], out["http"]
     return {
         "direct": d,
+        "bare": b,
         "router": r,
         "http": h,
+        # The floor: one Python gRPC hop doing nothing else (bench.bare_relay).
+        "bare_added_ttft_p50_ms": b["ttft_p50_ms"] - d["ttft_p50_ms"],
+        "bare_added_ttft_p99_ms": b["ttft_p99_ms"] - d["ttft_p99_ms"],
+        "bare_added_e2e_p50_ms": b["e2e_p50_ms"] - d["e2e_p50_ms"],
+        # What the router adds above that floor: its own work.
+        "router_over_bare_ttft_p50_ms": r["ttft_p50_ms"] - b["ttft_p50_ms"],
+        "router_over_bare_e2e_p50_ms": r["e2e_p50_ms"] - b["e2e_p50_ms"],
         "http_added_ttft_p50_ms": h["ttft_p50_ms"] - r["ttft_p50_ms"],
         "http_added_ttft_p99_ms": h["ttft_p99_ms"] - r["ttft_p99_ms"],
         "http_added_over_direct_ttft_p50_ms": h["ttft_p50_ms"] - d["ttft_p50_ms"],
@@ -154,24 +171,36 @@ def run_benchmark(requests: int = 200, max_tokens: int = 32, preset: str = "tiny
     with tempfile.TemporaryDirectory(prefix="ballast-bench-") as state:
         mesh = Mesh(MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=1, router_http_port=0))
         mesh.start()
+        bare = None
         try:
+            bare, bare_address = start_bare_relay([mesh.workers()[0].address], Path(state) / "logs" / "bare-relay.log")
             for _ in range(reps):
-                runs.append(_summarise(asyncio.run(_measure(mesh, requests, max_tokens))))
+                runs.append(_summarise(asyncio.run(_measure(mesh, requests, max_tokens, bare_address))))
         finally:
+            if bare is not None:
+                bare.stop()
             mesh.stop()
     # The run whose added TTFT p99 is the median stands for the table; every run is kept.
     runs_by_p99 = sorted(runs, key=lambda r: r["added_ttft_p99_ms"])
     result = dict(runs_by_p99[len(runs_by_p99) // 2])
     measured = {key: [run[key] for run in runs] for key in REPEATED}
+    # Beside the goals, not goals: the floor and the router's own share, medians of the runs.
+    floor = {f"{key}_median": statistics.median(measured[key])
+             for key in ("bare_added_ttft_p50_ms", "router_over_bare_ttft_p50_ms")}
     result.update({"requests": requests, "reps": reps, "max_tokens": max_tokens, "preset": preset,
-                   "engine": "torch", "runs": runs, **judge(GOALS, measured)})
+                   "engine": "torch", "runs": runs, **floor, **judge(GOALS, measured)})
     rows = []
     for metric in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
-        d, r, h = result["direct"][metric], result["router"][metric], result["http"][metric]
-        rows.append([metric, d, r, r - d, h, h - r])
+        d, b = result["direct"][metric], result["bare"][metric]
+        r, h = result["router"][metric], result["http"][metric]
+        rows.append([metric, d, b, b - d, r, r - d, r - b, h, h - r])
     print(f"\nrouter overhead: {reps} x {requests} requests per path, {max_tokens} tokens each, {preset} model "
           "(the median run)")
-    print_table(["metric", "direct", "gRPC router", "added", "HTTP router", "HTTP over gRPC"], rows)
+    print_table(["metric", "direct", "bare relay", "added", "gRPC router", "added", "over bare", "HTTP router",
+                 "HTTP over gRPC"], rows)
+    print("bare relay: one Python gRPC hop doing nothing else (bench.bare_relay), the floor under any relay")
+    print(f"added TTFT p50, median of {reps} runs: the bare relay {floor['bare_added_ttft_p50_ms_median']:.2f} ms, "
+          f"the router's own work above it {floor['router_over_bare_ttft_p50_ms_median']:.2f} ms")
     print_goals(result)
     print(f"wrote {write_result(out, result)}")
     return 0 if result["met"] else 1

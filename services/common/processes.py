@@ -17,7 +17,9 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -277,9 +279,46 @@ def _ephemeral_floor() -> int | None:
         return None
 
 
+class _HandedOut:
+    """Ports this process handed out lately, never handed out again while remembered.
+
+    A port is picked long before its server binds it: a mesh picks etcd's, Redis's, the
+    broker's and the router's ports one after another and only then starts them, and a
+    server restarted after a fault binds its old port again. Without this memory a later pick
+    could return a port an earlier pick gave to a server not listening yet, and whichever of
+    the two bound second would fail with "address in use".
+    """
+
+    def __init__(self, remember: int) -> None:
+        self._order: deque[int] = deque()
+        self._ports: set[int] = set()
+        self._remember = remember
+        self._lock = threading.Lock()
+
+    def __contains__(self, port: int) -> bool:
+        with self._lock:
+            return port in self._ports
+
+    def add(self, ports: list[int]) -> None:
+        with self._lock:
+            for port in ports:
+                if port in self._ports:
+                    continue
+                self._order.append(port)
+                self._ports.add(port)
+            while len(self._order) > self._remember:
+                self._ports.discard(self._order.popleft())
+
+
+# A quarter of the range below the usual ephemeral floor (32768): a test session or a
+# benchmark picks a few hundred ports at most.
+_HANDED_OUT = _HandedOut(remember=3000)
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct ports free on `host` right now, below the ephemeral range where the
-    kernel says what it is (else whatever port 0 gives).
+    kernel says what it is (else whatever port 0 gives), and none this process handed out
+    lately (see _HandedOut).
 
     All sockets stay bound until every port is picked, so the ports differ from each other.
     Another process can still take one before it is used: start servers soon after.
@@ -291,9 +330,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     misses = 0
     try:
         while len(socks) < count:
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             # After many taken ports in a row, port 0 (which raises if nothing is free).
             port = rng.randrange(LISTEN_PORTS_FLOOR, ceiling) if below_ephemeral and misses < 100 else 0
+            if port in _HANDED_OUT:
+                misses += 1
+                continue
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             try:
                 s.bind((host, port))
             except OSError:
@@ -303,7 +345,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
                 misses += 1
                 continue
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+        ports = [s.getsockname()[1] for s in socks]
+        _HANDED_OUT.add(ports)
+        return ports
     finally:
         for s in socks:
             s.close()

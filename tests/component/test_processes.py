@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.processes import LISTEN_PORTS_FLOOR
+from services.common.processes import LISTEN_PORTS_FLOOR, _HandedOut
 from services.common.processes import (
     ManagedProcess,
     ProcessStartError,
@@ -209,6 +209,24 @@ def test_wait_until_ready_returns_elapsed(procs, tmp_path):
     # Two failed probes, each followed by a wait of `interval`, before the third succeeds.
     assert wait_until_ready(p, probe, timeout=5, interval=0.01) >= 0.02
     assert len(calls) == 3
+
+
+def test_separate_picks_never_return_a_port_handed_out_before():
+    # A mesh picks etcd's ports, then Redis's, then the router's, before any of them binds:
+    # each pick must avoid the earlier ones. 1500 single picks from some 12,000 ports would
+    # repeat one about 90 times if picks were independent.
+    picked = [free_ports(1)[0] for _ in range(1500)]
+    assert len(set(picked)) == len(picked)
+
+
+def test_handed_out_ports_are_forgotten_oldest_first():
+    handed_out = _HandedOut(remember=3)
+    handed_out.add([1, 2])
+    handed_out.add([2, 3, 4])  # 2 again is not a second entry
+    assert 1 not in handed_out
+    assert all(port in handed_out for port in (2, 3, 4))
+    handed_out.add([5])
+    assert 2 not in handed_out and 5 in handed_out
 
 
 def test_port_helpers():
