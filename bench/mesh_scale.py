@@ -49,6 +49,8 @@ from bench.common import model_dir_for, percentile, print_table, sim_worker_sett
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 
 TOKENS = 32
+# Past one worker heartbeat (1 s): the in-flight counts the routers read are this load's.
+HEARTBEAT_SETTLE_S = 2.0
 WORKERS_PER_HOST = 16
 GOALS = (
     Goal("added TTFT p50 up to 100 streams (1 router)", "added_ttft_p50_ms_upto_100", 1.0, LOWER, " ms"),
@@ -256,6 +258,9 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                     bare = run_load("direct", [relay_address], streams, seconds, prompt_ids, LOCAL_API_KEY)
                     bare["cpu_s"] = cpu_seconds(relay.pid) - relay_cpu_before
                     for count in router_steps:
+                        # The workers publish their streams in flight once a second: a router
+                        # must not see the last load's streams as slots another router holds.
+                        time.sleep(HEARTBEAT_SETTLE_S)
                         chosen = routers[:count]
                         cpu_before = [cpu_seconds(r.pid) for r in chosen]
                         busy_before = machine_busy()
