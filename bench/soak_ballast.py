@@ -86,13 +86,14 @@ class BallastSide:
     def _worker_under_fault(self) -> ContextManager[ServiceProcess]:
         """The busiest serving worker not under another fault, for the block's length."""
         alive = [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
-        return self._victims.busiest(alive, lambda w: w.name, lambda w: _in_flight(w) or 0.0)
+        return self._victims.busiest(alive, lambda w: w.name, lambda w: _in_flight(self.mesh.refresh_ready(w)) or 0.0)
 
     def _answers(self, worker: ServiceProcess) -> float | None:
-        """When the worker answers on its metrics port again (it serves), or None."""
+        """When the worker answers on its metrics port again (it serves), or None. The port is
+        read again each time: a worker its keeper started again meanwhile has a new one."""
         deadline = time.monotonic() + RECOVERY_LIMIT_S
         while time.monotonic() < deadline:
-            if _in_flight(worker) is not None:
+            if _in_flight(self.mesh.refresh_ready(worker)) is not None:
                 return time.monotonic()
             time.sleep(0.1)
         return None

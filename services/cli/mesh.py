@@ -127,6 +127,13 @@ def _read_ready_lines(log_path: Path, offset: int, name: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(f"READY {name} ")]
 
 
+def _take_ready_line(service: ServiceProcess, line: str) -> None:
+    # READY <kind> <address> metrics=<port>
+    parts = line.split()
+    service.address = parts[-2]
+    service.metrics_port = int(parts[-1].split("=", 1)[1])
+
+
 def _read_ready_line(log_path: Path, offset: int, name: str) -> str | None:
     lines = _read_ready_lines(log_path, offset, name)
     return lines[0] if lines else None
@@ -285,9 +292,15 @@ class Mesh:
             return line is not None
 
         wait_until_ready(service.process, probe, timeout, what="ready")
-        parts = ready["line"].split()
-        service.address = parts[-2]
-        service.metrics_port = int(parts[-1].split("=", 1)[1])
+        _take_ready_line(service, ready["line"])
+        return service
+
+    def refresh_ready(self, service: ServiceProcess) -> ServiceProcess:
+        """Takes the address and metrics port from the service's latest READY line: a worker
+        its keeper started again listens on new ones."""
+        lines = _read_ready_lines(service.process.log_path, 0, service.name.split("-")[0])
+        if lines:
+            _take_ready_line(service, lines[-1])
         return service
 
     def _launch_all(self, batch: list[tuple[ServiceProcess, str]], timeout: float) -> None:

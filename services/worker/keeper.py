@@ -8,8 +8,12 @@ state, so only the model load and warm-up are paid again. The fresh worker regis
 the same id: routers see a new incarnation, as after any restart.
 
 What the keeper does not hide:
-- A worker that dies before it was ready (bad model folder, port taken) ends the keeper
-  with that worker's exit status: start-up failures are the orchestrator's to retry.
+- A first worker that dies before it was ready (bad model folder, port taken) ends the
+  keeper with that worker's exit status: start-up failures are the orchestrator's to retry.
+  A fresh worker that dies before it was ready, after an earlier one served, is a crash like
+  any other and is started again: the same settings started before, so what ended it is the
+  host (killed again while it loaded, out of memory), and giving up would leave the worker
+  gone for good after two faults in a row.
 - More than `respawn_max` crashes within `respawn_window_s` end the keeper with status 1,
   so a crash loop shows as one to the orchestrator instead of spinning here.
 - A worker that exits on its own with status 0 (it drained) ends the keeper with 0.
@@ -108,21 +112,24 @@ class Keeper:
         self._loop = CrashLoop(policy)
         self._child: int | None = None
         self._stopping = False
+        # Whether any worker of this keeper became ready: until then a death is a start-up failure.
+        self._served = False
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
         while True:
             status, was_ready = self._run_child()
-            what = describe_status(status)
+            self._served = self._served or was_ready
+            what = describe_status(status) + ("" if was_ready else " before it was ready")
             if self._stopping:
                 log.info("keeper: worker %s after the stop signal", what)
                 return exit_code(status)
             if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                 log.info("keeper: worker exited cleanly; stopping")
                 return 0
-            if not was_ready:
-                log.error("keeper: worker %s before it was ready; not starting another", what)
+            if not self._served:
+                log.error("keeper: worker %s; not starting another", what)
                 return exit_code(status) or 1
             if self._loop.crashed():
                 log.error("keeper: worker %s; more than %d crashes in %.0f s, giving up", what,

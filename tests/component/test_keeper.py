@@ -1,5 +1,6 @@
-"""The worker keeper: respawns a worker that died after it was ready, gives up on a worker
-that dies before, on a crash loop and on a clean exit, and passes SIGTERM on. Each keeper
+"""The worker keeper: respawns a worker that died after it was ready (and a fresh one killed
+while it loads), gives up on a first worker that dies before it is ready, on a crash loop and
+on a clean exit, and passes SIGTERM on. Each keeper
 runs in a subprocess of its own (it forks and installs signal handlers)."""
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ SCRIPT = textwrap.dedent("""
         n = len(open(runs).read().split())
         if mode == "die-before-ready":
             return 3
+        if mode == "killed-while-restarting":
+            # Serves, is killed; the fresh one is killed while it loads; the third serves.
+            if n == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            ready()
+            if n == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return 0
         if mode != "with-engine":
             ready()
         if mode == "killed-then-clean" and n < 3:
@@ -81,6 +90,16 @@ def test_a_worker_that_dies_before_it_is_ready_ends_the_keeper_with_its_status(t
     assert keeper.returncode == 3
     assert len(runs(tmp_path)) == 1
     assert "before it was ready" in output
+
+
+def test_a_fresh_worker_killed_before_it_is_ready_is_started_again(tmp_path):
+    # The first worker served, so the settings start: a fresh one killed while it loads (a
+    # host that fails twice in a row) is a crash, not a start-up failure to give up on.
+    keeper = run_keeper(tmp_path, "killed-while-restarting")
+    output, _ = keeper.communicate(timeout=60)
+    assert keeper.returncode == 0, output
+    assert len(runs(tmp_path)) == 3
+    assert "killed by SIGKILL before it was ready; starting a fresh one" in output
 
 
 def test_a_crash_loop_ends_the_keeper(tmp_path):
