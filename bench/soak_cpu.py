@@ -107,6 +107,9 @@ class CpuMeter:
                 self._seen[pid] = _Seen(part, first, used)
             else:
                 seen.last_s = used
+                if seen.part == OTHER:
+                    # vLLM starts its engine processes as plain Python and names them later.
+                    seen.part = part_of(command)
         self._busy_end = machine_busy_s()
         self._wall_end = _uptime_s()
 

@@ -51,6 +51,29 @@ def test_a_child_born_in_the_window_counts_whole_and_the_meter_itself_is_the_cli
     assert 0 < meter.machine_busy_share() <= 1.0
 
 
+def test_a_process_named_after_it_was_first_seen_counts_under_its_name():
+    # As vLLM's model runner: started as plain Python, renamed VLLM::Worker once it loads.
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time, ctypes\n"
+                              "sys.stdin.readline()\n" + BURN +
+                              # The name in two pieces: the command line must not hold it.
+                              "ctypes.CDLL(None).prctl(15, b'VLLM::' + b'Worker', 0, 0, 0)\n"
+                              "print('named', flush=True)\ntime.sleep(30)\n"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        meter = CpuMeter()
+        meter.start()
+        assert meter._seen[child.pid].part == OTHER
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "named"
+        meter.sample()
+        assert meter._seen[child.pid].part == "engine"
+        assert meter.by_part()["engine"] >= 0.5
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_process_older_than_the_window_counts_only_what_it_used_in_it():
     child = subprocess.Popen([sys.executable, "-c", BURN + "import time; time.sleep(30)"])
     try:
