@@ -57,7 +57,7 @@ async def serve(targets: list[str], port: int) -> None:
     worker_pb2_grpc.add_WorkerServicer_to_server(relay, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    print(f"READY bare-relay 127.0.0.1:{bound}", flush=True)
+    print(f"{READY}127.0.0.1:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

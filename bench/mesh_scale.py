@@ -14,8 +14,8 @@ hop doing nothing else, the floor under any relay written like the router), and 
 1, 2 and 4 routers (clients spread evenly).
 For each point: added TTFT p50/p99 (routed minus direct, same workers and streams), router
 CPU seconds per 1000 relayed tokens (from /proc, every router summed), relayed tokens/s (per
-router process too), and the same for the bare relay. For each number of workers, the time a change of one worker's record
-(its health failing) takes to reach every one of four routers.
+router process too), and the same for the bare relay. For each number of workers, the time a
+change of one worker's record (its health failing) takes to reach every one of four routers.
 
 The load generator is one process, and it shares this machine's cores with the routers and
 the sim hosts: at the largest points the machine (not a router) saturates, and the result

@@ -6,8 +6,8 @@ is the floor under any relay written like the router (one more Python gRPC hop),
 router's added latency minus the bare relay's is the router's own work.
 
 One run starts a local mesh with one worker, then sends N requests rotating over the four
-paths (direct, bare relay, gRPC, HTTP, in an order that changes every round) so all see the same machine
-state. The direct client sends prompt token ids it prepared beforehand; the routed clients
+paths (direct, bare relay, gRPC, HTTP, in an order that changes every round) so all see the
+same machine state. The direct client sends prompt token ids it prepared beforehand; the routed clients
 send text, so the router's authentication, validation, tokenization, balancing and relaying
 all count as overhead; the HTTP client (aiohttp, one kept-alive connection, as an SDK keeps
 one) streams `/v1/completions` and its time to first token is the first SSE chunk with text. The measurement is repeated (`--reps`, on the same mesh): added latencies and the

@@ -94,6 +94,11 @@ class ServiceProcess:
     def pid(self) -> int | None:
         return self.process.pid
 
+    @property
+    def kind(self) -> str:
+        """What it runs, from its name: "worker-2" is a worker, "router-3" a router."""
+        return self.name.split("-")[0]
+
 
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
@@ -298,7 +303,7 @@ class Mesh:
     def refresh_ready(self, service: ServiceProcess) -> ServiceProcess:
         """Takes the address and metrics port from the service's latest READY line: a worker
         its keeper started again listens on new ones."""
-        lines = _read_ready_lines(service.process.log_path, 0, service.name.split("-")[0])
+        lines = _read_ready_lines(service.process.log_path, 0, service.kind)
         if lines:
             _take_ready_line(service, lines[-1])
         return service
@@ -394,22 +399,19 @@ class Mesh:
 
     def restart_service(self, service: ServiceProcess, timeout: float | None = None) -> ServiceProcess:
         """Starts a stopped service again with the same identity and settings."""
-        kind = service.name.split("-")[0]
-        module = f"services.{kind}"
-        fresh = self._service_process(service.name, module, dict(service.env))
+        fresh = self._service_process(service.name, f"services.{service.kind}", dict(service.env))
         with self._lock:
             self.services[self.services.index(service)] = fresh
             offset = self._spawn(fresh)
             self.save_state()
-        self._await_ready(fresh, kind, offset, timeout or self.spec.start_timeout_s)
+        self._await_ready(fresh, fresh.kind, offset, timeout or self.spec.start_timeout_s)
         self.save_state()
         return fresh
 
     def await_ready_after(self, service: ServiceProcess, offset: int, timeout: float = 120.0) -> ServiceProcess:
         """Waits for a READY line written after log `offset`: a worker its keeper started
         again (worker.respawn) under the same process. Updates the service's address."""
-        kind = service.name.split("-")[0]
-        self._await_ready(service, kind, offset, timeout)
+        self._await_ready(service, service.kind, offset, timeout)
         self.save_state()
         return service
 
