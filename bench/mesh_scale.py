@@ -48,7 +48,7 @@ from bench.bare_relay import start_bare_relay
 from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 
-TOKENS = 32
+TOKENS = int(os.environ.get("PROBE_TOKENS", "32"))
 # Past one worker heartbeat (1 s): the in-flight counts the routers read are this load's.
 HEARTBEAT_SETTLE_S = 2.0
 WORKERS_PER_HOST = 16

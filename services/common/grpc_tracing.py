@@ -76,6 +76,22 @@ def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
 
 
+def unary_client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """For a channel whose response-streaming calls send `trace_metadata()` themselves: only
+    the unary-response shapes are intercepted. grpc.aio runs an intercepted streaming call
+    through an extra task and hands every response message through one more generator: on
+    the router's worker streams that is a cost per relayed token, for a header that is
+    sent once."""
+    return [_UnaryUnary(), _StreamUnary()]
+
+
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The `traceparent` (and `tracestate`) of the current span, as call metadata."""
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier)
+    return tuple(carrier.items())
+
+
 # --- server ---------------------------------------------------------------------------------
 
 def _status_code(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:

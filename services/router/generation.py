@@ -26,6 +26,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common import tracing
+from services.common.grpc_tracing import trace_metadata
 from services.router.settings import RouterConfig
 from services.common.errors import (
     BallastError,
@@ -411,7 +412,8 @@ class GenerationRunner:
         with self.clients.in_use(worker.address) as stub:
             # Current only while the call is made: the worker's span becomes this attempt's child.
             with trace.use_span(attempt):
-                call = stub.Generate(worker_request, timeout=max(0.001, run.deadline - time.monotonic()))
+                call = stub.Generate(worker_request, timeout=max(0.001, run.deadline - time.monotonic()),
+                                     metadata=trace_metadata())
             control.call = call
             # A worker whose lease is gone is dead or cut off: do not wait for a stall.
             lease_watch = asyncio.create_task(self._watch_lease(worker.id, control))

@@ -1,5 +1,8 @@
 """One gRPC channel per worker address, opened lazily, closed once the worker has left.
 
+Generate calls on these channels pass `trace_metadata()` themselves: the channel intercepts
+unary calls only (`unary_client_interceptors`), keeping the relay's per-token path short.
+
 A channel that still carries streams is kept even when its worker left the membership
 (etcd may flap while the worker is fine); it is closed at a later sweep once idle.
 """
@@ -13,7 +16,7 @@ from typing import Iterator
 import grpc
 
 from ballast.v1 import worker_pb2_grpc
-from services.common.grpc_tracing import client_interceptors
+from services.common.grpc_tracing import unary_client_interceptors
 from services.common.tls.credentials import open_channel
 from services.common.tls.settings import TLSConfig
 
@@ -28,7 +31,7 @@ class WorkerClients:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = open_channel(address, self._tls, interceptors=client_interceptors())
+            channel = open_channel(address, self._tls, interceptors=unary_client_interceptors())
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub

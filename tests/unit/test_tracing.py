@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
+import grpc
 import pytest
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -15,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from services.common import tracing
+from services.common.grpc_tracing import trace_metadata, unary_client_interceptors
 from services.common.config import ConfigError, TracingConfig
 from services.config import load_config
 
@@ -55,6 +57,23 @@ def test_grpc_metadata_carries_the_same_context(recorded):
     assert trace.get_current_span(context).get_span_context().span_id == span.get_span_context().span_id
     assert tracing.trace_id(span) == f"{span.get_span_context().trace_id:032x}"
     assert tracing.trace_id(trace.INVALID_SPAN) == ""
+
+
+def test_call_metadata_for_streams_carries_the_current_span_and_nothing_without_one(recorded):
+    tracer, _ = recorded
+    assert trace_metadata() == ()
+    with tracer.start_as_current_span("attempt") as span:
+        metadata = trace_metadata()
+    assert [name for name, _ in metadata] == ["traceparent"]
+    context = tracing.context_from_metadata(metadata)
+    assert trace.get_current_span(context).get_span_context().span_id == span.get_span_context().span_id
+
+
+def test_worker_channels_leave_streaming_calls_to_the_caller():
+    shapes = {type(i).__bases__[0] for i in unary_client_interceptors()}
+    assert grpc.aio.UnaryStreamClientInterceptor not in shapes
+    assert grpc.aio.StreamStreamClientInterceptor not in shapes
+    assert {grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor} <= shapes
 
 
 def test_sampling_ratio_zero_records_nothing_new_but_ids_still_propagate():

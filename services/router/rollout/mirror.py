@@ -20,6 +20,7 @@ import grpc
 
 from ballast.v1 import common_pb2, worker_pb2
 from services.common.errors import BallastError
+from services.common.grpc_tracing import trace_metadata
 from services.common.membership import WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
 from services.router.context.window import fit_request
@@ -171,7 +172,8 @@ class MirrorRunner:
                 tier=common_pb2.TIER_B,
             )
             with self._clients.in_use(worker.address) as stub:
-                call = stub.Generate(call_request, timeout=max(0.001, deadline - time.monotonic()))
+                call = stub.Generate(call_request, timeout=max(0.001, deadline - time.monotonic()),
+                                     metadata=trace_metadata())
                 async for event in call:
                     if event.HasField("tokens"):
                         if answer.ttft_ms is None:
