@@ -60,6 +60,29 @@ async def test_fail_after_k_tokens_fails_the_stream_there(tiny_model_dir):
     assert engine.stats().running == 0  # the failed stream gave its slot back
 
 
+async def test_kv_in_use_counts_every_running_context_and_is_given_back(tiny_model_dir):
+    from services.common.errors import Unavailable
+    from services.worker.sim import SimFaults
+
+    engine = SimEngine(tiny_model_dir, "kv", FAST)
+    await engine.start()
+    first, second = engine.generate(_request(max_tokens=10)), engine.generate(_request(max_tokens=10))
+    await anext(first)
+    await anext(second)
+    # Three prompt ids and one generated token each.
+    assert engine.stats().kv_tokens == 8
+    await anext(first)
+    assert engine.stats().kv_tokens == 9
+    await first.aclose()
+    assert engine.stats().kv_tokens == 4
+    await second.aclose()
+    engine.set_faults(SimFaults(fail_after_tokens=3))
+    with pytest.raises(Unavailable):
+        async for _ in engine.generate(_request()):
+            pass
+    assert engine.stats().kv_tokens == 0 and engine.stats().running == 0
+
+
 async def test_a_hung_engine_produces_nothing_until_cleared(tiny_model_dir):
     import asyncio
 

@@ -108,6 +108,9 @@ class SimEngine:
         self._prefix = PrefixCache(self.profile.kv_blocks, self.profile.block_tokens)
         self._rng = random.Random(self.profile.seed)
         self._kv_tokens: dict[int, int] = {}
+        # Their sum, kept as they change: every decode step of every stream reads it, and
+        # summing a thousand streams' counts per token would be the sim worker's main cost.
+        self._kv_total = 0
         self._ids = itertools.count()
         self._generated_total = 0
         self._serving = False
@@ -186,13 +189,14 @@ class SimEngine:
         await self._slots.acquire(request.priority)
         try:
             self._kv_tokens[key] = len(context)
+            self._kv_total += len(context)
             uncached = len(context) - self._prefix.cached_tokens(request.tenant, context)
             await self._sleep(self.profile.prefill_ms(uncached))
             self._prefix.remember(request.tenant, context)
             first = True
             for i in range(s.max_tokens):
                 if i:
-                    await self._sleep(self.profile.decode_step_ms(self._slots.running, sum(self._kv_tokens.values())))
+                    await self._sleep(self.profile.decode_step_ms(self._slots.running, self._kv_total))
                 self._check_fail_after(i)
                 if guide is None:
                     token = self._tokens.token(seed, prompt_key, len(context) + i)
@@ -205,6 +209,7 @@ class SimEngine:
                         return
                     guide.advance(token)
                 self._kv_tokens[key] += 1
+                self._kv_total += 1
                 self._generated_total += 1
                 piece, stopped = text.push(token)
                 finish = None
@@ -219,12 +224,12 @@ class SimEngine:
                 if finish is not None:
                     return
         finally:
-            self._kv_tokens.pop(key, None)
+            self._kv_total -= self._kv_tokens.pop(key, 0)
             self._slots.release()
 
     def stats(self) -> EngineStats:
         return EngineStats(
             running=self._slots.running, waiting=self._slots.waiting,
-            kv_tokens=min(sum(self._kv_tokens.values()), self.profile.kv_capacity_tokens),
+            kv_tokens=min(self._kv_total, self.profile.kv_capacity_tokens),
             kv_capacity_tokens=self.profile.kv_capacity_tokens,
             extra={"max_concurrency": float(self._slots.size), "generated_tokens_total": float(self._generated_total)})
