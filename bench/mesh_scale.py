@@ -19,7 +19,8 @@ change of one worker's record (its health failing) takes to reach every one of f
 
 The load generator is one process, and it shares this machine's cores with the routers and
 the sim hosts: at the largest points the machine (not a router) saturates, and the result
-says so (`cpu_busy`, from /proc/stat, next to each point).
+says so (`cpu_busy`, from /proc/stat, next to each point). Each load starts once the cores
+are quiet again after the one before (`settle_s`: how long that took, at most 10 s).
 
 Goals, judged in code: added TTFT <= 1 ms p50 and <= 3 ms p99 up to 100 streams (one
 router); router CPU per 1000 tokens within 20 % from 4 to 64 workers (100 streams, one
@@ -48,9 +49,15 @@ from bench.bare_relay import start_bare_relay
 from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 
-TOKENS = int(os.environ.get("PROBE_TOKENS", "32"))
+TOKENS = 32
 # Past one worker heartbeat (1 s): the in-flight counts the routers read are this load's.
 HEARTBEAT_SETTLE_S = 2.0
+# Before each measured load the cores must be this idle (busy share over half a second), or
+# QUIET_MAX_S must have passed: streams cut off when the last load's clients left are still
+# being torn down in the workers and routers, and a point measured over that work measures
+# the point before it.
+QUIET_BUSY = 0.35
+QUIET_MAX_S = 10.0
 WORKERS_PER_HOST = 16
 GOALS = (
     Goal("added TTFT p50 up to 100 streams (1 router)", "added_ttft_p50_ms_upto_100", 1.0, LOWER, " ms"),
@@ -158,6 +165,18 @@ def machine_busy() -> tuple[float, float]:
     return sum(values) - idle, sum(values)
 
 
+def settle(max_s: float = QUIET_MAX_S, busy_below: float = QUIET_BUSY) -> float:
+    """Waits until the cores are idle (see QUIET_BUSY), at most `max_s`; the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < max_s:
+        before = machine_busy()
+        time.sleep(0.5)
+        after = machine_busy()
+        if (after[0] - before[0]) / max(1, after[1] - before[1]) < busy_below:
+            break
+    return time.monotonic() - started
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 PROMPT = "Where is my order? I paid for it yesterday."
@@ -252,14 +271,17 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                 relay, relay_address = start_bare_relay([w.address for w in workers],
                                                         Path(state) / "logs" / f"bare-relay-{target}.log")
                 for streams in stream_steps:
+                    settle()
                     direct = run_load("direct", [w.address for w in workers], streams, seconds, prompt_ids, LOCAL_API_KEY)
                     assert relay.pid is not None
                     relay_cpu_before = cpu_seconds(relay.pid)
+                    settle()
                     bare = run_load("direct", [relay_address], streams, seconds, prompt_ids, LOCAL_API_KEY)
                     bare["cpu_s"] = cpu_seconds(relay.pid) - relay_cpu_before
                     for count in router_steps:
                         # The workers publish their streams in flight once a second: a router
                         # must not see the last load's streams as slots another router holds.
+                        settled = settle()
                         time.sleep(HEARTBEAT_SETTLE_S)
                         chosen = routers[:count]
                         cpu_before = [cpu_seconds(r.pid) for r in chosen]
@@ -269,12 +291,13 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                         busy_after = machine_busy()
                         cpu = sum(cpu_seconds(r.pid) - b for r, b in zip(chosen, cpu_before))
                         row = _row(target, streams, count, direct, routed, cpu, busy_before, busy_after, bare)
+                        row["settle_s"] = settled
                         rows.append(row)
                         print(f"workers {target:3d} streams {streams:5d} routers {count}: "
                               f"added TTFT p50 {row['added_ttft_p50_ms']:.2f} ms p99 {row['added_ttft_p99_ms']:.2f} ms "
                               f"(bare relay {row['relay_added_ttft_p50_ms']:.2f} / {row['relay_added_ttft_p99_ms']:.2f}), "
                               f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok, "
-                              f"machine busy {row['cpu_busy']:.0%}", flush=True)
+                              f"machine busy {row['cpu_busy']:.0%} (settled in {settled:.1f} s)", flush=True)
         finally:
             if relay is not None:
                 relay.stop()
