@@ -1,10 +1,10 @@
-"""The tiers benchmark's reading of the router's S-tier TTFT histogram."""
+"""The tiers benchmark's reading of the router's S-tier histograms."""
 
 from __future__ import annotations
 
 import math
 
-from bench.tiers import bucket_percentile, s_ttft_buckets
+from bench.tiers import ROUTER_QUEUE_WAIT, bucket_percentile, s_tier_buckets
 
 SCRAPE = """\
 # TYPE ballast_router_ttft_milliseconds histogram
@@ -18,12 +18,13 @@ ballast_router_queue_wait_milliseconds_bucket{le="10.0",tier="S"} 7
 """
 
 
-def test_only_the_s_tier_ttft_buckets_are_read():
-    assert s_ttft_buckets(SCRAPE) == {10.0: 10, 25.0: 90, 50.0: 99, math.inf: 100}
+def test_only_the_s_tier_buckets_of_the_histogram_asked_for_are_read():
+    assert s_tier_buckets(SCRAPE) == {10.0: 10, 25.0: 90, 50.0: 99, math.inf: 100}
+    assert s_tier_buckets(SCRAPE, ROUTER_QUEUE_WAIT) == {10.0: 7}
 
 
 def test_the_percentile_is_the_bound_of_the_bucket_holding_it_between_two_scrapes():
-    after = s_ttft_buckets(SCRAPE)
+    after = s_tier_buckets(SCRAPE)
     assert bucket_percentile({}, after, 50) == 25.0
     assert bucket_percentile({}, after, 99) == 50.0
     assert bucket_percentile({}, after, 100) == math.inf
@@ -34,6 +35,6 @@ def test_the_percentile_is_the_bound_of_the_bucket_holding_it_between_two_scrape
 
 
 def test_nothing_counted_has_no_percentile():
-    after = s_ttft_buckets(SCRAPE)
+    after = s_tier_buckets(SCRAPE)
     assert math.isnan(bucket_percentile(after, after, 99))
     assert math.isnan(bucket_percentile({}, {}, 99))
