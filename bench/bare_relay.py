@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import signal
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import grpc
 
 from ballast.v1 import worker_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.lifecycle import catch_stop_signals
 from services.common.processes import ManagedProcess, wait_until_ready
 
 READY = "READY bare-relay "
@@ -57,12 +57,9 @@ async def serve(targets: list[str], port: int) -> None:
     worker_pb2_grpc.add_WorkerServicer_to_server(relay, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    stop = catch_stop_signals()
     print(f"{READY}127.0.0.1:{bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop
     await server.stop(grace=1.0)
     await relay.close()
 

@@ -47,7 +47,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from bench.common import SIM_PROFILE
 from services.common.errors import BallastError, NotFound
 from services.common.generation import FinishReason
-from services.common.lifecycle import settle_startup_garbage, setup_logging, wait_for_stop_signal
+from services.common.lifecycle import catch_stop_signals, settle_startup_garbage, setup_logging
 from services.config import BallastConfig
 from services.router.openai.errors import BodyTooLarge, HttpRefusal, error_reply
 from services.router.openai.mapping import parse_json, to_generate_request
@@ -314,8 +314,9 @@ async def serve(settings: ServerSettings) -> None:
     try:
         port = await server.start(settings.host, settings.port)
         settle_startup_garbage()
+        stop = catch_stop_signals()
         print(f"READY port={port}", flush=True)
-        signal_name = await wait_for_stop_signal()
+        signal_name = await stop
         log.info("%s received, stopping", signal_name)
     finally:
         await server.stop()

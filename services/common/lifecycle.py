@@ -18,17 +18,22 @@ def setup_logging(service: str) -> None:
     )
 
 
-async def wait_for_stop_signal() -> str:
-    """Returns the name of the first SIGTERM/SIGINT received."""
+def catch_stop_signals() -> asyncio.Future[str]:
+    """Catches SIGTERM and SIGINT from now on; the future holds the first one's name (the
+    handlers go once it is done). Made before a process says it is ready: a launcher that
+    reads the READY line may signal at once, and a signal that came before the handlers
+    would kill the process instead of stopping it."""
     loop = asyncio.get_running_loop()
     received: asyncio.Future[str] = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s.name))
-    try:
-        return await received
-    finally:
+
+    def remove_handlers(_: asyncio.Future[str]) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+    received.add_done_callback(remove_handlers)
+    return received
 
 
 def settle_startup_garbage() -> None:
@@ -50,9 +55,10 @@ async def serve_until_signal(
     `on_ready` runs right after the READY line (a keeper process waits for it)."""
     app = await create_server(config)
     settle_startup_garbage()
+    stop = catch_stop_signals()
     print(f"READY {name} {app.address} metrics={app.telemetry.port}", flush=True)
     if on_ready is not None:
         on_ready()
-    signal_name = await wait_for_stop_signal()
+    signal_name = await stop
     logging.getLogger(f"ballast.{name}").info("%s received, shutting down", signal_name)
     await app.shutdown()

@@ -21,7 +21,7 @@ import socket
 import sys
 
 from services.common.config import ConfigError
-from services.common.lifecycle import setup_logging, wait_for_stop_signal
+from services.common.lifecycle import catch_stop_signals, setup_logging
 from services.config import BallastConfig, load_config
 from services.worker.app import WorkerApp, create_server
 
@@ -105,8 +105,9 @@ class SimHost:
 
 async def serve(config: BallastConfig, count: int, restart_after_s: float | None) -> None:
     host = SimHost(config, count, restart_after_s)
+    stop = catch_stop_signals()  # before the READY lines
     await host.start()
-    signal_name = await wait_for_stop_signal()
+    signal_name = await stop
     log.info("%s received, shutting down %d sim workers", signal_name, len(host.apps))
     await host.shutdown()
 
