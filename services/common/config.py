@@ -57,7 +57,13 @@ class EtcdConfig(Section):
     prefix: str = Field("/ballast/", description="Root of every Ballast key.")
     timeout_s: float = Field(2.0, gt=0, description="Deadline of each etcd call.")
     lease_ttl_s: int = Field(3, ge=2, le=60, description="TTL of a worker's membership lease.")
-    heartbeat_s: float = Field(1.0, gt=0, description="How often a worker refreshes its record.")
+    heartbeat_s: float = Field(1.0, gt=0, description="How often a worker refreshes its lease, and its record "
+                                                       "when something in it changed.")
+    record_refresh_s: float = Field(
+        30.0, gt=0, description="Longest a worker leaves its record unwritten while nothing in it changes. An "
+                                "unchanged record is not written at each heartbeat: every write wakes every "
+                                "router's watch, and with many idle workers those wake-ups are most of a "
+                                "router's idle work.")
     reconnect_backoff_s: float = Field(0.5, gt=0, description="First wait before reconnecting.")
     username: str = Field("", description="etcd user (with `auth enable` on the cluster); empty: none, "
                                           "or the client certificate's CN when etcd checks certificates.")

@@ -1,7 +1,9 @@
 """Worker membership in etcd: workers publish a leased record; routers watch the prefix.
 
 A worker's record lives at `<prefix>workers/<id>` under a lease of a few seconds that the
-worker refreshes about once a second, together with its current load. When a worker dies,
+worker refreshes about once a second; it writes the record (its current load, health,
+temperature) at that heartbeat when something in it changed, and at least every
+`record_refresh_s` otherwise. When a worker dies,
 its lease expires, etcd deletes the key, and every router's watch drops it: no polling.
 Both sides survive the loss and return of etcd: the worker re-grants its lease and
 re-publishes; the router keeps the last known membership and resynchronises.
@@ -13,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Awaitable, Callable
 
 import aetcd
@@ -51,6 +53,8 @@ class WorkerRecord:
     standby: bool = False
     max_context: int = 0
     started_at: float = field(default_factory=time.time)
+    # When the record was last written (an unchanged record is written at most every
+    # record_refresh_s; the lease, refreshed every heartbeat, says the worker is alive).
     updated_at: float = field(default_factory=time.time)
     # Filled from etcd on read, never written: which lease holds the record.
     lease_id: int = 0
@@ -111,6 +115,10 @@ class WorkerRegistration:
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self.registered = asyncio.Event()
+        # What was last written, under which lease, and when (monotonic): an unchanged record
+        # under the same lease is not written again before record_refresh_s.
+        self._written: tuple[int, bytes] | None = None
+        self._written_at = 0.0
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="etcd-registration")
@@ -141,10 +149,16 @@ class WorkerRegistration:
     async def _publish(self) -> None:
         lease = await self._ensure_lease()
         record = self._snapshot()
+        content = (lease.id, replace(record, updated_at=0.0).to_json())
+        if content == self._written and time.monotonic() - self._written_at < self.config.record_refresh_s:
+            return  # the lease is refreshed; the record in etcd already says all this
         record.updated_at = time.time()
         await self._client.put(worker_key(self.config, record.id).encode(), record.to_json(), lease=lease)
+        self._written, self._written_at = content, time.monotonic()
 
     async def _reset_client(self) -> None:
+        # etcd may have come back without its data: write the record again at the next try.
+        self._written = None
         if self._lease is not None:
             self._kept_lease_id = self._lease.id
         client, self._client, self._lease = self._client, None, None

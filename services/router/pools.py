@@ -56,6 +56,11 @@ class PoolGates:
         self.observer = observer
         self._gates: dict[str, AsyncGate] = {}
         self._task: asyncio.Task | None = None
+        # (model, version) -> slots, computed from membership version `_slots_membership` while
+        # the health view was settled. Every request asks for its pool's slots several times
+        # (admission, dispatch, release); without this each ask walks every worker.
+        self._settled_slots: dict[tuple[str, str | None], Mapping[str, WorkerSlots]] = {}
+        self._slots_membership = -1
 
     def _routable(self, model: str, version: str | None) -> list[WorkerRecord]:
         workers = self.membership.workers()
@@ -64,7 +69,17 @@ class PoolGates:
                 if w.model == model and (version is None or w.model_version == version)]
 
     def _slots(self, model: str, version: str | None = None) -> Mapping[str, WorkerSlots]:
-        return {slot_key(w): WorkerSlots(w.capacity, w.in_flight) for w in self._routable(model, version)}
+        """Routable workers' slots, by slot key. The mapping returned may be shared: read only."""
+        if self._slots_membership != self.membership.version:
+            self._settled_slots.clear()
+            self._slots_membership = self.membership.version
+        settled = self.health.settled()
+        if settled and (cached := self._settled_slots.get((model, version))) is not None:
+            return cached
+        slots = {slot_key(w): WorkerSlots(w.capacity, w.in_flight) for w in self._routable(model, version)}
+        if settled:
+            self._settled_slots[(model, version)] = slots
+        return slots
 
     def has_capacity(
         self, model: str, excluding: frozenset[str] | set[str] = frozenset(), version: str | None = None

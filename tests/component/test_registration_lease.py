@@ -9,7 +9,7 @@ import uuid
 
 from services.cli.etcd_view import list_workers
 from services.common.config import EtcdConfig
-from services.common.membership import WorkerRecord, WorkerRegistration
+from services.common.membership import WorkerRecord, WorkerRegistration, make_client, worker_key
 from services.common.telemetry import DependencyStatus
 
 
@@ -50,5 +50,59 @@ async def test_a_reset_client_keeps_a_live_lease_and_replaces_an_expired_one(etc
         await registration._reset_client()
         replaced = await published_again(registration, config, "w-lease")
         assert replaced and replaced != first
+    finally:
+        await registration.stop()
+
+
+async def record_revision(config: EtcdConfig, worker_id: str) -> int | None:
+    """The etcd revision that last wrote the worker's record (None: no record)."""
+    client = make_client(config)
+    try:
+        await client.connect()
+        got = await client.get(worker_key(config, worker_id).encode())
+        return None if got is None else got.mod_revision
+    finally:
+        await client.close()
+
+
+async def test_an_unchanged_record_is_not_rewritten_but_stays_alive_and_a_change_goes_out(etcd_server):
+    """Every write wakes every router's watch: an idle worker only refreshes its lease."""
+    config = EtcdConfig(host=etcd_server.host, port=etcd_server.port, prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
+                        lease_ttl_s=2, heartbeat_s=0.2, record_refresh_s=60)
+    record = WorkerRecord(id="w-quiet", address="127.0.0.1:1", model="tiny", model_version="v1")
+    registration = WorkerRegistration(config, lambda: record, DependencyStatus())
+    await registration.start()
+    try:
+        await asyncio.wait_for(registration.registered.wait(), 10)
+        written = await record_revision(config, "w-quiet")
+        assert written is not None
+        # Past the lease's TTL with a heartbeat every 0.2 s: alive, and not written again.
+        await asyncio.sleep(3 * config.lease_ttl_s / 2)
+        assert await record_revision(config, "w-quiet") == written
+
+        record.in_flight = 2
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await record_revision(config, "w-quiet")) == written:
+            assert asyncio.get_running_loop().time() < deadline, "the changed record was never written"
+            await asyncio.sleep(0.05)
+        (published, _), = [row for row in await list_workers(config) if row[0].id == "w-quiet"]
+        assert published.in_flight == 2
+    finally:
+        await registration.stop()
+
+
+async def test_an_unchanged_record_is_written_again_after_record_refresh_s(etcd_server):
+    config = EtcdConfig(host=etcd_server.host, port=etcd_server.port, prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
+                        lease_ttl_s=5, heartbeat_s=0.2, record_refresh_s=0.5)
+    record = WorkerRecord(id="w-refresh", address="127.0.0.1:1", model="tiny", model_version="v1")
+    registration = WorkerRegistration(config, lambda: record, DependencyStatus())
+    await registration.start()
+    try:
+        await asyncio.wait_for(registration.registered.wait(), 10)
+        written = await record_revision(config, "w-refresh")
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await record_revision(config, "w-refresh")) == written:
+            assert asyncio.get_running_loop().time() < deadline, "the record was never written again"
+            await asyncio.sleep(0.05)
     finally:
         await registration.stop()

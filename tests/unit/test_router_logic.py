@@ -11,7 +11,7 @@ from services.common.errors import InvalidArgument, Unauthenticated
 from services.common.membership import WorkerRecord
 from services.router.pools import PoolGates, slot_key
 from services.router.requests import request_from_pb
-from services.router.resilience.breaker import BreakerBoard, BreakerConfig
+from services.router.resilience.breaker import BreakerBoard, BreakerConfig, BreakerState, Outcome
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.temperature import TemperatureConfig, TemperatureGate
 from services.router.scheduling.scheduler import PoolScheduler, WorkerSlots
@@ -98,18 +98,50 @@ REQUEST_IDS = itertools.count()
 
 
 class Members:
-    """The membership the pool gates read: the workers etcd lists now."""
+    """The membership the pool gates read: the workers etcd lists now, and a version bumped
+    on every change (as MembershipWatcher's)."""
 
     def __init__(self, workers) -> None:
         self._workers = {w.id: w for w in workers}
+        self.version = 0
 
     def workers(self) -> dict[str, WorkerRecord]:
         return dict(self._workers)
 
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.get(worker_id)
 
-def gates_over(workers) -> PoolGates:
-    health = WorkerHealthView(BreakerBoard(BreakerConfig()), TemperatureGate(TemperatureConfig()))
+    def replace(self, record: WorkerRecord) -> None:
+        self._workers[record.id] = record
+        self.version += 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gates_over(workers, clock=None) -> PoolGates:
+    clock = clock or Clock()
+    health = WorkerHealthView(BreakerBoard(BreakerConfig(), clock=clock), TemperatureGate(TemperatureConfig()),
+                              clock=clock)
     return PoolGates(TierPolicy(), Members(workers), health)
+
+
+def slot_ids(gates: PoolGates) -> set[str]:
+    return {key.partition("@")[0] for key in gates._slots("tiny")}
+
+
+def open_breaker(gates: PoolGates, worker_id: str) -> None:
+    """Fails calls to the worker until its breaker opens."""
+    board = gates.health.breakers
+    while board.state(worker_id) is BreakerState.CLOSED:
+        permit = board.try_acquire(worker_id)
+        assert permit is not None
+        permit.record(Outcome.FAULT)
 
 
 def dispatch(scheduler: PoolScheduler, workers, **ticket_fields) -> str:
@@ -142,6 +174,73 @@ class TestWorkerChoice:
         assert gates.has_capacity("tiny", excluding={slot_key(workers[4])})  # worker 4 is left
         assert not gates.has_capacity("tiny", excluding={slot_key(workers[3]), slot_key(workers[4])})
         assert not gates_over(workers[:3]).has_capacity("tiny")
+
+
+class TestSlotsBetweenMembershipChanges:
+    """The pool gates reuse a pool's slots until the membership changes, while nothing but
+    the records decides routability; a breaker or an unreachable mark counts at once."""
+
+    def test_a_new_record_is_seen(self):
+        gates = gates_over([worker("1"), worker("2")])
+        assert gates._slots("tiny")[slot_key(worker("1"))].in_flight == 0
+        gates.membership.replace(worker("1", in_flight=3))
+        assert gates._slots("tiny")[slot_key(worker("1"))].in_flight == 3
+        gates.membership.replace(worker("2", draining=True))
+        assert slot_ids(gates) == {"1"}
+
+    def test_an_opened_breaker_takes_the_worker_out_without_a_membership_change(self):
+        clock = Clock()
+        gates = gates_over([worker("1"), worker("2")], clock)
+        assert slot_ids(gates) == {"1", "2"}
+        open_breaker(gates, "1")
+        assert slot_ids(gates) == {"2"}
+        # Past the cool-down it is half-open: a probe may go.
+        clock.now += gates.health.breakers.config.cooldown_s + 1
+        assert slot_ids(gates) == {"1", "2"}
+
+    def test_a_closed_breaker_brings_the_worker_back(self):
+        clock = Clock()
+        gates = gates_over([worker("1"), worker("2")], clock)
+        open_breaker(gates, "1")
+        assert slot_ids(gates) == {"2"}
+        clock.now += gates.health.breakers.config.cooldown_s + 1
+        board = gates.health.breakers
+        while board.state("1") is not BreakerState.CLOSED:
+            permit = board.try_acquire("1")
+            assert permit is not None
+            permit.record(Outcome.SUCCESS)
+        assert board.all_closed()
+        assert slot_ids(gates) == {"1", "2"}
+
+    def test_an_unreachable_mark_counts_at_once_and_lapses(self):
+        clock = Clock()
+        gates = gates_over([worker("1"), worker("2")], clock)
+        assert slot_ids(gates) == {"1", "2"}
+        gates.health.mark_unreachable(worker("1"))
+        assert slot_ids(gates) == {"2"}
+        clock.now += gates.health.unreachable_hold_s
+        assert gates.health.settled()
+        assert slot_ids(gates) == {"1", "2"}
+
+
+class TestBreakerBoardAllClosed:
+    def test_follows_opening_and_forgetting(self):
+        board = BreakerBoard(BreakerConfig(), clock=Clock())
+        assert board.all_closed()
+        while board.state("w") is BreakerState.CLOSED:
+            board.try_acquire("w").record(Outcome.FAULT)
+        assert not board.all_closed()
+        board.retain([])
+        assert board.all_closed()
+
+    def test_a_forgotten_breakers_late_permit_keeps_nothing_out(self):
+        board = BreakerBoard(BreakerConfig(), clock=Clock())
+        permits = [board.try_acquire("w") for _ in range(50)]
+        board.retain([])  # the worker left; its calls still end
+        for permit in permits:
+            permit.record(Outcome.FAULT)
+        assert board.all_closed()
+        assert board.available("w")
 
 
 class TestIdempotentSampling:

@@ -363,13 +363,34 @@ class BreakerBoard:
         self._clock = clock
         self._on_transition = on_transition
         self._breakers: dict[str, CircuitBreaker] = {}
+        # Workers whose breaker is open or half-open. Kept from the transitions themselves, so
+        # "every breaker closed" (the router's usual state) is known without asking each one.
+        self._not_closed: set[str] = set()
 
     def get(self, worker_id: str) -> CircuitBreaker:
         breaker = self._breakers.get(worker_id)
         if breaker is None:
-            breaker = CircuitBreaker(worker_id, self.config, self._clock, self._on_transition)
+            breaker = CircuitBreaker(worker_id, self.config, self._clock, self._transitioned)
             self._breakers[worker_id] = breaker
         return breaker
+
+    def _transitioned(self, worker_id: str, old: BreakerState, new: BreakerState) -> None:
+        if new is BreakerState.CLOSED:
+            self._not_closed.discard(worker_id)
+        else:
+            self._not_closed.add(worker_id)
+        if self._on_transition is not None:
+            self._on_transition(worker_id, old, new)
+
+    def all_closed(self) -> bool:
+        """Whether every breaker is closed: then none keeps any worker out, now or as time passes."""
+        for worker_id in list(self._not_closed):
+            breaker = self._breakers.get(worker_id)
+            # A mark left by a forgotten worker's breaker (its late permits may still record)
+            # keeps nothing out.
+            if breaker is None or breaker.state is BreakerState.CLOSED:
+                self._not_closed.discard(worker_id)
+        return not self._not_closed
 
     def available(self, worker_id: str) -> bool:
         breaker = self._breakers.get(worker_id)
@@ -390,6 +411,7 @@ class BreakerBoard:
         keep = set(worker_ids)
         for worker_id in [w for w in self._breakers if w not in keep]:
             del self._breakers[worker_id]
+            self._not_closed.discard(worker_id)
 
     def snapshot(self) -> dict[str, BreakerSnapshot]:
         return {worker_id: breaker.snapshot() for worker_id, breaker in self._breakers.items()}

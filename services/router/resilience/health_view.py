@@ -98,6 +98,16 @@ class WorkerHealthView:
         for worker_id in set(self._unreachable) - set(ids):
             del self._unreachable[worker_id]
 
+    def settled(self) -> bool:
+        """Whether nothing but the workers' records decides routability now and until the
+        records change: every breaker closed and no worker marked unreachable. While this
+        holds, a routable set computed from the same records is still right."""
+        now = self._clock()
+        for worker_id, (_lease, until) in list(self._unreachable.items()):
+            if now >= until:
+                del self._unreachable[worker_id]
+        return not self._unreachable and self.breakers.all_closed()
+
     def reason(self, worker: WorkerRecord) -> Unroutable | None:
         """Why `worker` may not take a new request now, or None when it may."""
         if not worker.healthy:

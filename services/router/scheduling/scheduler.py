@@ -308,6 +308,8 @@ class PoolScheduler:
         # Where the next scan for a free worker starts (spreads ties).
         self._rotation = -1
         self._workers: dict[str, WorkerSlots] = {}
+        # The mapping last observed, as given: an equal one changes nothing.
+        self._observed: dict[str, WorkerSlots | tuple[int, int]] | None = None
         # When each worker incarnation entered the eligible snapshot (slow start); None: it was
         # in the first one. A worker that left it (hot, breaker open, unreachable) and comes
         # back ramps up again, like a new one.
@@ -361,6 +363,9 @@ class PoolScheduler:
 
     def observe_workers(self, workers: Mapping[str, WorkerSlots | tuple[int, int]]) -> None:
         """Replaces the capacity snapshot (eligible workers of this pool only)."""
+        if workers == self._observed:
+            return  # the same snapshot again (each request brings it several times): nothing changes
+        self._observed = dict(workers)
         fresh = {wid: WorkerSlots(*slots) for wid, slots in workers.items()}
         first_snapshot = not self._joined_at
         now = self.clock()
