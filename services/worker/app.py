@@ -11,7 +11,8 @@ import asyncio
 import logging
 import os
 import socket
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import grpc
@@ -84,6 +85,9 @@ class WorkerApp:
     standby: StandbyControl | None = None
     # A sim worker's fault knobs; None for real engines.
     sim_faults: SimFaultControl | None = None
+    # Published in every record: fixed for the process, so an unchanged worker's record is
+    # unchanged (and not written again), and the autoscaler's oldest-first order holds still.
+    started_at: float = field(default_factory=time.time)
 
     @property
     def address(self) -> str:
@@ -108,6 +112,7 @@ class WorkerApp:
             draining=self.state.draining,
             standby=self.is_standby,
             max_context=model.max_context,
+            started_at=self.started_at,
         )
 
     @property

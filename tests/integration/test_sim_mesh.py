@@ -143,3 +143,37 @@ async def test_fault_knobs_set_through_etcd_while_the_workers_run(mesh, router):
         assert time.monotonic() < deadline, "the worker did not crash"
         await asyncio.sleep(0.05)
     assert doomed.process.exit_status() == 70
+
+
+async def test_idle_workers_keep_their_leases_without_rewriting_their_records(mesh, router):
+    """A record is written when it changes: idle workers only refresh their leases, so they
+    stay members without waking every router's watch once a second."""
+    from services.cli.etcd_view import list_workers
+    from services.common.etcd_client import make_client
+    from services.common.membership import workers_prefix
+    from services.config import load_config
+
+    etcd = load_config(mesh.config_path, environ={}).etcd
+    alive = {w.name for w in mesh.workers() if w.process.alive()}
+
+    async def revisions() -> dict[str, int]:
+        client = make_client(etcd)
+        try:
+            prefix = workers_prefix(etcd)
+            return {kv.key.decode()[len(prefix):]: kv.mod_revision for kv in await client.get_prefix(prefix.encode())}
+        finally:
+            await client.close()
+
+    # Idle once no record says work is in flight (streams of the tests before have ended).
+    deadline = time.monotonic() + 30
+    while any(record.in_flight for record, _ in await list_workers(etcd)):
+        assert time.monotonic() < deadline, "the workers never went idle"
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(2 * etcd.heartbeat_s)  # the last change's write is out
+    before = await revisions()
+    assert alive <= set(before)
+    await asyncio.sleep(etcd.lease_ttl_s + 2 * etcd.heartbeat_s)  # past a whole lease
+    after = await revisions()
+    assert alive <= set(after), "an idle worker's lease lapsed"
+    assert {name: after[name] for name in alive} == {name: before[name] for name in alive}
+    assert_served(await collect(router, request(0, False), LOCAL_API_KEY, timeout=60))
