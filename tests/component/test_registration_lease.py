@@ -65,6 +65,14 @@ async def record_revision(config: EtcdConfig, worker_id: str) -> int | None:
         await client.close()
 
 
+async def written_again(config: EtcdConfig, worker_id: str, since: int | None, within_s: float = 10) -> None:
+    """Returns once the worker's record was written after revision `since`; fails after `within_s`."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while (await record_revision(config, worker_id)) == since:
+        assert asyncio.get_running_loop().time() < deadline, f"{worker_id}'s record was not written again"
+        await asyncio.sleep(0.05)
+
+
 async def test_an_unchanged_record_is_not_rewritten_but_stays_alive_and_a_change_goes_out(etcd_server):
     """Every write wakes every router's watch: an idle worker only refreshes its lease."""
     config = EtcdConfig(host=etcd_server.host, port=etcd_server.port, prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
@@ -81,10 +89,7 @@ async def test_an_unchanged_record_is_not_rewritten_but_stays_alive_and_a_change
         assert await record_revision(config, "w-quiet") == written
 
         record.in_flight = 2
-        deadline = asyncio.get_running_loop().time() + 10
-        while (await record_revision(config, "w-quiet")) == written:
-            assert asyncio.get_running_loop().time() < deadline, "the changed record was never written"
-            await asyncio.sleep(0.05)
+        await written_again(config, "w-quiet", written)
         (published, _), = [row for row in await list_workers(config) if row[0].id == "w-quiet"]
         assert published.in_flight == 2
     finally:
@@ -100,9 +105,6 @@ async def test_an_unchanged_record_is_written_again_after_record_refresh_s(etcd_
     try:
         await asyncio.wait_for(registration.registered.wait(), 10)
         written = await record_revision(config, "w-refresh")
-        deadline = asyncio.get_running_loop().time() + 10
-        while (await record_revision(config, "w-refresh")) == written:
-            assert asyncio.get_running_loop().time() < deadline, "the record was never written again"
-            await asyncio.sleep(0.05)
+        await written_again(config, "w-refresh", written)
     finally:
         await registration.stop()

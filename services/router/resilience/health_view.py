@@ -103,9 +103,8 @@ class WorkerHealthView:
         records change: every breaker closed and no worker marked unreachable. While this
         holds, a routable set computed from the same records is still right."""
         now = self._clock()
-        for worker_id, (_lease, until) in list(self._unreachable.items()):
-            if now >= until:
-                del self._unreachable[worker_id]
+        for worker_id in [w for w, (_lease, until) in self._unreachable.items() if now >= until]:
+            del self._unreachable[worker_id]  # lapsed (hold_s passed)
         return not self._unreachable and self.breakers.all_closed()
 
     def reason(self, worker: WorkerRecord) -> Unroutable | None:
