@@ -5,8 +5,9 @@ Core code raises the typed errors of `services.common.errors`; `DomainErrorInter
 the one place they become gRPC status codes. Anything else escaping a handler is a bug and
 becomes INTERNAL (logged with its traceback).
 
-A request frame that does not parse as its message type is the client's fault: it gets
-INVALID_ARGUMENT, reaches no handler and writes no log line (gRPC itself would answer UNKNOWN
+A request frame that does not parse as its message type (a string field that is not UTF-8
+among them) is the client's fault: it gets INVALID_ARGUMENT with the `ballast-reason` trailer
+of every refusal, reaches no handler and writes no log line (gRPC itself would answer UNKNOWN
 and log a traceback per frame, so garbage could fill a disk); `malformed_requests()` counts
 them for metrics.
 """
@@ -98,8 +99,9 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
 
 
 async def _refuse_malformed(request, context) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the request frame does not parse as {request.type_name}")
+    # Like every other refusal: the status and its reason trailer, so a client tells bad
+    # input from a failing server by type.
+    await abort_with(context, InvalidArgument(f"the request frame does not parse as {request.type_name}"))
 
 
 @contextlib.asynccontextmanager

@@ -9,6 +9,8 @@ import grpc
 import pytest
 
 from services.cli.client import chat_request, collect
+from services.common.errors import Fault
+from services.common.faults import REASON_KEY, classify
 from services.common.grpc_server import CHANNEL_OPTIONS, malformed_requests
 from tests.component.conftest import API_KEY
 from tests.component.test_kv_worker import cache  # noqa: F401  (fixture)
@@ -30,11 +32,43 @@ async def test_unparseable_frames_are_invalid_argument_and_log_nothing(router_ap
                         pass
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
                 assert "does not parse as GenerateRequest" in err.value.details()
+                # The reason travels like every other refusal's: bad input, by type.
+                assert (REASON_KEY, Fault.INVALID_ARGUMENT.value) in tuple(err.value.trailing_metadata())
+                assert classify(err.value).fault is Fault.INVALID_ARGUMENT
     assert malformed_requests() - before == len(GARBAGE) * 25
     assert "ballast_grpc_malformed_requests_total" in router_app.telemetry.render()
     # No traceback, no line per frame: a client sending garbage cannot fill a disk.
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.records[:3]
     # And the router still answers a well-formed request with a model answer.
+    result = await collect(router_stub, chat_request("hello", max_tokens=4, allow_degraded=False), API_KEY)
+    assert result.finished is not None and not result.finished.degradation
+
+
+async def test_a_string_that_is_not_utf8_is_a_malformed_frame_with_its_reason(router_app, router_stub, caplog):
+    """Lone surrogates (as CESU-8 bytes) or stray bytes in a string field are not text: the frame
+    is refused as bad input, never an INTERNAL from encoding it later."""
+    from ballast.v1 import inference_pb2
+
+    def field(number: int, raw: bytes) -> bytes:
+        return bytes([number << 3 | 2, len(raw)]) + raw
+
+    model, prompt = (inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name[name].number for name in ("model", "prompt"))
+    frames = [field(model, b"\xed\xa0\x80") + field(prompt, b"hello"),  # "\ud800" as CESU-8
+              field(model, b"tiny") + field(prompt, b"\xed\xbf\xbf"),  # "\udfff"
+              field(model, b"tiny") + field(prompt, b"\xff\xfe")]
+    assert inference_pb2.GenerateRequest.FromString(field(model, b"tiny") + field(prompt, b"hello")).model == "tiny"
+    async with grpc.aio.insecure_channel(router_app.address, options=CHANNEL_OPTIONS) as channel:
+        generate = channel.unary_stream("/ballast.v1.Inference/Generate",
+                                        request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        with caplog.at_level(logging.DEBUG):
+            for frame in frames:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in generate(frame, metadata=(("x-api-key", API_KEY),), timeout=10):
+                        pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                assert "does not parse as GenerateRequest" in err.value.details()
+                assert (REASON_KEY, Fault.INVALID_ARGUMENT.value) in tuple(err.value.trailing_metadata())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.records[:3]
     result = await collect(router_stub, chat_request("hello", max_tokens=4, allow_degraded=False), API_KEY)
     assert result.finished is not None and not result.finished.degradation
 
@@ -54,6 +88,7 @@ async def test_a_client_stream_with_a_frame_that_does_not_parse_is_invalid_argum
                     await put(iter(frames), timeout=10)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
                 assert "does not parse as KVPutRequest" in err.value.details()
+                assert (REASON_KEY, Fault.INVALID_ARGUMENT.value) in tuple(err.value.trailing_metadata())
         stats = channel.unary_unary("/ballast.v1.KVCache/Stats", request_serializer=lambda raw: raw,
                                     response_deserializer=kvcache_pb2.KVStatsReply.FromString)
         await stats(b"", timeout=10)  # still serving
