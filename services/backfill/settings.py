@@ -98,11 +98,11 @@ def replay_target(config: Any, settings: BackfillSettings) -> tuple[str, str]:
         address = f"{config.router.host}:{config.router.port}"
     key = settings.router_api_key
     if not key and config.auth.enabled:
-        matches = [k for k, tenant in config.auth.api_keys.items() if tenant == settings.replay_tenant]
+        matches = config.auth.keys_of(settings.replay_tenant)
         if not matches:
             raise ReplayTargetError(
                 f"no API key for replays: set backfill.router_api_key, or add a key of tenant "
                 f"{settings.replay_tenant!r} to auth.api_keys"
             )
-        key = sorted(matches)[0]
+        key = matches[0]
     return address, key

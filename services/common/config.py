@@ -4,12 +4,14 @@ service reads (etcd, Redis, Kafka, auth, telemetry), and the loader.
 One file (`ballast.yaml`) holds every section; each service's own sections live with the
 service, and `services/config.py` assembles them into the root `BallastConfig`.
 Environment variables override any field: `BALLAST__ROUTER__PORT=50051` sets
-`router.port` (double underscores separate levels). A bad value fails at start-up with a
-message naming the field.
+`router.port` (double underscores separate levels). A variable's value replaces the file's
+at its path; a JSON map replaces the whole map (so `BALLAST__AUTH__API_KEYS` is the key list,
+not keys added to the file's). A bad value fails at start-up with a message naming the field.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -185,12 +187,55 @@ class KafkaConfig(Section):
         return properties
 
 
+# Tiers from the most urgent down; a grant or a ceiling names some of them.
+TIER_ORDER = ("S", "A", "B")
+TierName = Literal["S", "A", "B"]
+
+
+class ApiKey(Section):
+    """An API key written as a mapping, for a key that needs more than its tenant's name."""
+
+    tenant: str = Field(..., min_length=1, description="Tenant the key belongs to.")
+    max_tier: TierName | None = Field(
+        None, description="Highest tier calls with this key may claim, below the tenant's grant; none: the grant's.")
+    acts_for_tenants: bool = Field(
+        False, description="Calls with this key may name another tenant in x-ballast-on-behalf-of and run as it "
+                           "(the backfill's key, whose replays count against the tenant that degraded).")
+
+
+class TenantGrant(Section):
+    """What a tenant may claim."""
+
+    tiers: list[TierName] = Field(
+        default_factory=lambda: ["A", "B"], min_length=1,
+        description="Tiers its requests may ask for (or be tagged with); a higher one is capped to the highest "
+                    "of these, never refused.")
+
+
 class AuthConfig(Section):
     enabled: bool = Field(True, description="Require an API key on public calls.")
-    api_keys: dict[str, str] = Field(
-        default_factory=dict, description="API key -> tenant name."
+    api_keys: dict[str, str | ApiKey] = Field(
+        default_factory=dict, description="API key -> tenant name, or -> {tenant, max_tier, acts_for_tenants}."
     )
     default_tenant: str = Field("local", description="Tenant of every call when auth is off.")
+    tenants: dict[str, TenantGrant] = Field(
+        default_factory=dict, description="Tier grants by tenant; a tenant not named here gets default_grant.")
+    default_grant: TenantGrant = Field(
+        default_factory=TenantGrant, description="Grant of every tenant not in `tenants` (A and B: S is earned).")
+
+    def key(self, api_key: str) -> ApiKey | None:
+        """The key's entry in its mapping form, or None for an unknown key."""
+        entry = self.api_keys.get(api_key)
+        if entry is None or isinstance(entry, ApiKey):
+            return entry
+        return ApiKey(tenant=entry)
+
+    def keys_of(self, tenant: str) -> list[str]:
+        """The API keys of a tenant, sorted."""
+        return sorted(k for k in self.api_keys if (entry := self.key(k)) is not None and entry.tenant == tenant)
+
+    def grant(self, tenant: str) -> TenantGrant:
+        return self.tenants.get(tenant, self.default_grant)
 
 
 class TracingConfig(Section):
@@ -225,34 +270,39 @@ class ConfigError(Exception):
     """The configuration is invalid; the message names the field."""
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
+def _env_overrides(environ: dict[str, str]) -> list[tuple[list[str], Any]]:
+    """(path, value) of every BALLAST__ variable, shallowest path first."""
+    overrides: list[tuple[list[str], Any]] = []
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
         path = [part.lower() for part in name[len(ENV_PREFIX):].split("__") if part]
         if not path:
             continue
-        node = overrides
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
         # JSON lets env values carry numbers, booleans and maps; plain strings stay strings.
         try:
             value: Any = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
+        overrides.append((path, value))
+    # A map set whole goes first, so a deeper variable still lands inside it.
+    return sorted(overrides, key=lambda item: len(item[0]))
+
+
+def _apply(data: dict[str, Any], overrides: list[tuple[list[str], Any]]) -> dict[str, Any]:
+    """The file's data with each override put at its path. A value replaces what the file has
+    there, a map included: BALLAST__AUTH__API_KEYS is the whole key list, so a key left out of
+    it is revoked, not kept from the file."""
+    result = copy.deepcopy(data)
+    for path, value in overrides:
+        node = result
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
         node[path[-1]] = value
-    return overrides
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
+    return result
 
 
 def _describe(error: ValidationError) -> str:
@@ -279,7 +329,7 @@ def load_sections(root: type[Root], path: str | Path | None = None, environ: dic
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded
-    data = _merge(data, _env_overrides(environ))
+    data = _apply(data, _env_overrides(environ))
     try:
         return root.model_validate(data)
     except ValidationError as exc:
