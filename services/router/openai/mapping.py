@@ -8,13 +8,18 @@ session (KV affinity); `x-ballast-allow-degraded: false` refuses degraded answer
 `metadata` and `store` are accepted and ignored. Fields Ballast does not serve (n > 1, tools,
 logprobs...) are refused naming the field, never silently dropped. Everything the gRPC path
 checks (limits, roles, schema) is left to it, so both edges refuse alike.
+
+Text that cannot be encoded is refused here, once, before anything encodes it (protobuf, the
+tokenizer, gRPC metadata): a body that is not UTF-8, a string holding a lone surrogate (JSON
+lets `"\ud800"` through), a header Ballast reads that is not printable ASCII.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from ballast.v1 import common_pb2, inference_pb2
 from services.router.openai.errors import InvalidField, NotJson, UnsupportedField
@@ -35,6 +40,11 @@ UNSUPPORTED_UNLESS = {
 }
 # OpenAI's newer name for the system role.
 ROLE_ALIASES = {"developer": "system"}
+# Headers the request path reads (as call metadata, into protobuf, forwarded on gRPC calls):
+# their values must be printable ASCII, as gRPC metadata requires. Others are never read.
+READ_HEADERS = frozenset({"x-api-key", "authorization", "traceparent", "tracestate"})
+READ_HEADER_PREFIX = "x-ballast-"
+_NOT_PRINTABLE_ASCII = re.compile(r"[^\t\x20-\x7e]")
 
 
 @dataclass(frozen=True)
@@ -48,14 +58,67 @@ class Shape:
 
 
 def parse_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """The body as JSON; raises NotJson when it does not parse or nests deeper than `max_depth`."""
+    """The body as JSON; raises NotJson when it is not UTF-8, does not parse or nests deeper
+    than `max_depth`, and InvalidField naming the first string that holds a lone surrogate."""
     try:
-        value = json.loads(body)
+        # Strict UTF-8 (JSON's only encoding between systems): json.loads on bytes would
+        # decode with surrogatepass and let encoded surrogates through.
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise NotJson(f"the body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        value = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise NotJson(f"the body is not valid JSON: {exc.__class__.__name__}") from None
     if _depth(value) > max_depth:
         raise NotJson(f"the body nests deeper than {max_depth} levels")
+    # Valid UTF-8 holds no surrogate: only a \uD800-\uDFFF escape makes one, so a body
+    # without such an escape needs no walk (nearly every body; a pair is an emoji).
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(value)
     return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    """Raises InvalidField naming the first key or string (as a JSON path) that holds a
+    surrogate without its pair: no encoder downstream can write it."""
+    stack: list[tuple[Any, str]] = [(value, "body")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                raise InvalidField(path, f"{path} holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape): "
+                                         "strings must be valid Unicode")
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                where = f"{path}.{key}" if path != "body" else key
+                if not _encodable(key):
+                    raise InvalidField(path, f"a key of {path} holds a lone surrogate (an unpaired "
+                                             "\\uD800-\\uDFFF escape): strings must be valid Unicode")
+                stack.append((child, where))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in reversed(list(enumerate(item))))
+
+
+def check_headers(headers: Iterable[tuple[str, str]]) -> None:
+    """Raises InvalidField naming the first header Ballast reads whose value is not printable
+    ASCII (names lower-case)."""
+    for name, value in headers:
+        if (name in READ_HEADERS or name.startswith(READ_HEADER_PREFIX)) and _NOT_PRINTABLE_ASCII.search(value):
+            raise InvalidField(name, f"header {name} must be printable ASCII (send other text percent-encoded)")
 
 
 def _depth(value: Any) -> int:

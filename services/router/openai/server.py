@@ -31,7 +31,7 @@ from services.common.errors import BallastError
 from services.common.tracing import context_from_headers, tracer
 from services.router.openai.backfill import answer_json
 from services.router.openai.errors import BodyTooLarge, HttpRefusal, RouteNotFound
-from services.router.openai.mapping import Shape, parse_json, to_generate_request
+from services.router.openai.mapping import Shape, check_headers, parse_json, to_generate_request
 from services.router.openai.responses import Answer, degraded_headers
 from services.router.openai.sse import SseRelay, error_response, sse_event
 from services.router.servicer import InferenceServicer
@@ -49,6 +49,8 @@ class HttpCall:
 
     def __init__(self, request: web.Request) -> None:
         self._metadata = [(name.lower(), value) for name, value in request.headers.items()]
+        # Before anything encodes one (gRPC metadata, protobuf): 400, not a 500 later.
+        check_headers(self._metadata)
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return self._metadata
