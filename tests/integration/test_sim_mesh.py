@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from services.cli.client import chat_request, collect
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from tests.integration.test_mesh import metric_value, scrape
+from tests.integration.victims import Answering, worker_answering
 from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
@@ -39,33 +41,43 @@ def request(i: int, seeded: bool):
                         allow_degraded=False, **options)
 
 
+KILLED = 4
+# A batch in which a victim had finished its streams when its kill landed proves less than it
+# claims: another batch runs (the victims started again first), up to this many.
+FAULT_BATCHES = 3
+
+
 async def test_streams_survive_sim_workers_killed_mid_stream(mesh, router):
     keys = [(i, i % 2 == 1) for i in range(STREAMS)]
     references = await asyncio.gather(*(collect(router, request(i, s), LOCAL_API_KEY, timeout=120) for i, s in keys))
     for reference in references:
         assert_served(reference)
         assert len(reference.token_ids) == TOKENS
-    streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120)) for i, s in keys]
-    # Until the streams are under way on at least four workers (16 processes share this
-    # machine's cores: how long that takes depends on it).
-    deadline = time.monotonic() + 30
-    while True:
-        loads = {w.name: metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in mesh.workers()}
-        busy = [w for w in mesh.workers() if loads[w.name] > 0]
-        if len(busy) >= 4:
+    rng = random.Random(20261203)
+    for _batch in range(FAULT_BATCHES):
+        alive = [w for w in mesh.workers() if w.process.alive()]
+        on_workers = await Answering.read(alive)
+        streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120)) for i, s in keys]
+        # Each victim is killed the moment it is read in the middle of answering a stream of
+        # the batch (16 processes share this machine's cores: when that is depends on it).
+        victims: list = []
+        while len(victims) < KILLED:
+            victim = await worker_answering([w for w in alive if w not in victims], on_workers, streams, rng)
+            if victim is None:
+                break
+            victim.process.kill()
+            victims.append(victim)
+        results = await asyncio.gather(*streams)
+        for result, reference in zip(results, references):
+            assert_served(result)
+            assert result.token_ids == reference.token_ids
+            assert result.indices == list(range(TOKENS))
+        if len(victims) == KILLED and sum(r.finished.resumes for r in results) >= len(victims):
             break
-        assert time.monotonic() < deadline, f"the streams did not spread over the workers: {loads}"
-        assert not all(s.done() for s in streams), "every stream ended before four workers were busy"
-        await asyncio.sleep(0.05)
-    victims = busy[:4]
-    for victim in victims:
-        victim.process.kill()
-    results = await asyncio.gather(*streams)
-    for result, reference in zip(results, references):
-        assert_served(result)
-        assert result.token_ids == reference.token_ids
-        assert result.indices == list(range(TOKENS))
-    assert sum(r.finished.resumes for r in results) >= len(victims)
+        for victim in victims:
+            await asyncio.to_thread(mesh.restart_service, victim)
+    else:
+        pytest.fail(f"in {FAULT_BATCHES} batches {KILLED} kills never each hit a stream in flight")
 
 
 async def set_faults(mesh, worker_name: str, faults: dict | None) -> None:
@@ -91,30 +103,34 @@ async def test_fault_knobs_set_through_etcd_while_the_workers_run(mesh, router):
 
     workers = [w for w in mesh.workers() if w.process.alive()]
 
-    # Fail after 20 tokens, set on two workers while they hold streams: those streams still
-    # end whole and exact, resumed elsewhere.
+    # Fail after 20 tokens, set on two workers while each is in the middle of answering a
+    # stream: those streams still end whole and exact, resumed elsewhere. A batch whose
+    # streams had all finished there when the knob landed proves nothing: another runs.
     keys = [(i, True) for i in range(8)]
     references = await asyncio.gather(*(collect(router, request(i, s), LOCAL_API_KEY, timeout=120) for i, s in keys))
-    streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120)) for i, s in keys]
-    deadline = time.monotonic() + 30
-    while True:
-        busy = [w for w in workers if metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") > 0]
-        if len(busy) >= 2:
+    rng = random.Random(20261204)
+    for _batch in range(FAULT_BATCHES):
+        on_workers = await Answering.read(workers)
+        streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120)) for i, s in keys]
+        failing: list = []
+        try:
+            while len(failing) < 2:
+                worker = await worker_answering([w for w in workers if w not in failing], on_workers, streams, rng)
+                if worker is None:
+                    break
+                await set_faults(mesh, worker.name, {"fail_after_tokens": 20})
+                failing.append(worker)
+            results = await asyncio.gather(*streams)
+        finally:
+            for worker in failing:
+                await set_faults(mesh, worker.name, None)
+        for result, reference in zip(results, references):
+            assert_served(result)
+            assert result.token_ids == reference.token_ids
+        if sum(r.finished.resumes for r in results) >= 1:
             break
-        assert time.monotonic() < deadline and not all(s.done() for s in streams), "the streams did not spread"
-        await asyncio.sleep(0.05)
-    failing = busy[:2]
-    for worker in failing:
-        await set_faults(mesh, worker.name, {"fail_after_tokens": 20})
-    try:
-        results = await asyncio.gather(*streams)
-    finally:
-        for worker in failing:
-            await set_faults(mesh, worker.name, None)
-    for result, reference in zip(results, references):
-        assert_served(result)
-        assert result.token_ids == reference.token_ids
-    assert sum(r.finished.resumes for r in results) >= 1
+    else:
+        pytest.fail(f"in {FAULT_BATCHES} batches no stream was on a worker when it began to fail")
     hot, sick, doomed = [w for w in workers if w not in failing][:3]
 
     # A reported temperature reaches the router and takes the worker out as hot; cleared, back in.
