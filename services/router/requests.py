@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
 from dataclasses import dataclass, field, replace
@@ -14,11 +15,16 @@ from services.common.streams import MAX_FLUSH_INTERVAL_MS
 from services.common.tier_pb import TIER_NAMES
 from services.router.context.window import ContextPolicy
 from services.router.settings import RouterConfig
+from services.router.structured.limits import check_message_count, check_message_sizes
 from services.router.structured.schema import Schema, check_schema
 
 ROLES = frozenset({"system", "user", "assistant"})
 MAX_ID_CHARS = 128
-MAX_SCHEMA_CHARS = 64 * 1024
+# A request at least this big (serialized bytes), or with a schema at least this long, is
+# checked on a thread: parsing, walking and meta-checking it can take more than a few ms,
+# which the event loop (every other stream, the health checks) must not wait for.
+OFF_LOOP_BYTES = 64 * 1024
+OFF_LOOP_SCHEMA_CHARS = 4 * 1024
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,14 @@ def _check_id(name: str, value: str) -> str:
     return value
 
 
+async def checked_request(request: inference_pb2.GenerateRequest, tenant: str, config: RouterConfig) -> InferenceRequest:
+    """`request_from_pb`, on a thread when the request is big enough for its checks to hold
+    the event loop (a small request is checked in place: a thread hop costs more than it)."""
+    if request.ByteSize() >= OFF_LOOP_BYTES or len(request.response_format) >= OFF_LOOP_SCHEMA_CHARS:
+        return await asyncio.to_thread(request_from_pb, request, tenant, config)
+    return request_from_pb(request, tenant, config)
+
+
 def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config: RouterConfig) -> InferenceRequest:
     """Validates a GenerateRequest; raises InvalidArgument or NotFound naming the field."""
     size = request.ByteSize()
@@ -83,13 +97,18 @@ def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config:
     which = request.WhichOneof("input")
     messages: tuple[Message, ...] = ()
     prompt: str | None = None
+    limits = config.limits
     if which == "conversation":
-        if not request.conversation.messages:
+        pb_messages = request.conversation.messages
+        if not pb_messages:
             raise InvalidArgument("conversation.messages must not be empty")
-        for i, message in enumerate(request.conversation.messages):
+        # Before anything walks them: the count alone decides.
+        check_message_count(len(pb_messages), limits)
+        for i, message in enumerate(pb_messages):
             if message.role not in ROLES:
                 raise InvalidArgument(f"conversation.messages[{i}].role must be one of {sorted(ROLES)}")
-        messages = tuple(Message(m.role, m.content) for m in request.conversation.messages)
+        messages = tuple(Message(m.role, m.content) for m in pb_messages)
+        check_message_sizes([m.content for m in messages], limits)
         chars = sum(len(m.content) for m in messages)
     elif which == "prompt":
         if not request.prompt:
@@ -100,9 +119,7 @@ def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config:
         raise InvalidArgument("set either conversation or prompt")
     if chars > config.max_prompt_chars:
         raise InvalidArgument(f"prompt is {chars} characters; the limit is {config.max_prompt_chars}")
-    if len(request.response_format) > MAX_SCHEMA_CHARS:
-        raise InvalidArgument(f"response_format is over {MAX_SCHEMA_CHARS} characters")
-    schema = check_schema(request.response_format) if request.response_format else None
+    schema = check_schema(request.response_format, limits.json_schema) if request.response_format else None
     context_policy = ContextPolicy.parse(request.context.policy)
     max_turns = request.context.max_turns if request.context.HasField("max_turns") else None
     if max_turns is not None and max_turns < 1:

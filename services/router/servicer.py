@@ -37,7 +37,7 @@ from services.router.model_registry import ModelRegistry
 from services.router.pools import PoolGates
 from services.router.quotas import TenantQuotas
 from services.router.request_run import RequestRun
-from services.router.requests import InferenceRequest, request_from_pb
+from services.router.requests import InferenceRequest, checked_request
 from services.router.resilience.breaker import BreakerBoard
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.retry_budget import RetryBudget
@@ -197,7 +197,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.metrics.in_flight.add(1)
         try:
             tenant = self.auth.tenant_for(call.invocation_metadata())
-            inference = request_from_pb(request, tenant, self.router_config)
+            inference = await checked_request(request, tenant, self.router_config)
             self._check_model_known(inference.model)
             model = inference.model
             # After validation, so a malformed request costs the tenant nothing.

@@ -12,6 +12,7 @@ from services.router.resilience.retry_budget import RetryBudgetConfig
 from services.router.resilience.stall import StallConfig
 from services.router.resilience.temperature import TemperatureConfig
 from services.router.scheduling.tiers import TierPolicy
+from services.router.structured.limits import RequestLimits
 
 
 class RouterConfig(Section):
@@ -63,6 +64,9 @@ class RouterConfig(Section):
         default_factory=TemperatureConfig, description="GPU temperature limit with hysteresis."
     )
     stall: StallConfig = Field(default_factory=StallConfig, description="Per-tier silence that counts as a stall.")
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits, description="What one request may cost: messages, message size, JSON Schema bounds."
+    )
     scheduling: dict = Field(
         default_factory=dict,
         description="Tier policy overrides (budgets, queues, shares, preemption; see scheduling/tiers.py).",

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import llguidance
 
 from services.common.errors import InvalidArgument
+from services.common.schema_limits import SchemaLimits, parse_schema
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,14 @@ if TYPE_CHECKING:
 # Compact separators and no free whitespace between tokens: a weak model given the freedom
 # to emit whitespace can spend its whole budget on newlines and never close the document.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+# llguidance's own bounds, tighter than its defaults: a grammar of at most 200k symbols and a
+# lexer of at most 50k states (1-2 kB each), so a schema that slips past the schema limits
+# still fails that one request instead of growing the worker by gigabytes. Its size check runs
+# only after the grammar is built, which is why the schema limits come first: a billion-item
+# array aborts the process while it is being built.
+PARSER_LIMITS = {"max_grammar_size": 200_000, "max_lexer_states": 50_000, "initial_lexer_fuel": 1_000_000,
+                 "step_lexer_fuel": 200_000, "step_max_items": 50_000, "verbose_errors": False}
 
 
 class GuideMismatch(ValueError):
@@ -58,9 +67,11 @@ class GuideCompiler:
     """
 
     def __init__(self, tokenizer_json: str | bytes, vocab_size: int,
-                 eos_token_ids: Sequence[int], *, cache_size: int = 64) -> None:
+                 eos_token_ids: Sequence[int], *, cache_size: int = 64,
+                 limits: SchemaLimits | None = None) -> None:
         """`vocab_size` is the length of the model's logits (it may exceed the tokenizer's
-        vocabulary when the embedding is padded); `eos_token_ids` end a generation."""
+        vocabulary when the embedding is padded); `eos_token_ids` end a generation; `limits`
+        bound each schema before it is compiled (default: SchemaLimits())."""
         if isinstance(tokenizer_json, bytes):
             tokenizer_json = tokenizer_json.decode()
         eos = [int(t) for t in eos_token_ids]
@@ -71,6 +82,8 @@ class GuideCompiler:
         self.eos_token_ids = tuple(eos)
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
         self._cache_size = cache_size
+        self._limits = limits or SchemaLimits()
+        self._parser_limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -116,11 +129,14 @@ class GuideCompiler:
         return template.deep_copy()
 
     def _compile(self, schema_text: str) -> llguidance.LLMatcher:
+        # Bounded before llguidance sees it (validate_request did too; this compiler may be
+        # used without it).
+        parse_schema(schema_text, self._limits, what="response_format for guided decoding")
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_text, defaults=_JSON_OPTIONS)
         except ValueError as exc:
             raise InvalidArgument(f"response_format cannot be used for guided decoding: {exc}") from None
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits)
         if matcher.is_error():
             raise InvalidArgument(
                 f"response_format cannot be used for guided decoding: {matcher.get_error()}")

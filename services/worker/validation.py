@@ -3,14 +3,18 @@ and vLLM refuse the same input with the same message."""
 
 from __future__ import annotations
 
-import json
 import math
 
 from services.common.errors import InvalidArgument
+from services.common.schema_limits import SchemaLimits, parse_schema
 from services.worker.engine import EngineRequest
 
 
-def validate_request(request: EngineRequest, vocab_size: int, max_context: int) -> None:
+SCHEMA_LIMITS = SchemaLimits()
+
+
+def validate_request(request: EngineRequest, vocab_size: int, max_context: int,
+                     schema_limits: SchemaLimits | None = None) -> None:
     """Raises InvalidArgument, naming the field, for a request no engine can serve. Every
     engine runs it before anything starts (on vLLM: before vLLM's own, less specific, checks),
     so bad input gets the same status and message whatever the engine."""
@@ -38,9 +42,6 @@ def validate_request(request: EngineRequest, vocab_size: int, max_context: int) 
     if any(not stop for stop in s.stop):
         raise InvalidArgument("stop strings must not be empty")
     if request.response_format:
-        try:
-            schema = json.loads(request.response_format)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"response_format is not valid JSON: {exc.msg}") from None
-        if not isinstance(schema, dict):
-            raise InvalidArgument("response_format must be a JSON Schema object")
+        # Bounded before any grammar compiler (llguidance, vLLM's) sees it: a request may come
+        # from a router of another version that did not check.
+        parse_schema(request.response_format, schema_limits or SCHEMA_LIMITS)
