@@ -24,6 +24,7 @@ from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.backfill.consumer import ConsumerLoop, consumer_config
 from services.backfill.kafka_check import KafkaCheck, admin_client
 from services.backfill.metrics import BackfillMetrics
+from services.backfill.parked import ParkedTickets
 from services.backfill.pool_watch import PrimaryPoolWatch
 from services.backfill.processor import Processor
 from services.backfill.replay import Replayer, RouterReplayer
@@ -36,6 +37,8 @@ from services.common.grpc_server import add_health_and_reflection, bind, bind_he
 from services.common.kafka import AsyncProducer, ensure_topics
 from services.common.membership import MembershipWatcher
 from services.common.probes import DependencyProbe
+from services.common.quarantine import QuarantineStore
+from services.common.quarantine_etcd import QuarantineWatch
 from services.common.redis_client import AnyRedis, make_client, ping as ping_redis
 from services.common.telemetry import Telemetry
 from services.common.tls.credentials import server_credentials
@@ -70,6 +73,8 @@ class BackfillApp:
     consumer: ConsumerLoop | None = None
     replayer: Replayer | None = None
     membership: MembershipWatcher | None = None
+    # The routers' quarantine, followed from etcd: poison is parked, never replayed.
+    quarantine_watch: QuarantineWatch | None = None
     _pubsub_redis: AnyRedis | None = None
     _topics_task: asyncio.Task | None = field(default=None, repr=False)
 
@@ -89,6 +94,8 @@ class BackfillApp:
             await self.replayer.close()
         if self.membership is not None:
             await self.membership.stop()
+        if self.quarantine_watch is not None:
+            await self.quarantine_watch.stop()
         await self.producer.stop()
         await self.notices.stop()
         for probe in self.probes:
@@ -195,8 +202,12 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         app.replayer = replayer
         app.membership = MembershipWatcher(config.etcd, telemetry.dependencies)
         await app.membership.start()
+        app.quarantine_watch = QuarantineWatch(config.etcd, QuarantineStore())
+        await app.quarantine_watch.start()
         app.processor = Processor(settings, store, replayer, producer, metrics,
                                   pool_watch=PrimaryPoolWatch(app.membership),
+                                  quarantine=app.quarantine_watch.store,
+                                  parked=ParkedTickets(client, settings.redis_prefix),
                                   ensure_topics=partial(_ensure_topics_once, config.kafka, settings,
                                                         config.kafka.timeout_s))
         metrics.observe_current_lag(app.processor.oldest_in_hand)

@@ -4,9 +4,15 @@ The handler is idempotent per ticket, because Kafka may deliver a record twice (
 crash before the commit, a producer reset upstream): an answer already stored is never
 replayed again, only re-announced. Waiting is not failing: a busy or down primary pool, an
 unreachable Redis or broker, a refused API key all wait with backoff and never count as
-attempts; only replays that fail on their own count, and after `max_attempts` the record goes
-to the dead-letter topic. The handler returns only when the record is settled, and only then
+attempts; only replays that fail on their own count (one whose worker died under it does),
+and after `max_attempts` the record goes to the dead-letter topic. The handler returns only when the record is settled, and only then
 does the consumer commit its offset.
+
+Poison is never replayed: a request whose fingerprint the router quarantined (it killed
+workers; see services.common.quarantine) is parked before a replay, and so is one the router
+refuses as quarantined during a replay. Parking is dead-lettering with the cause
+`quarantined`; every dead-lettered ticket is also listed in Redis for `ballast status`
+(parked.py).
 
 Each record is handled in a span that continues the trace of the request that degraded (its
 `traceparent` header), so the replay through the router shows up in that request's trace.
@@ -26,6 +32,7 @@ from redis.exceptions import RedisError
 from ballast.v1 import backfill_pb2
 from services.backfill.consumer import Record
 from services.backfill.metrics import BackfillMetrics
+from services.backfill.parked import ParkedTickets
 from services.backfill.pool_watch import PrimaryPoolWatch
 from services.backfill.replay import Replayer, ReplayError, ReplayErrorKind
 from services.backfill.settings import BackfillSettings
@@ -33,6 +40,7 @@ from services.backfill.store import AnswerStore
 from services.common import tracing
 from services.common.degraded.codec import InvalidDegradedRequest, backfilled_answer_pb, decode_degraded, seconds
 from services.common.kafka import AsyncProducer, DeliveryFailed
+from services.common.quarantine import QuarantineStore, degraded_fingerprint
 from services.common.degraded.topics import (
     BACKFILLED_CONTENT_TYPE,
     CONTENT_TYPE_HEADER,
@@ -52,12 +60,16 @@ class Processor:
     def __init__(self, settings: BackfillSettings, store: AnswerStore, replayer: Replayer,
                  producer: AsyncProducer, metrics: BackfillMetrics | None = None,
                  pool_watch: PrimaryPoolWatch | None = None,
-                 ensure_topics: Callable[[], Awaitable[object]] | None = None) -> None:
+                 ensure_topics: Callable[[], Awaitable[object]] | None = None,
+                 quarantine: QuarantineStore | None = None, parked: ParkedTickets | None = None) -> None:
         """`ensure_topics` creates the topics the processor writes to when they are missing; it
         runs when a publish fails, since a broker replaced by a fresh one has lost them (the
         publish would otherwise time out again and again while replays wait behind it)."""
         self.settings = settings
         self._ensure_topics = ensure_topics
+        # The routers' quarantine as etcd has it (followed by the app); None: never checked.
+        self.quarantine = quarantine
+        self.parked = parked
         self.pool_watch = pool_watch
         self.store = store
         self.replayer = replayer
@@ -126,19 +138,32 @@ class Processor:
         log.info("ticket %s backfilled %.1fs after the request (%s)", degraded.ticket, lag, degraded.reason)
         return "stored" if stored else "duplicate"
 
+    def _quarantined(self, degraded: backfill_pb2.DegradedRequest) -> bool:
+        return self.quarantine is not None and self.quarantine.get(degraded_fingerprint(degraded)) is not None
+
     async def _replay(self, record: Record, degraded: backfill_pb2.DegradedRequest):
         s = self.settings
         busy_wait = s.busy_backoff_s
         while True:
+            if self._quarantined(degraded):
+                # Checked before every try: a quarantine may arrive while this one waits.
+                await self._dead_letter(record, "quarantined: the request killed the workers it ran on", 0,
+                                        cause="quarantined", ticket=degraded.ticket, tenant=degraded.tenant)
+                return None
             started = time.perf_counter()
             try:
                 result = await self._replay_once(degraded)
             except ReplayError as error:
                 self._count("replays", result=error.kind.value)
+                if error.kind is ReplayErrorKind.QUARANTINED:
+                    await self._dead_letter(record, str(error), 0, cause="quarantined",
+                                            ticket=degraded.ticket, tenant=degraded.tenant)
+                    return None
                 if error.kind is ReplayErrorKind.FAILED:
                     attempts = await self._infra(lambda: self.store.add_attempt(degraded.ticket), "count the attempt")
                     if attempts >= s.max_attempts:
-                        await self._dead_letter(record, str(error), attempts, cause="attempts")
+                        await self._dead_letter(record, str(error), attempts, cause="attempts",
+                                                ticket=degraded.ticket, tenant=degraded.tenant)
                         return None
                     wait = min(s.retry_backoff_max_s, s.retry_backoff_s * 2 ** (attempts - 1))
                     log.warning("replay of ticket %s failed (attempt %d of %d): %s; again in %.1fs",
@@ -187,7 +212,8 @@ class Processor:
             "publish the answer", reset_producer=True,
         )
 
-    async def _dead_letter(self, record: Record, error: str, attempts: int, cause: str) -> None:
+    async def _dead_letter(self, record: Record, error: str, attempts: int, cause: str,
+                           ticket: str = "", tenant: str = "") -> None:
         headers = [
             *record.headers,
             (DLQ_ERROR_HEADER, error[:1000].encode()),
@@ -199,6 +225,10 @@ class Processor:
             lambda: self.producer.send(self.settings.deadletter_topic, record.value or b"", record.key, headers),
             "dead-letter the record", reset_producer=True,
         )
+        if self.parked is not None:
+            parked = self.parked
+            await self._infra(lambda: parked.add(ticket or f"{record.topic}/{record.partition}/{record.offset}",
+                                                 tenant, cause, attempts, error), "list the parked ticket")
         self._count("dead_lettered", cause=cause)
         self._count("processed", outcome="dead_lettered")
         log.error("dead-lettered %s/%d@%d after %d attempts: %s", record.topic, record.partition,

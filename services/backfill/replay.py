@@ -27,6 +27,7 @@ class ReplayErrorKind(str, enum.Enum):
     UNHEALTHY = "unhealthy"  # the pool (or the router) is down: wait, do not count
     CONFIG = "config"  # our key is refused: an operator must act; wait, do not count
     FAILED = "failed"  # this request failed: counts towards dead-lettering
+    QUARANTINED = "quarantined"  # this request killed workers: parked at once, never replayed again
 
 
 class ReplayError(Exception):
@@ -47,13 +48,17 @@ _UNHEALTHY = frozenset({Fault.NO_LIVE_WORKER, Fault.UNREACHABLE})
 
 
 def replay_error(error: grpc.aio.AioRpcError) -> ReplayError:
-    """What a failed replay means for the record: wait (busy, unhealthy, config) or count it."""
+    """What a failed replay means for the record: wait (busy, unhealthy, config), count it, or
+    park it (quarantined). A replay whose worker died under it (WORKER_LOST) counts: it is not
+    the pool being down but the pool going down under this request."""
     failure = classify(error)
     message = f"{failure.code.name}: {error.details() or ''}"
     if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ReplayError(ReplayErrorKind.BUSY, message, retry_after_hint(error))
     if failure.code == grpc.StatusCode.UNAVAILABLE and failure.fault in _UNHEALTHY:
         return ReplayError(ReplayErrorKind.UNHEALTHY, message)
+    if failure.fault is Fault.QUARANTINED:
+        return ReplayError(ReplayErrorKind.QUARANTINED, message)
     if failure.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return ReplayError(ReplayErrorKind.CONFIG, message)
     return ReplayError(ReplayErrorKind.FAILED, message)

@@ -174,6 +174,10 @@ def cmd_status(args) -> int:
     cache = _cache_redis_line(_local_metrics(args, "cache"))
     if cache:
         print(cache)
+    from services.cli.poison_view import poison_lines
+
+    for line in poison_lines(config):  # quarantined fingerprints, parked backfill tickets
+        print(line)
     return 0
 
 

@@ -28,6 +28,10 @@ class Fault(str, enum.Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     CANCELLED = "cancelled"
     INTERNAL = "internal"
+    # A request that killed or stalled the workers it ran on, refused while it is quarantined.
+    QUARANTINED = "quarantined"
+    # The request's worker died under it (while taking it on) and no other worker could take it.
+    WORKER_LOST = "worker_lost"
     # Never sent: the call failed before a Ballast server answered (refused, reset, closed).
     UNREACHABLE = "unreachable"
 
@@ -102,6 +106,28 @@ class RetryBudgetExhausted(Unavailable):
     """No retry allowed now: the budget is spent or the request used its attempts."""
 
     fault = Fault.RETRY_BUDGET_EXHAUSTED
+
+
+class WorkerLost(Unavailable):
+    """The worker died or stalled while taking this request on, and no other worker is left to
+    try. Unlike NoLiveWorker it says the request may be why: a replay that ends so counts as a
+    failed attempt."""
+
+    fault = Fault.WORKER_LOST
+
+
+class Quarantined(BallastError):
+    """The request (by its fingerprint: tenant, input and schema) killed or stalled the workers
+    it ran on and is refused until its quarantine lapses (`retry_after_s`). FAILED_PRECONDITION:
+    the same request cannot succeed by retrying, the caller is not at fault for sending it, and
+    neither failover, the breakers nor the degradation ladder act on it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    fault = Fault.QUARANTINED
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Draining(Unavailable):

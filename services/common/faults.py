@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.errors import BallastError, Fault, ResourceExhausted
+from services.common.errors import BallastError, Fault, Quarantined, ResourceExhausted
 
 # Trailing metadata of every Ballast error status: its Fault's value.
 REASON_KEY = "ballast-reason"
@@ -65,8 +65,8 @@ def _sent_fault(error: grpc.aio.AioRpcError) -> Fault | None:
 def status_trailers(error: BallastError) -> tuple[tuple[str, str], ...]:
     """The trailing metadata a server sends with `error`: its fault, and any retry hint."""
     trailers = [(REASON_KEY, error.fault.value)]
-    if isinstance(error, ResourceExhausted):
-        # A retry hint any client can read, whatever its language.
+    if isinstance(error, (ResourceExhausted, Quarantined)):
+        # A retry hint any client can read, whatever its language (a quarantine's: when it lapses).
         trailers.append((RETRY_AFTER_KEY, str(int(error.retry_after_s * 1000))))
     return tuple(trailers)
 

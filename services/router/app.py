@@ -27,6 +27,7 @@ from services.router.autoscale.runtime import router_identity, start_autoscaler
 from services.router.backfill_proxy import BackfillProxy
 from services.router.metrics import RouterMetrics
 from services.router.openai.server import OpenAIFront
+from services.router.resilience.quarantine import RouterQuarantine
 from services.router.scheduling.tagging import TIERING_KEY
 from services.router.servicer import InferenceServicer
 from services.router.worker_clients import WorkerClients
@@ -86,6 +87,7 @@ class RouterApp:
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.rules_watch.stop()
+        await self.servicer.runner.quarantine.stop()
         await self.servicer.rollouts.stop()
         await self.servicer.pools.stop()
         await self.servicer.routing_view.stop()
@@ -109,6 +111,10 @@ async def create_server(config: BallastConfig) -> RouterApp:
     rules_watch = KeyWatcher(config.etcd, f"{config.etcd.prefix}{TIERING_KEY}", servicer.rules_changed)
     await rules_watch.start()
     await servicer.rollouts.start()
+    # The quarantine shared with the other routers and the backfill through etcd.
+    servicer.runner.quarantine = RouterQuarantine(config.router.quarantine, config.etcd,
+                                                  counter=servicer.metrics.quarantine)
+    await servicer.runner.quarantine.start()
     credentials = public_server_credentials(config.tls, "router")
     # With a plaintext public port (public_tls off, TLS ended at a balancer) the public API
     # and reflection are served without TLS too; otherwise only health checks are.

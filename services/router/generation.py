@@ -7,7 +7,9 @@ from the prompt plus every token already sent (`generated_ids`), with `max_token
 no token lost, none repeated, indices continuous. Sampling resumes exactly because the
 random state at each position derives from the seed and the position (the router gives
 unseeded requests a seed derived from their idempotency key). Attempts draw on a retry
-budget so a failing pool cannot become a retry storm; worker faults feed the breakers.
+budget so a failing pool cannot become a retry storm; worker faults feed the breakers. A
+request whose workers die while taking it on is a likely query of death: it costs at most
+`router.quarantine.max_workers_lost` workers, then it is quarantined (resilience/quarantine.py).
 
 A run is one `RequestRun` (the request, its tier and deadline, what it has delivered so
 far); the runner yields plain events (`services.router.events`), which the gRPC edge turns
@@ -26,6 +28,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common import tracing
+from services.common.accepted import was_accepted
 from services.common.grpc_tracing import trace_metadata
 from services.router.settings import RouterConfig
 from services.common.errors import (
@@ -37,6 +40,7 @@ from services.common.errors import (
     ResourceExhausted,
     RetryBudgetExhausted,
     Unavailable,
+    WorkerLost,
 )
 from services.common.faults import classify
 from services.common.generation import FinishReason
@@ -52,6 +56,7 @@ from services.router.request_run import RequestRun, StreamState
 from services.router.requests import InferenceRequest
 from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
 from services.router.resilience.health_view import WorkerHealthView
+from services.router.resilience.quarantine import RouterQuarantine, implicated
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import Refusal, RetryBudget
 from services.router.resilience.stall import StreamStalled, with_stall_timeout
@@ -128,6 +133,8 @@ class AttemptControl:
     def __init__(self) -> None:
         self.reason: str | None = None
         self.call: grpc.aio.UnaryStreamCall | None = None
+        # The latest attempt's call, kept after it ended: did its worker take the request?
+        self.last_call: grpc.aio.UnaryStreamCall | None = None
 
     def interrupt(self, reason: str) -> None:
         if self.reason is None:
@@ -163,6 +170,7 @@ class GenerationRunner:
         pools: PoolGates,
         metrics: RouterMetrics,
         rollouts: RolloutController | None = None,
+        quarantine: RouterQuarantine | None = None,
     ) -> None:
         self.config = config
         self.membership = membership
@@ -176,6 +184,8 @@ class GenerationRunner:
         # Without etcd (a runner built on its own) no rollout is ever seen: plain routing.
         self.rollouts = rollouts or RolloutController(None, clients, models)
         self._observers: list[RunObserver] = []
+        # Without etcd (a runner built on its own) the quarantine is this router's alone.
+        self.quarantine = quarantine or RouterQuarantine(config.quarantine, counter=metrics.quarantine)
 
     def add_observer(self, observer: RunObserver) -> None:
         """Tells `observer` of each run from now on: its arrival, first token and end."""
@@ -183,6 +193,8 @@ class GenerationRunner:
 
     async def run(self, run: RequestRun) -> AsyncIterator[Event]:
         request = run.request
+        # Before any worker or budget is touched: a quarantined request costs nothing more.
+        self.quarantine.check(request)
         observed_from = time.perf_counter()
         for observer in self._observers:
             observer.arrival(request.model)
@@ -282,6 +294,8 @@ class GenerationRunner:
                     # Gone or breaker-probes busy since dispatch: not an attempt, just another slot.
                     await self._another_slot(grant, request, self._pinned(version, state))
                     continue
+                sent_before = len(state.sent_ids)
+                control.last_call = None
                 try:
                     if not state.model_version:
                         yield await self._start(run, worker)
@@ -313,12 +327,25 @@ class GenerationRunner:
                         self.health.mark_unreachable(worker)
                     if outcome is Outcome.FAULT:
                         self.rollouts.observe(request.model, worker.model_version, False)
-                    self._check_retriable(error, worker, run)
                     why = _resume_reason(error)
+                    # Did it die taking this request on? Then the request may be why: it costs
+                    # a bounded number of workers (this raises Quarantined at the limit).
+                    died = lost or isinstance(error, StreamStalled)
+                    suspect = implicated(died, len(state.sent_ids) - sent_before,
+                                         died and await was_accepted(control.last_call))
+                    if suspect:
+                        self.quarantine.worker_lost(request, why, worker.id)
+                    self._check_retriable(error, worker, run)
                     self.metrics.worker_attempts.add(1, {"reason": why})
                     log.info("request %s (trace %s): worker %s failed (%s) after %d tokens; trying another",
                              request.request_id, tracing.trace_id(), worker.id, why, len(state.sent_ids))
-                    await self._another_slot(grant, request, self._pinned(version, state))
+                    try:
+                        await self._another_slot(grant, request, self._pinned(version, state))
+                    except NoLiveWorker as gone:
+                        if suspect:
+                            # Not "the pool is down" but "the pool went down under this request".
+                            raise WorkerLost(f"{gone.message}; worker {worker.id} died taking this request on") from None
+                        raise
                     if state.sent_ids:
                         state.resumes += 1
                         self.metrics.resumes.add(1, {"tier": tier, "reason": why})
@@ -414,7 +441,7 @@ class GenerationRunner:
             with trace.use_span(attempt):
                 call = stub.Generate(worker_request, timeout=max(0.001, run.deadline - time.monotonic()),
                                      metadata=trace_metadata())
-            control.call = call
+            control.call = control.last_call = call
             # A worker whose lease is gone is dead or cut off: do not wait for a stall.
             lease_watch = asyncio.create_task(self._watch_lease(worker.id, control))
             first_wait = max(stall_s, self.config.first_token_timeout_s)

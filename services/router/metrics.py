@@ -37,6 +37,11 @@ class RouterMetrics:
             "ballast_router_resumes",
             description="Streams resumed mid-way on another worker, by tier and reason.",
         )
+        self.quarantine = meter.create_counter(
+            "ballast_router_quarantine",
+            description="Poison requests: fingerprints quarantined after costing workers (event=quarantined), "
+                        "requests refused for one (event=refused).",
+        )
         self.breaker_transitions = meter.create_counter(
             "ballast_breaker_transitions", description="Circuit-breaker state changes, by new state."
         )

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from services.common.config import Section
 from services.router.quotas import QuotaConfig
 from services.router.resilience.breaker import BreakerConfig
+from services.router.resilience.quarantine import QuarantineConfig
 from services.router.resilience.retry_budget import RetryBudgetConfig
 from services.router.resilience.stall import StallConfig
 from services.router.resilience.temperature import TemperatureConfig
@@ -64,6 +65,9 @@ class RouterConfig(Section):
         default_factory=TemperatureConfig, description="GPU temperature limit with hysteresis."
     )
     stall: StallConfig = Field(default_factory=StallConfig, description="Per-tier silence that counts as a stall.")
+    quarantine: QuarantineConfig = Field(
+        default_factory=QuarantineConfig, description="Poison requests: how many workers one may cost, how long it is refused."
+    )
     limits: RequestLimits = Field(
         default_factory=RequestLimits, description="What one request may cost: messages, message size, JSON Schema bounds."
     )

@@ -16,6 +16,7 @@ import grpc
 
 from ballast.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import tracing
+from services.common.accepted import ACCEPTED_METADATA
 from services.common.errors import Draining, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.sampling_pb import FINISH_TO_PB, sampling_from_pb
 from services.common.streams import MAX_FLUSH_INTERVAL_MS, Coalescer
@@ -159,6 +160,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.WorkerGenerateEvent]:
         engine_request = engine_request_from_pb(request)
         self.faults.check()
+        # Sent before the engine sees the request: a router that gets it and then loses this
+        # worker knows the worker died taking the request on (poison containment).
+        await context.send_initial_metadata(ACCEPTED_METADATA)
         self.state.admit()
         started = time.perf_counter()
         outcome = "error"

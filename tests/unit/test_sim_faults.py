@@ -26,3 +26,13 @@ def test_bad_settings_are_refused_with_a_typed_error(raw):
 
 def test_the_key_names_the_worker_under_the_prefix():
     assert faults_key("/ballast/", "worker-3") == "/ballast/sim/faults/worker-3"
+
+
+def test_the_crash_marker_parses_and_refuses_what_is_not_a_short_text():
+    faults = SimFaults.from_json(b'{"crash_on_marker": "QUERY-OF-DEATH"}')
+    assert faults.crash_on_marker == "QUERY-OF-DEATH"
+    assert SimFaults.from_json(faults.to_json()) == faults
+    assert SimFaults().crash_on_marker is None
+    for raw in (b'{"crash_on_marker": ""}', b'{"crash_on_marker": 7}', b'{"crash_on_marker": "%s"}' % (b"x" * 257)):
+        with pytest.raises(SimFaultsError):
+            SimFaults.from_json(raw)

@@ -1,8 +1,9 @@
 """Errors of the HTTP front in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
 A Ballast error keeps its meaning: the HTTP status follows its gRPC code (INVALID_ARGUMENT 400,
-UNAUTHENTICATED 401, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED
-504) and `code` is its fault (`overloaded`, `no_live_worker`...). Overload and unavailability
+UNAUTHENTICATED 401, NOT_FOUND 404, FAILED_PRECONDITION 422 (a quarantined request),
+RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504) and `code` is its fault
+(`overloaded`, `no_live_worker`, `quarantined`...). Overload, unavailability and a quarantine
 carry `Retry-After` in whole seconds. Errors of HTTP itself (a body too large) are types here.
 """
 
@@ -13,12 +14,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.errors import BallastError, InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import BallastError, InvalidArgument, Quarantined, ResourceExhausted, Unavailable
 
 STATUS_FOR_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
+    # A quarantined request (it killed workers): well-formed, but it will not be processed.
+    grpc.StatusCode.FAILED_PRECONDITION: 422,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     # The client went away: nobody reads this status (nginx's convention).
     grpc.StatusCode.CANCELLED: 499,
@@ -106,7 +109,7 @@ def error_reply(error: BaseException) -> ErrorReply:
         return ErrorReply(500, _body("internal error", 500, None, "internal"), {})
     status = STATUS_FOR_CODE.get(error.code, 500)
     headers: dict[str, str] = {}
-    if isinstance(error, ResourceExhausted):
+    if isinstance(error, (ResourceExhausted, Quarantined)):
         headers["Retry-After"] = retry_after_header(error.retry_after_s)
     elif isinstance(error, Unavailable):
         headers["Retry-After"] = retry_after_header(getattr(error, "retry_after_s", DEFAULT_RETRY_AFTER_S))

@@ -33,6 +33,7 @@ class SimFaultControl:
         self.refusals = refusals
         self._set_health = set_health
         self._on_crash = on_crash
+        engine.on_crash = on_crash  # a query of death (crash_on_marker) ends the worker the same way
         self.faults = engine.faults
         self._initial = engine.faults
         self._watch = KeyWatcher(etcd, faults_key(etcd.prefix, worker_id), self._on_value)

@@ -11,7 +11,8 @@ A request with a JSON Schema (`response_format`) is drawn under the schema's gra
 (`guided_draw`) and ends once its document is complete.
 
 `faults` (services.worker.sim.faults) makes it misbehave on purpose: fail streams after k
-tokens, hang, run slower, or take its time to start.
+tokens, hang, run slower, take its time to start, or die on a request whose prompt holds a
+marker (`on_crash` says how it dies: the worker process exits).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import random
 import secrets
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 from services.common.errors import Unavailable
 from services.worker.detokenizer import TextStream, finished_before_start
@@ -114,6 +115,9 @@ class SimEngine:
         self._ids = itertools.count()
         self._generated_total = 0
         self._serving = False
+        # What `crash_on_marker` does: the worker sets it (the process exits); unset, the
+        # stream fails as if the engine had died.
+        self.on_crash: Callable[[], None] | None = None
 
     @property
     def model(self) -> ModelDescription:
@@ -166,6 +170,15 @@ class SimEngine:
         if limit is not None and produced >= limit:
             raise Unavailable(f"sim fault: the engine failed after {limit} tokens")
 
+    def _check_marker(self, request: EngineRequest) -> None:
+        marker = self.faults.crash_on_marker
+        if marker is None or marker not in self._tokenizer.decode(list(request.prompt_ids)):
+            return
+        log.warning("sim fault: request %s holds the crash marker; the engine dies", request.request_id)
+        if self.on_crash is not None:
+            self.on_crash()
+        raise Unavailable("sim fault: the engine died on the crash marker")
+
     def _seed(self, request: EngineRequest) -> int:
         s = request.sampling
         if s.temperature == 0:
@@ -193,6 +206,7 @@ class SimEngine:
             uncached = len(context) - self._prefix.cached_tokens(request.tenant, context)
             await self._sleep(self.profile.prefill_ms(uncached))
             self._prefix.remember(request.tenant, context)
+            self._check_marker(request)
             first = True
             for i in range(s.max_tokens):
                 if i:

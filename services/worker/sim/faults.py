@@ -13,6 +13,9 @@ key clears them). Each knob:
 - `crash`: the worker ends at once, as a killed process would: open streams break, its lease
   is left to expire.
 - `ready_delay_s`: how long the engine takes to become ready at start (start-up only).
+- `crash_on_marker`: a query of death. The worker ends at once, as `crash` does, when a
+  request whose prompt contains this text reaches its engine (after the prefill wait: it
+  dies taking the request on, as an engine running out of memory in prefill would).
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+
+# A marker is a short tag in a prompt, not a document.
+MAX_MARKER_CHARS = 256
 
 
 class SimFaultsError(ValueError):
@@ -35,6 +42,7 @@ class SimFaults:
     fail_health: bool = False
     crash: bool = False
     ready_delay_s: float = 0.0
+    crash_on_marker: str | None = None
 
     def __post_init__(self) -> None:
         if self.fail_after_tokens is not None and (not isinstance(self.fail_after_tokens, int)
@@ -44,6 +52,9 @@ class SimFaults:
             raise SimFaultsError("slowdown must be a factor between 0.01 and 1000")
         if self.ready_delay_s < 0:
             raise SimFaultsError("ready_delay_s must be >= 0")
+        if self.crash_on_marker is not None and (not isinstance(self.crash_on_marker, str)
+                                                 or not 0 < len(self.crash_on_marker) <= MAX_MARKER_CHARS):
+            raise SimFaultsError(f"crash_on_marker must be a text of 1 to {MAX_MARKER_CHARS} characters")
         for name in ("hang", "fail_health", "crash"):
             if not isinstance(getattr(self, name), bool):
                 raise SimFaultsError(f"{name} must be true or false")

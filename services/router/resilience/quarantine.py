@@ -1,0 +1,143 @@
+"""Poison containment on the router: a request that kills the workers it runs on is tried on
+at most one more, then quarantined by fingerprint (see services.common.quarantine).
+
+A worker loss counts against a request only when the request is the likely cause
+(`implicated`): the worker had taken the call (it sent its accepted header) and died, stalled
+or lost its lease before this attempt relayed a single token. That is where a query of death
+strikes (a schema that blows up the grammar compiler, a prompt that crashes prefill or runs
+the engine out of memory). A worker killed while it streams answers is the worker's fault,
+not each of its streams': those resume as before and are never quarantined.
+
+Losses are tallied per fingerprint for the quarantine's time to live, so the count holds
+across a request's resumes and across its retries under new request ids (a backfill replay
+too). At `max_workers_lost` the fingerprint is quarantined: held here at once, written to
+etcd for the other routers and the backfill, and refused with `Quarantined` until it lapses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pydantic import Field
+
+from services.common.config import EtcdConfig, Section
+from services.common.errors import Quarantined
+from services.common.quarantine import Clock, QuarantineEntry, QuarantineStore, request_fingerprint
+from services.common.quarantine_etcd import QuarantinePublisher, QuarantineWatch
+
+log = logging.getLogger(__name__)
+
+
+class QuarantineConfig(Section):
+    enabled: bool = Field(True, description="Quarantine requests that kill or stall the workers they run on.")
+    max_workers_lost: int = Field(
+        2, ge=1, le=10, description="Workers a request may cost (died, stalled or ran out of memory taking it on) "
+                                    "before it is quarantined; it is tried on one more worker after each loss below it.")
+    ttl_s: float = Field(600.0, gt=0, le=86_400, description="How long a quarantined fingerprint is refused (and how long its losses are remembered).")
+    max_entries: int = Field(10_000, ge=1, description="Quarantined fingerprints (and tallies of losses) held in memory at most.")
+
+
+def implicated(lost: bool, tokens_this_attempt: int, accepted: bool) -> bool:
+    """Whether a failed attempt counts against its request: the worker took the call, then
+    died, stalled or lost its lease before relaying any token of this attempt."""
+    return lost and accepted and tokens_this_attempt == 0
+
+
+class LossTally:
+    """Workers lost per fingerprint within `window_s` of the last loss; at most `max_entries`
+    fingerprints (the stalest go first). `clock` gives seconds (injectable in tests)."""
+
+    def __init__(self, window_s: float, max_entries: int, clock: Clock = time.monotonic) -> None:
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._clock = clock
+        # fingerprint -> (losses, time of the last one); insertion order is staleness order.
+        self._losses: dict[str, tuple[int, float]] = {}
+
+    def add(self, fp: str) -> int:
+        """Counts one more worker lost to `fp`; returns its losses in the window."""
+        now = self._clock()
+        count, last = self._losses.pop(fp, (0, now))
+        count = 1 if now - last > self.window_s else count + 1
+        self._losses[fp] = (count, now)
+        while len(self._losses) > self.max_entries:
+            del self._losses[next(iter(self._losses))]
+        return count
+
+    def forget(self, fp: str) -> None:
+        self._losses.pop(fp, None)
+
+    def __len__(self) -> int:
+        return len(self._losses)
+
+
+class RouterQuarantine:
+    """The router's quarantine: refuses quarantined requests, counts worker losses, publishes."""
+
+    def __init__(self, config: QuarantineConfig, etcd: EtcdConfig | None = None, counter: Any = None,
+                 clock: Clock = time.time, monotonic: Clock = time.monotonic) -> None:
+        self.config = config
+        self.store = QuarantineStore(config.max_entries, clock)
+        self.tally = LossTally(config.ttl_s, config.max_entries, monotonic)
+        self._clock = clock
+        # ballast_router_quarantine{event=quarantined|refused}
+        self._counter = counter
+        self.watch = QuarantineWatch(etcd, self.store) if etcd is not None else None
+        self.publisher = QuarantinePublisher(etcd, self.store) if etcd is not None else None
+
+    async def start(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.start()
+        if self.watch is not None:
+            await self.watch.start()
+
+    async def stop(self) -> None:
+        if self.watch is not None:
+            await self.watch.stop()
+        if self.publisher is not None:
+            await self.publisher.stop()
+
+    def _count(self, event: str) -> None:
+        if self._counter is not None:
+            self._counter.add(1, {"event": event})
+
+    def check(self, request: Any) -> None:
+        """Raises Quarantined when the request's fingerprint is quarantined now."""
+        if not self.config.enabled or self.store.is_empty():
+            return  # nothing quarantined: no fingerprint to compute
+        fp = request_fingerprint(request)
+        entry = self.store.get(fp)
+        if entry is None:
+            return
+        self._count("refused")
+        raise self._error(fp, entry, request.request_id)
+
+    def worker_lost(self, request: Any, reason: str, worker_id: str) -> None:
+        """Counts a worker lost to `request` (see `implicated`); raises Quarantined when that
+        was one too many."""
+        if not self.config.enabled:
+            return
+        fp = request_fingerprint(request)
+        lost = self.tally.add(fp)
+        if lost < self.config.max_workers_lost:
+            log.warning("request %s (fingerprint %s) lost worker %s (%s) taking it on: %d of %d before quarantine",
+                        request.request_id, fp[:16], worker_id, reason, lost, self.config.max_workers_lost)
+            return
+        self.tally.forget(fp)
+        entry = QuarantineEntry(fingerprint=fp, tenant=request.tenant, reason=reason, since=self._clock(),
+                                workers_lost=lost, ttl_s=self.config.ttl_s)
+        self.store.add(entry)
+        if self.publisher is not None:
+            self.publisher.publish(entry)
+        self._count("quarantined")
+        log.error("request %s (fingerprint %s, tenant %s) quarantined for %.0fs: it cost %d workers (last %s, %s)",
+                  request.request_id, fp[:16], request.tenant, self.config.ttl_s, lost, worker_id, reason)
+        raise self._error(fp, entry, request.request_id)
+
+    def _error(self, fp: str, entry: QuarantineEntry, request_id: str) -> Quarantined:
+        remaining = self.store.remaining_s(entry)
+        return Quarantined(
+            f"request {request_id} is quarantined (fingerprint {fp[:16]}): requests like it cost "
+            f"{entry.workers_lost} workers; refused for another {remaining:.0f}s", retry_after_s=remaining)

@@ -1,0 +1,177 @@
+"""A query of death is contained: on a mesh of three sim workers, each run under its keeper
+(`worker.respawn`) and armed with the `crash_on_marker` knob, a request whose prompt holds the
+marker costs at most two worker processes, gets the quarantine error (never a degraded
+answer), is refused at once under a new request id, is counted, is never replayed by the
+backfill (a degraded copy handed to Kafka is parked), and the pool serves a normal request
+meanwhile and has every worker back once the keepers restarted them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import pytest
+
+from ballast.v1 import inference_pb2_grpc
+from services.cli.client import chat_request, collect, open_channel
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.cli.poison_view import parked, quarantined
+from services.common.degraded.codec import Level, degraded_request_pb, kafka_key, make_ticket
+from services.common.faults import REASON_KEY
+from services.common.generation import Sampling
+from services.common.quarantine import request_fingerprint
+from services.config import load_config
+from services.router.requests import InferenceRequest, Message
+from services.worker.keeper import serving_pid
+from tests.integration.test_mesh import metric_value, registered_ids, scrape
+from tests.served import assert_served
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(400)]
+
+MARKER = "QUERY-OF-DEATH-4711"
+POISON = f"Summarise the attached contract. {MARKER}"
+WORKERS = 3
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_model_dir):
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("poison"), model_dir=tiny_model_dir, workers=WORKERS, engine="sim",
+        lease_ttl_s=3, worker_capacity=4,
+        overrides={"worker": {"respawn": True, "sim_faults": {"crash_on_marker": MARKER}}},
+    )
+    running = Mesh(spec).start()
+    yield running
+    running.stop()
+
+
+def running(pid: int | None) -> bool:
+    """A live process: a worker that just died is a zombie until its keeper reaps it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, TypeError):
+        return False
+
+
+def serving_pids(mesh) -> dict[str, int | None]:
+    """The pid each keeper's worker runs under now (None between a death and the restart)."""
+    pids = {worker.name: serving_pid(worker.pid) for worker in mesh.workers()}
+    return {name: pid if running(pid) else None for name, pid in pids.items()}
+
+
+def lost(before: dict, after: dict) -> int:
+    return sum(1 for name, pid in before.items() if after.get(name) != pid)
+
+
+def port_of(mesh, name: str) -> int:
+    return next(s for s in mesh.services if s.name == name).metrics_port
+
+
+async def refusal(router, request) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await collect(router, request, LOCAL_API_KEY, timeout=60)
+    return raised.value
+
+
+def reason_of(error: grpc.aio.AioRpcError) -> str | None:
+    return next((v for k, v in (error.trailing_metadata() or ()) if k == REASON_KEY), None)
+
+
+async def wait_all_serving(mesh, before: dict, timeout: float = 60.0) -> dict:
+    """Until every keeper runs a worker again and all are registered in etcd."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = serving_pids(mesh)
+        if all(now.values()) and {w.name for w in mesh.workers()} <= await registered_ids(mesh):
+            return now
+        assert time.monotonic() < deadline, f"the keepers did not bring every worker back: {before} -> {now}"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_query_of_death_costs_two_workers_and_is_quarantined(mesh):
+    before = await wait_all_serving(mesh, {})
+    router_port, backfill_port = port_of(mesh, "router"), port_of(mesh, "backfill")
+    async with open_channel(mesh.router_address) as channel:
+        router = inference_pb2_grpc.InferenceStub(channel)
+        # The pool serves before the poison (and the prompt alone, without the marker, is harmless).
+        assert_served(await collect(router, chat_request("Summarise the attached contract.", max_tokens=8),
+                                    LOCAL_API_KEY, timeout=60))
+
+        # Degradation is allowed (the default): the answer must still be the quarantine error.
+        error = await refusal(router, chat_request(POISON, max_tokens=16, request_id="poison-1"))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert reason_of(error) == "quarantined"
+        assert MARKER not in (error.details() or "")
+        after_poison = serving_pids(mesh)
+        assert lost(before, after_poison) == 2, f"{before} -> {after_poison}"
+
+        # The third worker never saw it, and serves at once (no degraded answer, no wait for keepers).
+        served = await collect(router, chat_request("Where is my order?", max_tokens=8, allow_degraded=False),
+                               LOCAL_API_KEY, timeout=60)
+        assert_served(served)
+
+        # A client retry under a new request id is refused before any worker sees it.
+        untouched = serving_pids(mesh)
+        again = await refusal(router, chat_request(POISON, max_tokens=16, request_id=f"poison-{uuid.uuid4().hex}"))
+        assert again.code() == grpc.StatusCode.FAILED_PRECONDITION and reason_of(again) == "quarantined"
+        assert serving_pids(mesh) == untouched
+
+    text = await scrape(router_port)
+    assert metric_value(text, "ballast_router_quarantine_total", event="quarantined") == 1
+    assert metric_value(text, "ballast_router_quarantine_total", event="refused") >= 1
+
+    # The router shared it through etcd, by fingerprint only.
+    config = load_config(mesh.config_path, environ={})
+    entries = await quarantined(config.etcd)
+    assert [e.workers_lost for e in entries] == [2]
+    poison_request = InferenceRequest(
+        request_id="poison-1", session_id="", tenant="local", model="tiny", sampling=Sampling(max_tokens=16),
+        tier="A", messages=(Message("user", POISON),))
+    assert entries[0].fingerprint == request_fingerprint(poison_request)
+
+    # A degraded copy of it in Kafka (as a router that degraded it before the quarantine would
+    # have written it) is parked by the backfill: never replayed, no worker lost.
+    ticket = make_ticket("local", "poison-degraded-earlier")
+    record = degraded_request_pb(poison_request, ticket=ticket, tier="A", level=Level.RULES, reason="no_worker",
+                                 degraded_text="(rules)", degraded_by="rules", received_at=time.time())
+    from services.router.degrade.handoff import HandOff, HandOffSettings
+
+    handoff = HandOff(HandOffSettings(outbox_path=mesh.state_dir / "poison-outbox.sqlite",
+                                      bootstrap=mesh.kafka.bootstrap, delivery_timeout_s=5))
+    await handoff.start()
+    try:
+        await handoff.submit(kafka_key("", ticket), record.SerializeToString())
+    finally:
+        await handoff.stop(10.0)
+    deadline = time.monotonic() + 120
+    while metric_value(await scrape(backfill_port), "ballast_backfill_dead_lettered_total", cause="quarantined") < 1:
+        assert time.monotonic() < deadline, "the backfill did not park the quarantined request"
+        await asyncio.sleep(0.5)
+    backfill_text = await scrape(backfill_port)
+    assert metric_value(backfill_text, "ballast_backfill_replays_total") == 0
+    assert [p.ticket for p in await parked(config.redis, "ballast:backfill:")] == [ticket]
+
+    # The keepers restarted the two workers; the poison cost nothing more meanwhile.
+    back = await wait_all_serving(mesh, after_poison)
+    assert lost(before, back) == 2
+    async with open_channel(mesh.router_address) as channel:
+        router = inference_pb2_grpc.InferenceStub(channel)
+        for i in range(WORKERS * 2):
+            assert_served(await collect(router, chat_request(f"Order {i}?", max_tokens=4, allow_degraded=False),
+                                        LOCAL_API_KEY, timeout=60))
+    assert serving_pids(mesh) == back
+
+
+async def test_the_benchmark_case_reports_its_goals_met(mesh):
+    from bench.hostile_poison import poison_case
+
+    await wait_all_serving(mesh, {})
+    result = await poison_case(mesh, park_wait_s=120)
+    assert result["answer_code"] == "FAILED_PRECONDITION" and result["answer_reason"] == "quarantined"
+    assert not result["answer_degraded"]
+    assert result["workers_lost"] <= 2 and result["retry_refused"] and result["retry_workers_lost"] == 0
+    assert result["backfill_replays"] == 0 and result["parked"]
+    assert result["served_again_s"] is not None

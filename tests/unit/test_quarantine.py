@@ -1,0 +1,273 @@
+"""Poison containment's pure parts: the fingerprint, the store and its clock, when a worker
+lost counts against a request, the router's decision to quarantine, and how a quarantined
+request is answered (not degraded, not retried, 422 over HTTP, parked by the backfill)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
+from services.backfill.parked import ParkedTicket, read_parked
+from services.backfill.processor import Processor
+from services.backfill.replay import ReplayErrorKind, replay_error
+from services.backfill.settings import BackfillSettings
+from services.common.errors import NoLiveWorker, Quarantined, WorkerLost
+from services.common.faults import REASON_KEY, classify, status_trailers
+from services.common.quarantine import (
+    InvalidQuarantineEntry,
+    QuarantineEntry,
+    QuarantineStore,
+    degraded_fingerprint,
+    fingerprint,
+    quarantine_key,
+    request_fingerprint,
+)
+from services.router.degrade.ladder import RULES_RUNG, decide
+from services.router.openai.errors import error_reply
+from services.router.requests import InferenceRequest, Message
+from services.router.resilience.breaker import Outcome, outcome_of
+from services.router.resilience.quarantine import LossTally, QuarantineConfig, RouterQuarantine, implicated
+from services.common.generation import Sampling
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(request_id="r1", tenant="acme", prompt=None, messages=(("user", "boom"),), schema=""):
+    return InferenceRequest(request_id=request_id, session_id="", tenant=tenant, model="tiny",
+                            sampling=Sampling(max_tokens=8), tier="A",
+                            messages=tuple(Message(role, content) for role, content in messages),
+                            prompt=prompt, response_format=schema)
+
+
+def entry(fp="a" * 64, since=1000.0, ttl_s=60.0, **kw) -> QuarantineEntry:
+    return QuarantineEntry(fingerprint=fp, tenant=kw.get("tenant", "acme"), reason="worker_lost", since=since,
+                           workers_lost=2, ttl_s=ttl_s)
+
+
+# -- fingerprint ----------------------------------------------------------------------------
+
+def test_the_fingerprint_ignores_the_request_id_and_keeps_tenant_input_and_schema_apart():
+    base = request_fingerprint(request())
+    assert request_fingerprint(request(request_id="retry-2")) == base
+    assert len(base) == 64 and all(c in "0123456789abcdef" for c in base)
+    assert request_fingerprint(request(tenant="other")) != base
+    assert request_fingerprint(request(schema='{"type":"object"}')) != base
+    assert request_fingerprint(request(messages=(("user", "boom!"),))) != base
+    # A prompt is not the same input as a conversation holding that text.
+    assert fingerprint("acme", "boom", (), "") != fingerprint("acme", None, [("user", "boom")], "")
+    # Text cannot shift from one part into the next.
+    assert fingerprint("ac", "meboom", (), "") != fingerprint("acme", "boom", (), "")
+
+
+def test_the_backfill_reads_the_same_fingerprint_from_a_degraded_record():
+    pb = inference_pb2.GenerateRequest(request_id="r9", model="tiny", response_format='{"type":"object"}')
+    pb.conversation.messages.add(role="user", content="boom")
+    record = backfill_pb2.DegradedRequest(ticket="bf1-" + "0" * 32, tenant="acme", request=pb)
+    assert degraded_fingerprint(record) == request_fingerprint(request(schema='{"type":"object"}'))
+    prompt_record = backfill_pb2.DegradedRequest(tenant="acme", request=inference_pb2.GenerateRequest(prompt="boom"))
+    assert degraded_fingerprint(prompt_record) == request_fingerprint(request(prompt="boom", messages=()))
+
+
+def test_the_etcd_key_and_entry_round_trip_without_prompt_text():
+    assert quarantine_key("/ballast/", "ab" * 32) == "/ballast/quarantine/" + "ab" * 32
+    held = entry()
+    raw = held.to_json()
+    assert QuarantineEntry.from_json(raw) == held
+    assert b"boom" not in raw
+    for bad in (b"not json", b"{}", b'{"fingerprint": "short", "tenant": "t", "reason": "r", "since": 1, '
+                                      b'"workers_lost": 2, "ttl_s": 5}'):
+        with pytest.raises(InvalidQuarantineEntry):
+            QuarantineEntry.from_json(bad)
+
+
+# -- the store ------------------------------------------------------------------------------
+
+def test_the_store_holds_an_entry_until_its_ttl_lapses():
+    clock = Clock(1000.0)
+    store = QuarantineStore(clock=clock)
+    assert store.is_empty()
+    store.add(entry(since=1000.0, ttl_s=60.0))
+    assert store.get("a" * 64) is not None and len(store) == 1
+    clock.now = 1059.0
+    assert store.remaining_s(store.get("a" * 64)) == pytest.approx(1.0)
+    clock.now = 1060.0
+    assert store.get("a" * 64) is None and len(store) == 0
+    # One that lapsed before it arrived (an old etcd value) is not held at all.
+    store.add(entry(since=900.0, ttl_s=60.0))
+    assert store.is_empty()
+
+
+def test_the_store_is_bounded_and_drops_the_entry_that_lapses_first():
+    store = QuarantineStore(max_entries=2, clock=Clock(1000.0))
+    store.add(entry("a" * 64, ttl_s=30))
+    store.add(entry("b" * 64, ttl_s=10))
+    store.add(entry("c" * 64, ttl_s=20))
+    assert {e.fingerprint[0] for e in store.entries()} == {"a", "c"}
+    store.remove("a" * 64)
+    assert [e.fingerprint[0] for e in store.entries()] == ["c"]
+
+
+def test_merging_a_snapshot_keeps_entries_held_only_here():
+    store = QuarantineStore(clock=Clock(1000.0))
+    store.add(entry("a" * 64))
+    store.merge([entry("b" * 64)])
+    assert len(store) == 2
+
+
+# -- which losses count, and the decision -----------------------------------------------------
+
+@pytest.mark.parametrize("lost, tokens, accepted, counts", [
+    (True, 0, True, True),      # died taking the request on: the request may be why
+    (True, 5, True, False),     # died while streaming: the worker's fault, not each stream's
+    (True, 0, False, False),    # never took the call (already gone, connection refused)
+    (False, 0, True, False),    # a live worker's error
+])
+def test_a_worker_lost_counts_against_a_request_only_when_it_died_taking_it_on(lost, tokens, accepted, counts):
+    assert implicated(lost, tokens, accepted) is counts
+
+
+def test_the_tally_forgets_losses_older_than_its_window_and_is_bounded():
+    clock = Clock(0.0)
+    tally = LossTally(window_s=10.0, max_entries=2, clock=clock)
+    assert tally.add("x") == 1
+    clock.now = 5.0
+    assert tally.add("x") == 2
+    clock.now = 16.0
+    assert tally.add("x") == 1
+    tally.add("y")
+    tally.add("z")
+    assert len(tally) == 2
+    assert tally.add("x") == 1  # the stalest fingerprint was dropped
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def add(self, amount, labels) -> None:
+        self.events.append(labels["event"])
+
+
+def test_a_request_is_quarantined_on_its_second_worker_lost_and_refused_under_a_new_id():
+    counter = Counter()
+    clock = Clock(1000.0)
+    quarantine = RouterQuarantine(QuarantineConfig(ttl_s=600), counter=counter, clock=clock, monotonic=clock)
+    poison = request("first")
+    quarantine.check(poison)  # nothing held yet
+    quarantine.worker_lost(poison, "worker_lost", "w1")  # the first loss: one more worker may try
+    quarantine.check(poison)
+    with pytest.raises(Quarantined) as refused:
+        quarantine.worker_lost(poison, "worker_lost", "w2")
+    assert refused.value.retry_after_s == pytest.approx(600)
+    assert "boom" not in refused.value.message
+    with pytest.raises(Quarantined):
+        quarantine.check(request("retry-with-a-new-id"))
+    quarantine.check(request("other", messages=(("user", "hello"),)))
+    assert counter.events == ["quarantined", "refused"]
+    clock.now += 600
+    quarantine.check(request("after-the-ttl"))
+
+
+def test_a_disabled_quarantine_never_refuses():
+    quarantine = RouterQuarantine(QuarantineConfig(enabled=False, max_workers_lost=1))
+    quarantine.worker_lost(request(), "stalled", "w1")
+    quarantine.check(request())
+
+
+# -- how the error travels ------------------------------------------------------------------
+
+def test_a_quarantined_request_is_not_degraded_not_retried_and_not_a_worker_fault():
+    error = Quarantined("quarantined", retry_after_s=12.5)
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION and not error.retriable
+    assert decide(error, True, (RULES_RUNG,)) is None
+    assert outcome_of(error) is Outcome.IGNORE
+    assert dict(status_trailers(error)) == {REASON_KEY: "quarantined", "retry-after-ms": "12500"}
+    reply = error_reply(error)
+    assert reply.status == 422 and reply.body["error"]["code"] == "quarantined"
+    assert reply.headers["Retry-After"] == "13"
+
+
+def test_a_worker_lost_under_a_request_still_degrades_but_is_not_no_live_worker():
+    lost = WorkerLost("gone")
+    assert classify(lost).fault is not classify(NoLiveWorker("none")).fault
+    assert decide(lost, True, (RULES_RUNG,)) is not None
+
+
+class RpcError(grpc.aio.AioRpcError):
+    def __init__(self, code: grpc.StatusCode, fault: str) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata((REASON_KEY, fault)), "details")
+
+
+@pytest.mark.parametrize("code, fault, kind", [
+    (grpc.StatusCode.FAILED_PRECONDITION, "quarantined", ReplayErrorKind.QUARANTINED),
+    (grpc.StatusCode.UNAVAILABLE, "worker_lost", ReplayErrorKind.FAILED),
+    (grpc.StatusCode.UNAVAILABLE, "no_live_worker", ReplayErrorKind.UNHEALTHY),
+])
+def test_the_backfill_parks_quarantined_replays_and_counts_one_that_lost_its_worker(code, fault, kind):
+    assert replay_error(RpcError(code, fault)).kind is kind
+
+
+# -- the backfill parks poison before replaying it ----------------------------------------------
+
+class Producer:
+    resets = 0
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def renew_if_stale(self) -> bool:
+        return False
+
+    async def send(self, topic, value, key, headers) -> None:
+        self.sent.append((topic, value))
+
+
+class Replayer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def replay(self, record):
+        self.calls += 1
+        raise AssertionError("a quarantined request must not be replayed")
+
+
+class Parked:
+    def __init__(self) -> None:
+        self.added: list[tuple] = []
+
+    async def add(self, *args) -> None:
+        self.added.append(args)
+
+
+async def test_a_quarantined_record_is_parked_without_a_replay():
+    from services.backfill.consumer import Record
+
+    pb = inference_pb2.GenerateRequest(request_id="r1", model="tiny")
+    pb.conversation.messages.add(role="user", content="boom")
+    degraded = backfill_pb2.DegradedRequest(ticket="bf1-" + "1" * 32, tenant="acme", request=pb,
+                                            level=common_pb2.DEGRADATION_RULES)
+    store = QuarantineStore()
+    import time
+
+    store.add(QuarantineEntry(degraded_fingerprint(degraded), "acme", "worker_lost", time.time(), 2, 600))
+    producer, replayer, parked = Producer(), Replayer(), Parked()
+    processor = Processor(BackfillSettings(), store=None, replayer=replayer, producer=producer,
+                          quarantine=store, parked=parked)
+    record = Record("ballast.degraded", 0, 7, b"k", degraded.SerializeToString(), ())
+    assert await processor._replay(record, degraded) is None
+    assert replayer.calls == 0
+    assert [topic for topic, _ in producer.sent] == [BackfillSettings().deadletter_topic]
+    ticket, tenant, cause, attempts, _error = parked.added[0]
+    assert (ticket, tenant, cause, attempts) == (degraded.ticket, "acme", "quarantined", 0)
+
+
+def test_parked_entries_read_back_and_bad_values_are_skipped():
+    good = ParkedTicket("bf1-x", "acme", "quarantined", 0, 5.0)
+    assert read_parked([good.to_json().encode(), b"junk"]) == [good]
