@@ -36,10 +36,14 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
-def openai_curl(base_url: str, api_key: str) -> str:
-    """A curl line that streams a chat answer from the OpenAI-compatible HTTP API."""
+def openai_curl(base_url: str, api_key: str, certs_dir: Path | None = None) -> str:
+    """A curl line that streams a chat answer from the OpenAI-compatible HTTP API; with
+    `certs_dir` (a secured mesh: the API is HTTPS) it trusts the mesh's CA there."""
+    from services.cli.certs import CA_CERT
+
     body = '{"model": "tiny", "stream": true, "messages": [{"role": "user", "content": "Hello!"}]}'
-    return (f"curl -N {base_url}/chat/completions -H 'Authorization: Bearer {api_key}' "
+    trust = f"--cacert {Path(certs_dir) / CA_CERT} " if certs_dir is not None else ""
+    return (f"curl -N {trust}{base_url}/chat/completions -H 'Authorization: Bearer {api_key}' "
             f"-H 'Content-Type: application/json' -d '{body}'")
 
 
@@ -74,7 +78,7 @@ def cmd_up(args) -> int:
           + (f" (mutual TLS, certificates in {mesh.certs_dir})" if spec.secure else ""))
     print("  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
     print(f"  OpenAI-compatible HTTP API at {mesh.http_base_url}; a streamed answer:")
-    print(f"  {openai_curl(mesh.http_base_url, LOCAL_API_KEY)}")
+    print(f"  {openai_curl(mesh.http_base_url, LOCAL_API_KEY, mesh.certs_dir if spec.secure else None)}")
     return 0
 
 

@@ -460,8 +460,10 @@ class Mesh:
 
     @property
     def http_base_url(self) -> str:
-        """Base URL of the router's OpenAI-compatible API (what an OpenAI SDK takes as base_url)."""
-        return f"http://127.0.0.1:{self.router_http_port}/v1"
+        """Base URL of the router's OpenAI-compatible API (what an OpenAI SDK takes as base_url):
+        HTTPS on a secured mesh, whose public port has TLS."""
+        scheme = "https" if self.spec.secure else "http"
+        return f"{scheme}://127.0.0.1:{self.router_http_port}/v1"
 
     def workers(self) -> list[ServiceProcess]:
         return [s for s in self.services if s.name.startswith("worker-")]

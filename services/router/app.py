@@ -131,7 +131,7 @@ async def create_server(config: BallastConfig) -> RouterApp:
     if config.router.http_port is not None:
         app.http = OpenAIFront(servicer)
         await app.http.start(config.router.host, config.router.http_port)
-        log.info("router OpenAI-compatible HTTP on http://%s/v1", app.http_address)
+        log.info("router OpenAI-compatible HTTP on %s://%s/v1", app.http.scheme, app.http_address)
     app._sweeper = asyncio.create_task(app._sweep_channels())
     app.autoscaler = await start_autoscaler(config, membership, servicer, telemetry, router_identity(port))
     log.info("router serving on %s", app.address)

@@ -21,10 +21,17 @@ class ModelRegistry:
         self._background: set[asyncio.Task] = set()
         self._timeout_s = timeout_s
         self._by_version: dict[str, ModelTokenizer] = {}
+        # The last tokenizer learnt per logical model: it still counts prompts (and says the
+        # model's context) after every worker of the model is gone.
+        self._latest: dict[str, ModelTokenizer] = {}
         self._pending: dict[str, asyncio.Future[ModelTokenizer]] = {}
 
     def cached(self, model_version: str) -> ModelTokenizer | None:
         return self._by_version.get(model_version)
+
+    def latest(self, model: str) -> ModelTokenizer | None:
+        """The tokenizer last learnt for a logical model, or None if none ever was."""
+        return self._latest.get(model)
 
     async def tokenizer_for(self, worker: WorkerRecord, timeout_s: float) -> ModelTokenizer:
         cached = self._by_version.get(worker.model_version)
@@ -47,6 +54,7 @@ class ModelRegistry:
             raise Unavailable(f"cannot read model info from worker {worker.id}: {exc.code().name}") from None
         tokenizer = await asyncio.to_thread(ModelTokenizer.from_model_info, info)
         self._by_version[info.model_version] = tokenizer
+        self._latest[worker.model] = tokenizer
         if self._on_new_version is not None:
             task = asyncio.create_task(self._on_new_version(tokenizer))
             self._background.add(task)

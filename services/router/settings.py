@@ -35,6 +35,21 @@ class RouterConfig(Section):
     http_keepalive_s: float = Field(
         5.0, gt=0, description="While a stream waits for a token, an SSE comment goes out this often."
     )
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="Longest an HTTP connection may take to send a request's headers, counted from when "
+                                "it opened or its last answer ended (so it also bounds an idle keep-alive connection).",
+    )
+    http_body_timeout_s: float = Field(
+        30.0, gt=0, description="Longest an HTTP request's body may take to arrive; slower is 408 and the connection closes."
+    )
+    http_stalled_client_s: float = Field(
+        30.0, gt=0, description="A stream whose client has read nothing for this long (its socket stays full) is "
+                                "cancelled, freeing its worker slot.",
+    )
+    http_stream_buffer_bytes: int = Field(
+        64 << 10, ge=4096, description="Bytes of an HTTP answer held for a client that does not read (the socket's "
+                                       "send buffer, and as much again in the router) before the stream waits for it.",
+    )
     default_max_tokens: int = Field(128, gt=0, description="max_tokens when a request sets none.")
     max_tokens_limit: int = Field(4096, gt=0, description="Largest max_tokens a request may ask.")
     max_request_bytes: int = Field(

@@ -13,6 +13,13 @@ is held back until its first event, so refusals before it (429 with Retry-After,
 get their own status; after it, an error is a `data: {"error"}` event and `data: [DONE]`;
 `: keep-alive` comments every `router.http_keepalive_s` while no event comes. A `traceparent`
 header is continued in a server span.
+
+Slow clients are bounded (`flow`): a connection gets `router.http_header_timeout_s` for each
+request's headers (aiohttp's keep-alive timer, which also runs from the moment a connection
+opens), a body gets `router.http_body_timeout_s` (then 408), and a stream whose client stops
+reading waits for it with bounded buffers, then is cancelled after `router.http_stalled_client_s`.
+With TLS on the router's public port (`tls.public_tls`), this port is HTTPS with the same
+certificates, and plaintext is refused there.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from services.common.errors import BallastError
 from services.common.tracing import context_from_headers, tracer
 from services.router.openai.backfill import answer_json
 from services.router.openai.errors import BodyTooLarge, HttpRefusal, RouteNotFound
+from services.router.openai.flow import BodyTimeout, ClientStalled, FlowStats, StreamFlow
 from services.router.openai.mapping import Shape, check_headers, parse_json, to_generate_request
 from services.router.openai.responses import Answer, degraded_headers
 from services.router.openai.sse import SseRelay, error_response, sse_event
+from services.router.openai.tls import https_context
 from services.router.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
@@ -41,6 +50,9 @@ log = logging.getLogger(__name__)
 _TRACER = tracer("http")
 # Events a stream may run ahead of a slow client.
 STREAM_BUFFER = 64
+# How long the rest of an unread body is read (and dropped) after an early answer, so the
+# client sees the answer rather than a reset; then the connection closes.
+LINGER_S = 2.0
 
 
 class HttpCall:
@@ -86,13 +98,22 @@ class OpenAIFront:
                                 allow_head=False)
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.flow = FlowStats()
+        self.flow.register(servicer.metrics.meter)
+        # HTTPS exactly when the public gRPC port has TLS (a plaintext connection then fails
+        # its handshake): one public surface, one certificate.
+        self.ssl_context = https_context(servicer.config.tls)
+        self.scheme = "https" if self.ssl_context is not None else "http"
 
     async def start(self, host: str, port: int) -> int:
         """Listens on host:port (0 picks one); returns the port."""
+        # keepalive_timeout is aiohttp's only header timer: it runs from when a connection
+        # opens or its last answer ended until a whole request's headers are in.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.shutdown_grace_s)
+                                     shutdown_timeout=self.config.shutdown_grace_s,
+                                     keepalive_timeout=self.config.http_header_timeout_s, lingering_time=LINGER_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, shutdown_timeout=self.config.shutdown_grace_s)
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context)
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self.port
@@ -120,8 +141,14 @@ class OpenAIFront:
                 if error.status < 400:
                     raise
                 response = error_response(_refusal_of(error))
+            except ClientStalled:
+                # Dropped like a client that left: the same path frees the worker slot.
+                status = 499
+                raise asyncio.CancelledError from None
             except (BallastError, HttpRefusal) as error:
                 response = error_response(error)
+                if isinstance(error, BodyTimeout):
+                    response.force_close()
             except Exception:
                 log.exception("bug in %s", name)
                 response = error_response(RuntimeError())
@@ -166,7 +193,8 @@ class OpenAIFront:
         answers = self.servicer.Subscribe(subscription, call)
         # One answer in hand at a time: an answer the backfill counts as pushed waits in no
         # buffer a leaving client would drop (it stays readable by ticket either way).
-        relay = SseRelay(request, answers, self.keepalive_s, 1, name="http-backfill-subscription")
+        relay = SseRelay(request, answers, self.keepalive_s, 1, name="http-backfill-subscription",
+                         flow=self._flow(request))
         try:
             while (answer := await relay.next()) is not None:
                 await relay.write(sse_event(answer_json(answer)))
@@ -174,22 +202,35 @@ class OpenAIFront:
         finally:
             await relay.close()
 
+    def _flow(self, request: web.Request) -> StreamFlow:
+        return StreamFlow(request, self.flow, self.config.http_stalled_client_s, self.config.http_stream_buffer_bytes)
+
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.config.http_max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise BodyTooLarge(f"the request body is {request.content_length} bytes; the limit is {limit}")
+        timeout_s = self.config.http_body_timeout_s
         try:
-            return await request.read()
+            async with asyncio.timeout(timeout_s):
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise BodyTooLarge(f"the request body is over {limit} bytes") from None
+        except TimeoutError:
+            raise BodyTimeout(f"the request body did not arrive within {timeout_s:g}s") from None
 
     async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         call = HttpCall(request)
         # Authentication comes first, as on gRPC: a bad key is 401 whatever the body.
         self.servicer.auth.tenant_for(call.invocation_metadata())
-        body = parse_json(await self._read_body(request))
-        # aiohttp's headers are case-insensitive: the mapping's lower-case names find them.
-        generate_request, shape = to_generate_request(body, request.headers, chat=chat)
+        raw = await self._read_body(request)
+
+        def parse() -> tuple[inference_pb2.GenerateRequest, Shape]:
+            # aiohttp's headers are case-insensitive: the mapping's lower-case names find them.
+            return to_generate_request(parse_json(raw), request.headers, chat=chat)
+
+        # A big body is parsed and mapped on a thread: a few MB of JSON take longer to walk
+        # than the event loop (every other stream, /v1/models, health) may wait.
+        generate_request, shape = await asyncio.to_thread(parse) if len(raw) >= 64 * 1024 else parse()
         events = self.servicer.generate(generate_request, call, "http")
         if shape.stream:
             return await self._stream(request, shape, events)
@@ -212,7 +253,8 @@ class OpenAIFront:
             if first is not None:
                 await response.write(sse_event(first))
 
-        relay = SseRelay(request, events, self.keepalive_s, STREAM_BUFFER, on_open=first_chunk, name="http-stream")
+        relay = SseRelay(request, events, self.keepalive_s, STREAM_BUFFER, on_open=first_chunk, name="http-stream",
+                         flow=self._flow(request))
         try:
             while (event := await relay.next()) is not None:
                 text = answer.feed(event)

@@ -5,7 +5,9 @@ a pump task moves the source's items into a bounded queue (cancelling it cancels
 the request on its worker, the subscription on the backfill); while no item comes, `: keep-alive`
 comments go out; the 200 is held back until the caller opens the response (or the first
 keep-alive), so a refusal before it keeps its own status; after it, an error is a
-`data: {"error"}` event, and every stream ends with `data: [DONE]`.
+`data: {"error"}` event, and every stream ends with `data: [DONE]`. Writes go through the
+stream's `flow.StreamFlow`: they wait for a slow client, and one that reads nothing for too
+long gets its stream dropped (`ClientStalled`), which cancels the source.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from aiohttp import web
 
 from services.common.errors import BallastError
 from services.router.openai.errors import error_reply
+from services.router.openai.flow import StreamFlow
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,10 @@ class SseRelay:
     `close()` (in a finally)."""
 
     def __init__(self, request: web.Request, source: AsyncIterator, keepalive_s: float, buffer: int,
-                 on_open: Callable[[web.StreamResponse], Awaitable[None]] | None = None, name: str = "sse") -> None:
+                 on_open: Callable[[web.StreamResponse], Awaitable[None]] | None = None, name: str = "sse",
+                 flow: StreamFlow | None = None) -> None:
         self._request = request
+        self._flow = flow
         self._keepalive_s = keepalive_s
         self._on_open = on_open
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=buffer)
@@ -76,12 +81,20 @@ class SseRelay:
         if self.response is None:
             self.response = web.StreamResponse(headers=SSE_HEADERS)
             await self.response.prepare(self._request)
+            if self._flow is not None:
+                self._flow.attach()
             if self._on_open is not None:
                 await self._on_open(self.response)
         return self.response
 
     async def write(self, data: bytes) -> None:
-        await (self.response or await self.open()).write(data)
+        """Writes to the client, waiting while it is slow; raises ClientStalled (the
+        connection dropped) when it read nothing for the flow's stall limit."""
+        response = self.response or await self.open()
+        if self._flow is None:
+            await response.write(data)
+        else:
+            await self._flow.write(response, data)
 
     async def finish(self, last: Iterable[dict] = ()) -> web.StreamResponse:
         """Ends the stream: on an error, its own status if nothing was sent yet, else an error
@@ -99,6 +112,8 @@ class SseRelay:
 
     async def close(self) -> None:
         """Stops the pump (and with it the source) if it still runs."""
+        if self._flow is not None:
+            self._flow.detach()
         if not self._pump.done():
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
