@@ -28,6 +28,7 @@ from services.backfill.parked import ParkedTickets
 from services.backfill.pool_watch import PrimaryPoolWatch
 from services.backfill.processor import Processor
 from services.backfill.replay import Replayer, RouterReplayer
+from services.backfill.retention import RetentionSweeper
 from services.backfill.servicer import BackfillServicer
 from services.backfill.settings import BackfillSettings, ReplayTargetError, replay_target, resolve_settings
 from services.backfill.store import AnswerStore, ClusterAnswerStore, Notices
@@ -77,6 +78,7 @@ class BackfillApp:
     quarantine_watch: QuarantineWatch | None = None
     _pubsub_redis: AnyRedis | None = None
     _topics_task: asyncio.Task | None = field(default=None, repr=False)
+    sweeper: RetentionSweeper | None = None
 
     @property
     def address(self) -> str:
@@ -98,6 +100,8 @@ class BackfillApp:
             await self.quarantine_watch.stop()
         await self.producer.stop()
         await self.notices.stop()
+        if self.sweeper is not None:
+            await self.sweeper.stop()
         for probe in self.probes:
             await probe.stop()
         await self.redis.aclose()
@@ -142,10 +146,11 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     # Pub/sub blocks on reads by design: its own connection, without the command timeout.
     pubsub_client = _redis_client(config.redis, None)
     if config.redis.cluster:
-        store = ClusterAnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max,
-                                   settings.claim_lease_s, config.redis.wait_replicas, config.redis.wait_timeout_ms)
+        store = ClusterAnswerStore(client, settings.redis_prefix, settings.answer_retention_s,
+                                   settings.session_index_max, settings.claim_lease_s, config.redis.wait_replicas,
+                                   config.redis.wait_timeout_ms)
     else:
-        store = AnswerStore(client, settings.redis_prefix, settings.answer_ttl_s, settings.session_index_max,
+        store = AnswerStore(client, settings.redis_prefix, settings.answer_retention_s, settings.session_index_max,
                             settings.claim_lease_s)
     notices = Notices(pubsub_client, store.channel)
     servicer = BackfillServicer(settings, Authenticator(config.auth), store, notices, metrics)
@@ -186,6 +191,8 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     await producer.start()
     app = BackfillApp(config, settings, server, port, telemetry, health, client, store, notices, producer,
                       probes, servicer, _pubsub_redis=pubsub_client)
+    app.sweeper = RetentionSweeper(store, settings.retention_sweep_s)
+    await app.sweeper.start()
     app._topics_task = asyncio.create_task(
         _ensure_topics_until_done(config.kafka, settings, config.kafka.timeout_s), name="backfill-topics")
 

@@ -14,6 +14,7 @@ from typing import Protocol
 import grpc
 
 from ballast.v1 import backfill_pb2, inference_pb2_grpc
+from services.common.auth import ON_BEHALF_HEADER
 from services.common.degraded.codec import ReplayResult, replay_request
 from services.common.errors import Fault
 from services.common.faults import classify, retry_after_hint
@@ -89,7 +90,9 @@ class RouterReplayer:
         ids: list[int] = []
         model = model_version = ""
         try:
-            call = self._stub.Generate(request, metadata=self._metadata, timeout=self.timeout_s)
+            # Runs as the tenant whose request degraded: charged to its quota, scheduled in its share.
+            metadata = (*self._metadata, (ON_BEHALF_HEADER, record.tenant)) if record.tenant else self._metadata
+            call = self._stub.Generate(request, metadata=metadata, timeout=self.timeout_s)
             async for event in call:
                 kind = event.WhichOneof("event")
                 if kind == "started":

@@ -7,7 +7,9 @@ every replica, one pushes each ticket. Once a push is written its mark is kept f
 lifetime. If a push cannot be written (the client left), the marks of it and of the rest of its
 batch are given back, with a notice, so the next subscription gets them; a subscription that
 dies holding marks loses them when their lease expires. Callers only ever see their own
-tenant's answers.
+tenant's answers. GetAnswer without an answer says why, as a fault: `backfill_pending` (NOT_FOUND:
+not ready yet, or not the caller's), `backfill_expired` (NOT_FOUND: kept for its retention and
+removed) or `backfill_lost` (DATA_LOSS: stored, and no longer in the store).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from redis.exceptions import RedisError
 from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.backfill.metrics import BackfillMetrics
 from services.backfill.settings import BackfillSettings
-from services.backfill.store import AnswerStore, Notices
+from services.backfill.store import AnswerState, AnswerStore, Notices
 from services.common.auth import Authenticator
 from services.common.degraded.targets import check_ticket, subscription_target
-from services.common.errors import NotFound, ResourceExhausted, Unavailable
+from services.common.errors import BackfillExpired, BackfillLost, BackfillPending, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 # Answers one wake of a session subscription claims at most; it reads again at once for more.
@@ -48,10 +50,16 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
         tenant = self.auth.tenant_for(context.invocation_metadata())
         ticket = check_ticket(request.ticket)
         answer = await self._redis(self.store.get(ticket))
-        if answer is None or answer.tenant != tenant:
-            # Another tenant's ticket looks exactly like one that is not ready.
-            raise NotFound(f"no answer for ticket {ticket} yet")
-        return answer
+        if answer is not None and answer.tenant == tenant:
+            return answer
+        # Another tenant's ticket looks exactly like one that is not ready.
+        state = await self._redis(self.store.state(ticket, tenant))
+        if state is AnswerState.EXPIRED:
+            raise BackfillExpired(f"the answer for ticket {ticket} was kept for "
+                                  f"{self.settings.answer_retention_s} s and has expired")
+        if state is AnswerState.LOST:
+            raise BackfillLost(f"the answer for ticket {ticket} was stored and is no longer in the answer store")
+        raise BackfillPending(f"no answer for ticket {ticket} yet")
 
     async def Subscribe(self, request: backfill_pb2.SubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[backfill_pb2.BackfilledAnswer]:

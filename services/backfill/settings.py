@@ -52,7 +52,10 @@ class BackfillSettings(Section):
     busy_backoff_max_s: float = Field(5.0, gt=0, description="Longest wait for a busy or down primary pool.")
     # Storage and delivery.
     redis_prefix: str = Field("ballast:backfill:", min_length=1, description="Prefix of every backfill key in Redis.")
-    answer_ttl_s: int = Field(3 * 86400, ge=60, description="How long better answers (and delivery marks) are kept.")
+    answer_retention_s: int = Field(
+        3 * 86400, ge=60, description="How long better answers (and their delivery marks) are kept after they are "
+                                      "stored; enforced by the backfill's sweep, never by Redis memory pressure.")
+    retention_sweep_s: float = Field(60.0, gt=0, description="How often the backfill removes answers past retention.")
     session_index_max: int = Field(1000, ge=1, description="Answers remembered per session for Subscribe; oldest go first.")
     # Notices wake subscriptions, and all of them re-read when the notice listener reconnects;
     # this timer only bounds what an unforeseen loss could delay. Each re-read is a Redis call

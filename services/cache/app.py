@@ -66,8 +66,14 @@ class EvictionWatch:
             if not int(memory.get("maxmemory", 0)) or policy == "noeviction":
                 # Blocks then only leave by TTL, and a full Redis refuses new ones (rejected blocks).
                 log.warning("redis has no memory bound with eviction (maxmemory=%s, policy=%s); "
-                            "set maxmemory and an allkeys-lru policy for the KV cache",
+                            "set maxmemory and the volatile-lru policy for the KV cache",
                             memory.get("maxmemory"), policy)
+                return
+            if policy.startswith("allkeys-"):
+                # Every KV block carries a TTL and the backfill's answers none: only a volatile-*
+                # policy keeps cache pressure off the answers users were promised.
+                log.warning("redis evicts with %s: KV traffic can evict the backfill's better answers; "
+                            "set maxmemory-policy volatile-lru", policy)
                 return
 
 

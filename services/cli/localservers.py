@@ -419,13 +419,14 @@ class EtcdServer(LocalServer):
 class RedisServer(LocalServer):
     """A Redis-compatible server (Redis or Valkey) without persistence; files in state_dir/redis.
 
-    `maxmemory` (bytes) turns it into a cache that evicts with allkeys-lru (or `maxmemory_policy`).
+    `maxmemory` (bytes) bounds it, evicting with volatile-lru (or `maxmemory_policy`): only keys with a
+    TTL (the KV cache's blocks) are evicted, never the backfill's answers, which have none.
     """
 
     name = "redis"
 
     def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
-                 maxmemory: int | None = None, maxmemory_policy: str = "allkeys-lru",
+                 maxmemory: int | None = None, maxmemory_policy: str = "volatile-lru",
                  security: BackingSecurity | None = None) -> None:
         super().__init__(state_dir, port, host)
         self.maxmemory = maxmemory

@@ -107,6 +107,15 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def local_auth(enabled: bool, api_keys: dict[str, str]) -> dict:
+    """The auth section of a local mesh: the developer's key may claim every tier (the README's
+    examples ask for S), and the backfill's key replays on behalf of the tenant that degraded."""
+    keys: dict = {key: ({"tenant": tenant, "acts_for_tenants": True} if key == BACKFILL_API_KEY else tenant)
+                  for key, tenant in api_keys.items()}
+    tenants = {api_keys[LOCAL_API_KEY]: {"tiers": ["S", "A", "B"]}} if LOCAL_API_KEY in api_keys else {}
+    return {"enabled": enabled, "api_keys": keys, "tenants": tenants}
+
+
 def engine_settings(engine: str, model_dir: Path) -> dict:
     """The worker settings an engine needs on this machine. vLLM requires an explicit KV dtype:
     the weights' own (read from config.json); on CPUs no CUDA graphs (eager mode)."""
@@ -213,7 +222,7 @@ class Mesh:
             "redis": ({"url": self.redis.url, "cluster": True, "wait_replicas": 1} if spec.redis_cluster
                       else {"url": self.redis.url}),
             "kafka": {"bootstrap": f"{self.kafka.host}:{self.kafka.port}"},
-            "auth": {"enabled": spec.auth_enabled, "api_keys": spec.api_keys},
+            "auth": local_auth(spec.auth_enabled, spec.api_keys),
             # Subscribe and GetBackfill on the router relay to this mesh's backfill service.
             "router": {"port": self.router_port, "http_port": self.router_http_port,
                        "backfill_address": f"127.0.0.1:{self.backfill_port}"},

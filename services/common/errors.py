@@ -34,6 +34,14 @@ class Fault(str, enum.Enum):
     WORKER_LOST = "worker_lost"
     # Never sent: the call failed before a Ballast server answered (refused, reset, closed).
     UNREACHABLE = "unreachable"
+    # The caller's key may not do this (name another tenant in x-ballast-on-behalf-of).
+    PERMISSION_DENIED = "permission_denied"
+    # GetAnswer: no better answer for the ticket yet (or none of the caller's).
+    BACKFILL_PENDING = "backfill_pending"
+    # GetAnswer: the answer was kept for backfill.answer_retention_s and then removed.
+    BACKFILL_EXPIRED = "backfill_expired"
+    # GetAnswer: the answer was stored and is no longer in the store (the store lost data).
+    BACKFILL_LOST = "backfill_lost"
 
 
 class BallastError(Exception):
@@ -148,3 +156,29 @@ class Cancelled(BallastError):
 
     code = grpc.StatusCode.CANCELLED
     fault = Fault.CANCELLED
+
+
+class PermissionDenied(BallastError):
+    """The caller is known but its key may not do what it asked (run as another tenant)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    fault = Fault.PERMISSION_DENIED
+
+
+class BackfillPending(NotFound):
+    """No better answer for the ticket yet: it may still come."""
+
+    fault = Fault.BACKFILL_PENDING
+
+
+class BackfillExpired(NotFound):
+    """The better answer was kept for its retention and removed: it will not come again."""
+
+    fault = Fault.BACKFILL_EXPIRED
+
+
+class BackfillLost(BallastError):
+    """The better answer was stored and the store no longer has it: it will not come."""
+
+    code = grpc.StatusCode.DATA_LOSS
+    fault = Fault.BACKFILL_LOST

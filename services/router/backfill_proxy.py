@@ -22,9 +22,13 @@ from ballast.v1 import backfill_pb2, backfill_pb2_grpc
 from services.common.degraded.targets import check_ticket, subscription_target
 from services.config import BallastConfig
 from services.common.errors import (
+    BackfillExpired,
+    BackfillLost,
+    BackfillPending,
     BallastError,
     Cancelled,
     DeadlineExceeded,
+    Fault,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -32,7 +36,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.auth import API_KEY_HEADER, Authenticator
-from services.common.faults import retry_after_hint
+from services.common.faults import classify, retry_after_hint
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.probes import DependencyProbe
 from services.common.telemetry import DependencyStatus, Telemetry
@@ -60,6 +64,12 @@ _PASSED_ON: dict[grpc.StatusCode, type[BallastError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
+}
+# Why an answer is not there (not yet, expired, lost) goes on by fault, not only by code.
+_PASSED_ON_FAULT: dict[Fault, type[BallastError]] = {
+    Fault.BACKFILL_PENDING: BackfillPending,
+    Fault.BACKFILL_EXPIRED: BackfillExpired,
+    Fault.BACKFILL_LOST: BackfillLost,
 }
 
 
@@ -181,7 +191,8 @@ class BackfillProxy:
 
     def _error(self, error: grpc.aio.AioRpcError) -> BallastError:
         code, details = error.code(), error.details() or error.code().name
-        passed_on = _PASSED_ON.get(code)
+        failure = classify(error)
+        passed_on = (failure is not None and _PASSED_ON_FAULT.get(failure.fault)) or _PASSED_ON.get(code)
         if passed_on is not None:
             return passed_on(details)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -58,6 +58,10 @@ class RouterMetrics:
             "ballast_router_queue_wait", "Time a request waited for a worker slot, by pool and tier."
         )
         self._queue_wait_listeners: list[QueueWaitListener] = []
+        self.tier_capped = meter.create_counter(
+            "ballast_router_tier_capped",
+            description="Requests that asked for (or were tagged) a tier above their tenant's grant, by the tier "
+                        "asked, the tier given and the reason (capped_by_grant).")
         self.rule_hits = meter.create_counter(
             "ballast_router_tiering_rule_hits", description="Auto-tagging rules that decided or weighted a request."
         )

@@ -1,13 +1,24 @@
-"""Per-tenant quotas: requests and tokens per minute, refused with RESOURCE_EXHAUSTED
-(`QuotaExceeded`, reason `quota_exceeded`) and a retry hint of when the quota refills.
+"""Per-tenant quotas: requests and tokens per minute and streams at once, refused with
+RESOURCE_EXHAUSTED (`QuotaExceeded`, reason `quota_exceeded`) and a retry hint of when the
+quota refills.
 
-Each limit is a token bucket holding one minute's worth (a tenant may burst up to its
-per-minute limit, then runs at the limit's rate). A request needs one request credit when it
-arrives. Tokens (prompt + completion, from the answer's usage) are charged when the answer
-ends, since nobody knows the answer's length before: a tenant may go into debt by its last
-answer, and its next request waits until the bucket is positive again. Buckets live in each
-router's memory: with N routers a tenant gets up to N times its limit (documented; a shared
-store would cost a round trip per request).
+Each rate is a token bucket holding one minute's worth (a tenant may burst up to its
+per-minute limit, then runs at the limit's rate). A request takes one request credit and
+reserves its tokens when it is admitted: the prompt's estimate (its characters over
+`prompt_chars_per_token`; the exact count is known only once a worker tokenizes it) plus its
+`max_tokens`. It is admitted only if the bucket holds that much (or, for one larger than the
+whole minute, a full bucket), so a burst of concurrent requests cannot spend more than the
+limit. When the stream ends, however it ends (finished, cancelled, failed, degraded), the
+reservation is settled against what it used: the answer's usage when a Finished event came,
+else the prompt's estimate plus the tokens relayed; the unused part goes back to the bucket.
+A request that never reached a worker is charged nothing.
+
+`max_concurrent` bounds a tenant's open streams; each reservation holds one until settled.
+A backfill replay runs as the tenant whose request degraded (`x-ballast-on-behalf-of`, from a
+key with `acts_for_tenants`), so it is charged here like any of that tenant's requests.
+
+Buckets live in each router's memory: with N routers a tenant gets up to N times its limit
+(documented; a shared store would cost a round trip per request).
 
 `router.quotas` in ballast.yaml: a default for every tenant and overrides by tenant; 0 means
 no limit. Pure: the clock is a parameter.
@@ -15,6 +26,7 @@ no limit. Pure: the clock is a parameter.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,17 +36,25 @@ from pydantic import Field
 from services.common.config import Section
 from services.common.errors import QuotaExceeded
 
+# The hint of a refusal for too many open streams: none refills by time, one ends soon enough.
+CONCURRENCY_RETRY_S = 1.0
+
 
 class TenantLimits(Section):
     requests_per_minute: int = Field(0, ge=0, description="Requests a tenant may start per minute; 0: no limit.")
     tokens_per_minute: int = Field(
         0, ge=0, description="Prompt + completion tokens a tenant may use per minute; 0: no limit.")
+    max_concurrent: int = Field(0, ge=0, description="Streams a tenant may have open at once; 0: no limit.")
 
 
 class QuotaConfig(Section):
     default: TenantLimits = Field(default_factory=TenantLimits, description="Limits of every tenant.")
     tenants: dict[str, TenantLimits] = Field(
         default_factory=dict, description="Limits of named tenants, in place of the default.")
+    prompt_chars_per_token: float = Field(
+        4.0, gt=0, le=16, description="Characters per prompt token assumed when reserving a request's tokens "
+                                      "before its prompt is tokenized (settled to the real count at the end); "
+                                      "lower reserves more.")
 
     def limits(self, tenant: str) -> TenantLimits:
         return self.tenants.get(tenant, self.default)
@@ -52,8 +72,18 @@ class _Bucket:
         self.at = now
 
     def wait_s(self, need: float) -> float:
-        """Seconds until the bucket holds more than `need` (0 when it already does)."""
+        """Seconds until the bucket holds `need` (0 when it already does)."""
         return 0.0 if self.level >= need else (need - self.level) / self.per_s
+
+
+@dataclass
+class Reservation:
+    """What an admitted request holds until it is settled: one open stream and its tokens."""
+
+    tenant: str
+    tokens: int
+    prompt_estimate: int
+    settled: bool = False
 
 
 class TenantQuotas:
@@ -62,6 +92,7 @@ class TenantQuotas:
         self._clock = clock
         self._requests: dict[str, _Bucket] = {}
         self._tokens: dict[str, _Bucket] = {}
+        self._open: dict[str, int] = {}
 
     def _bucket(self, buckets: dict[str, _Bucket], tenant: str, per_minute: int) -> _Bucket | None:
         if per_minute <= 0:
@@ -73,22 +104,60 @@ class TenantQuotas:
         bucket.refill(now)
         return bucket
 
-    def admit(self, tenant: str) -> None:
-        """Takes one request credit, or raises QuotaExceeded with when to retry."""
+    def prompt_estimate(self, prompt_chars: int) -> int:
+        """Prompt tokens assumed before the prompt is tokenized."""
+        return math.ceil(prompt_chars / self.config.prompt_chars_per_token)
+
+    def open_streams(self, tenant: str) -> int:
+        return self._open.get(tenant, 0)
+
+    def admit(self, tenant: str, prompt_chars: int = 0, max_tokens: int = 0) -> Reservation:
+        """Takes a request credit, an open stream and the request's token reservation, or raises
+        QuotaExceeded with when to retry (and takes nothing)."""
         limits = self.config.limits(tenant)
+        prompt = self.prompt_estimate(prompt_chars)
+        reserve = prompt + max_tokens
+        if limits.max_concurrent and self.open_streams(tenant) >= limits.max_concurrent:
+            raise QuotaExceeded(f"tenant {tenant!r} has its {limits.max_concurrent} streams open at once",
+                                retry_after_s=CONCURRENCY_RETRY_S)
         tokens = self._bucket(self._tokens, tenant, limits.tokens_per_minute)
-        if tokens is not None and tokens.level <= 0:
-            raise QuotaExceeded(f"tenant {tenant!r} used its {limits.tokens_per_minute} tokens per minute",
-                                retry_after_s=tokens.wait_s(1.0))
+        # A request larger than the whole minute waits for a full bucket, then goes into debt.
+        need = min(float(reserve), tokens.capacity) if tokens is not None else 0.0
+        if tokens is not None and (tokens.level < need or tokens.level <= 0):
+            raise QuotaExceeded(
+                f"tenant {tenant!r} used its {limits.tokens_per_minute} tokens per minute (this request "
+                f"reserves {reserve}: prompt {prompt} + max_tokens {max_tokens})",
+                retry_after_s=tokens.wait_s(max(need, 1.0)))
         requests = self._bucket(self._requests, tenant, limits.requests_per_minute)
+        if requests is not None and requests.level < 1.0:
+            raise QuotaExceeded(f"tenant {tenant!r} used its {limits.requests_per_minute} requests per minute",
+                                retry_after_s=requests.wait_s(1.0))
         if requests is not None:
-            if requests.level < 1.0:
-                raise QuotaExceeded(f"tenant {tenant!r} used its {limits.requests_per_minute} requests per minute",
-                                    retry_after_s=requests.wait_s(1.0))
             requests.level -= 1.0
+        if tokens is not None:
+            tokens.level -= reserve
+        self._open[tenant] = self.open_streams(tenant) + 1
+        return Reservation(tenant, reserve, prompt)
+
+    def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        """Ends a reservation: the stream is closed and the tokens it used replace what it
+        reserved (the rest goes back; more than reserved leaves the bucket in debt). A second
+        settle of the same reservation does nothing."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        tenant = reservation.tenant
+        left = self.open_streams(tenant) - 1
+        if left > 0:
+            self._open[tenant] = left
+        else:
+            self._open.pop(tenant, None)
+        bucket = self._bucket(self._tokens, tenant, self.config.limits(tenant).tokens_per_minute)
+        if bucket is not None:
+            bucket.level = min(bucket.capacity, bucket.level + reservation.tokens - max(0, used_tokens))
 
     def charge_tokens(self, tenant: str, tokens: int) -> None:
-        """Charges the tokens an answer used (it may leave the bucket in debt)."""
+        """Charges tokens used outside any reservation (it may leave the bucket in debt)."""
         bucket = self._bucket(self._tokens, tenant, self.config.limits(tenant).tokens_per_minute)
         if bucket is not None and tokens > 0:
             bucket.level -= tokens

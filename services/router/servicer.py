@@ -23,12 +23,12 @@ import grpc
 from opentelemetry import trace
 
 from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.common.auth import Authenticator
+from services.common.auth import Authenticator, Caller
+from services.common.entitlements import cap_tier
 from services.common.errors import BallastError, NotFound, QuotaExceeded, Unavailable
 from services.common.membership import MembershipWatcher
 from services.config import BallastConfig
 from services.router.backfill_proxy import BackfillProxy
-from services.router.context.guard import ContextGuard
 from services.router.context.live_eval import publish_retention
 from services.router.degrade.degrader import Degrader
 from services.router.events_pb import events_to_pb
@@ -36,7 +36,7 @@ from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.pools import PoolGates
-from services.router.quotas import TenantQuotas
+from services.router.quotas import Reservation, TenantQuotas
 from services.router.request_run import RequestRun
 from services.router.requests import InferenceRequest, checked_request
 from services.router.resilience.breaker import BreakerBoard
@@ -100,7 +100,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.pools = PoolGates(
             TierPolicy.from_mapping(config.router.scheduling), membership, self.health, SchedulerMetrics(metrics)
         )
-        self.context_guard = ContextGuard(self.models.latest, self.pools.has_capacity)
         # Rollouts follow etcd; the app starts and stops the controller.
         self.rollouts = RolloutController(config.etcd, clients, self.models, metrics.meter)
         self.runner = GenerationRunner(
@@ -169,12 +168,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             budget = min(budget, remaining)
         return time.monotonic() + budget
 
-    def _tier(self, request: InferenceRequest) -> tuple[str, str, float]:
-        """Tier, the reason for it (rule name or "explicit") and the scheduling weight."""
+    def _tier(self, request: InferenceRequest, caller: Caller) -> tuple[str, str, float]:
+        """Tier, the reason for it (rule name, "explicit", or why the caller's grant changed it)
+        and the scheduling weight. The grant is applied last: neither the client nor a tagging
+        rule lifts a request above what its tenant may claim."""
         if request.tier == "AUTO":
             decided = self.classifier.classify(TagInput.from_request(request))
-            return decided.tier, decided.rule, decided.weight
-        return request.tier, "explicit", 1.0
+            tier, reason, weight = decided.tier, decided.rule, decided.weight
+        else:
+            tier, reason, weight = request.tier, "explicit", 1.0
+        granted, why = cap_tier(tier, caller.tiers)
+        if why is None:
+            return tier, reason, weight
+        self.metrics.tier_capped.add(1, {"asked": tier, "tier": granted, "reason": why})
+        return granted, why, weight
+
+    @staticmethod
+    def _prompt_chars(request: InferenceRequest) -> int:
+        if request.prompt is not None:
+            return len(request.prompt)
+        return sum(len(m.content) for m in request.messages)
+
+    def _used_tokens(self, reservation: Reservation, finished: inference_pb2.Finished | None,
+                     generated: int, reached_worker: bool) -> int:
+        """What a stream cost its tenant: the answer's usage when it finished; else (cancelled,
+        failed) the prompt's estimate and the tokens relayed, or nothing if no worker saw it."""
+        if finished is not None:
+            return finished.usage.prompt_tokens + finished.usage.completion_tokens
+        if not reached_worker and not generated:
+            return 0
+        return reservation.prompt_estimate + generated
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -196,18 +219,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         model = ""
         failure: BaseException | None = None
         finished: inference_pb2.Finished | None = None
+        reservation: Reservation | None = None
+        generated = 0
+        reached_worker = False
         self.metrics.in_flight.add(1)
         try:
-            tenant = self.auth.tenant_for(call.invocation_metadata())
+            # A backfill replay runs as the tenant whose request degraded: its quota, its share.
+            caller = self.auth.caller(call.invocation_metadata())
+            tenant = caller.tenant
             inference = await checked_request(request, tenant, self.router_config)
             self._check_model_known(inference.model)
             model = inference.model
             # Before the ladder: a prompt over the model's context is bad input whether or not
             # a worker is alive, never a degraded answer.
-            self.context_guard.check(inference)
             # After validation, so a malformed request costs the tenant nothing.
-            self.quotas.admit(tenant)
-            tier, reason, weight = self._tier(inference)
+            reservation = self.quotas.admit(tenant, self._prompt_chars(inference), inference.sampling.max_tokens)
+            tier, reason, weight = self._tier(inference, caller)
             # The Started event has no field for it: the trace is found by request id instead.
             trace.get_current_span().set_attributes(
                 {"ballast.request_id": inference.request_id, "ballast.tier": tier, "ballast.model": model}
@@ -222,7 +249,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for event in self.degrader.run(
                 pool_stream, inference, tier=tier, tier_reason=reason, deadline=deadline, started=started
             ):
-                if event.HasField("finished"):
+                kind = event.WhichOneof("event")
+                if kind == "tokens":
+                    # Counted here, so a stream that ends without a Finished event is still charged.
+                    generated += len(event.tokens.token_ids)
+                elif kind == "started":
+                    reached_worker = True
+                elif kind == "finished":
                     finished = event.finished
                 yield event
         except BaseException as error:
@@ -230,8 +263,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             failure = error
             raise
         finally:
-            if finished is not None:
-                self.quotas.charge_tokens(tenant, finished.usage.prompt_tokens + finished.usage.completion_tokens)
+            if reservation is not None:
+                self.quotas.settle(reservation, self._used_tokens(reservation, finished, generated, reached_worker))
             self.metrics.in_flight.add(-1)
             self.metrics.requests.add(1, {"tier": tier, "outcome": outcome, "protocol": protocol})
             remaining = call.time_remaining()

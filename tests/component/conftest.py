@@ -34,6 +34,8 @@ def make_config(etcd_server, model_dir, prefix: str, **overrides):
         # looks like a new worker incarnation with free slots. No test here times lease expiry.
         "BALLAST__ETCD__LEASE_TTL_S": "10",
         "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}"}}',
+        # The tier tests ask for S: this tenant may claim every tier.
+        "BALLAST__AUTH__TENANTS": f'{{"{TENANT}": {{"tiers": ["S", "A", "B"]}}}}',
         "BALLAST__ROUTER__PORT": "0",
         "BALLAST__ROUTER__MODELS": '["tiny", "tiny-unserved"]',
         "BALLAST__WORKER__PORT": "0",

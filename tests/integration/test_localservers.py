@@ -124,7 +124,7 @@ def test_redis_set_get_maxmemory_restart(tmp_path, stop_after):
         assert client.set("k", b"v")
         assert client.get("k") == b"v"
         assert client.config_get("maxmemory") == {"maxmemory": str(32 * 1024 * 1024)}
-        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "volatile-lru"}
         assert client.config_get("save") == {"save": ""}
         assert client.config_get("appendonly") == {"appendonly": "no"}
     finally:

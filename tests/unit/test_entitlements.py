@@ -9,7 +9,7 @@ import pytest
 from services.common.auth import ON_BEHALF_HEADER, Authenticator
 from services.common.config import AuthConfig, ConfigError
 from services.common.entitlements import CAPPED_BY_GRANT, RAISED_TO_GRANT, allowed_tiers, cap_tier
-from services.common.errors import InvalidArgument, Unauthenticated
+from services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from services.config import load_config
 
 
@@ -55,8 +55,11 @@ def test_only_a_key_that_acts_for_tenants_may_run_as_another_tenant():
     assert replay.tiers == ("S", "A", "B")  # the tenant's own grant, not the backfill's
     own = a.caller([("x-api-key", "k-backfill")])
     assert (own.tenant, own.on_behalf) == ("ballast-backfill", False)
-    with pytest.raises(InvalidArgument, match=ON_BEHALF_HEADER):
+    with pytest.raises(PermissionDenied, match=ON_BEHALF_HEADER):
         a.caller([("x-api-key", "k-acme"), (ON_BEHALF_HEADER, "gold")])
+    assert a.caller([("x-api-key", "k-acme"), (ON_BEHALF_HEADER, "acme")]).tenant == "acme"  # itself: no privilege
+    with pytest.raises(InvalidArgument, match="printable"):
+        a.caller([("x-api-key", "k-backfill"), (ON_BEHALF_HEADER, "x" * 200)])
     with pytest.raises(Unauthenticated):
         a.caller([(ON_BEHALF_HEADER, "gold")])
 

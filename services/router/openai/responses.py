@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from ballast.v1 import common_pb2, inference_pb2
+from services.common.tier_pb import TIER_NAMES
 from services.router.openai.mapping import Shape
 
 FINISH_REASONS = {
@@ -41,6 +42,8 @@ def ballast_extras(finished: inference_pb2.Finished, started: inference_pb2.Star
     extras = {
         "request_id": started.request_id if started is not None else "",
         "model_version": started.model_version if started is not None else "",
+        # The tier the request ran at, after its tenant's grant (tier_reason capped_by_grant when lowered).
+        "tier": TIER_NAMES.get(started.tier, "") if started is not None else "",
         "tier_reason": started.tier_reason if started is not None else "",
         "degradation": DEGRADATION.get(finished.degradation, "none"),
         "backfill_ticket": finished.backfill_ticket,
