@@ -40,7 +40,7 @@ def launch(config: BallastConfig) -> int:
         return 0
 
     preload(config.worker.engine)
-    policy = RespawnPolicy(config.worker.respawn_max, config.worker.respawn_window_s)
+    policy = RespawnPolicy.from_settings(config.worker)
     return Keeper(serve_child, policy).run()
 
 

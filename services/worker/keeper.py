@@ -7,15 +7,24 @@ it imports the engine's modules once, then forks the serving worker. When that w
 state, so only the model load and warm-up are paid again. The fresh worker registers under
 the same id: routers see a new incarnation, as after any restart.
 
+Every death is followed by a restart, after a backoff: 0.5 s, doubling with each death in
+a row up to 30 s, and back to 0.5 s once a worker served for a healthy period
+(`worker.respawn_backoff_*`, `worker.respawn_healthy_s`). A worker that keeps dying is a crash loop: more than
+`respawn_max` deaths within `respawn_window_s` log an error (and so does each wait at the
+cap), but the keeper goes on trying, at the capped pace, as Kubernetes does for a container.
+
+With `worker.memory_limit_mb` set, a thread of the keeper polls the resident memory of the
+worker and everything it started (every 100 ms) and SIGKILLs the worker's group once it is
+over the limit: the worker dies alone, before the host's OOM killer picks some other process,
+and its death is logged as "memory limit". A SIGKILL the keeper did not send, while the
+kernel's OOM kill count rose, is logged as the OOM killer's.
+
 What the keeper does not hide:
 - A first worker that dies before it was ready (bad model folder, port taken) ends the
   keeper with that worker's exit status: start-up failures are the orchestrator's to retry.
-  A fresh worker that dies before it was ready, after an earlier one served, is a crash like
+  A fresh worker that dies before it was ready, after an earlier one served, is a death like
   any other and is started again: the same settings started before, so what ended it is the
-  host (killed again while it loaded, out of memory), and giving up would leave the worker
-  gone for good after two faults in a row.
-- More than `respawn_max` crashes within `respawn_window_s` end the keeper with status 1,
-  so a crash loop shows as one to the orchestrator instead of spinning here.
+  host (killed again while it loaded, out of memory).
 - A worker that exits on its own with status 0 (it drained) ends the keeper with 0.
 
 SIGTERM or SIGINT to the keeper is passed to the worker, which drains as usual; the keeper
@@ -40,8 +49,11 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
+
+from services.common.backoff import BackoffPolicy, RestartBackoff
+from services.common.memory_watch import MB, MemoryWatch, oom_kills
 
 log = logging.getLogger("ballast.worker.keeper")
 
@@ -58,12 +70,24 @@ PRELOAD = {
 
 @dataclass(frozen=True)
 class RespawnPolicy:
+    """When a crash loop is reported, how long restarts wait, and the worker's memory limit."""
+
     max_crashes: int
     window_s: float
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    memory_limit_mb: int = 0
+
+    @classmethod
+    def from_settings(cls, worker) -> "RespawnPolicy":
+        """From the worker section of the config (services/worker/settings.py)."""
+        return cls(worker.respawn_max, worker.respawn_window_s,
+                   BackoffPolicy(initial_s=worker.respawn_backoff_initial_s, max_s=worker.respawn_backoff_max_s,
+                                 reset_after_s=worker.respawn_healthy_s),
+                   worker.memory_limit_mb)
 
 
 class CrashLoop:
-    """Counts crashes in a sliding window; says when there were too many."""
+    """Counts crashes in a sliding window; says when there were too many (a crash loop)."""
 
     def __init__(self, policy: RespawnPolicy, clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
@@ -105,23 +129,31 @@ def preload(engine: str) -> None:
 class Keeper:
     """Forks the serving worker and forks it again when it dies (see the module docstring)."""
 
-    def __init__(self, serve: Callable[[Callable[[], None]], int], policy: RespawnPolicy) -> None:
+    def __init__(self, serve: Callable[[Callable[[], None]], int], policy: RespawnPolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         # serve(ready) runs the worker in the child and returns its exit status; it calls
         # ready() once the worker takes requests.
         self._serve = serve
-        self._loop = CrashLoop(policy)
+        self.policy = policy
+        self._loop = CrashLoop(policy, clock)
+        self._backoff = RestartBackoff(policy.backoff)
+        self._clock = clock
         self._child: int | None = None
         self._stopping = False
         # Whether any worker of this keeper became ready: until then a death is a start-up failure.
         self._served = False
+        #: Worker deaths so far (each followed by a restart).
+        self.restarts = 0
+        self._ready_at: float | None = None
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
         while True:
-            status, was_ready = self._run_child()
+            status, was_ready, cause = self._run_child()
             self._served = self._served or was_ready
-            what = describe_status(status) + ("" if was_ready else " before it was ready")
+            what = describe_status(status) + (f" ({cause})" if cause else "") + (
+                "" if was_ready else " before it was ready")
             if self._stopping:
                 log.info("keeper: worker %s after the stop signal", what)
                 return exit_code(status)
@@ -131,11 +163,27 @@ class Keeper:
             if not self._served:
                 log.error("keeper: worker %s; not starting another", what)
                 return exit_code(status) or 1
+            # How long it served: a worker that dies while it loads was never healthy.
+            served_s = self._clock() - self._ready_at if self._ready_at is not None else 0.0
+            delay = self._backoff.next_delay(served_s)
             if self._loop.crashed():
-                log.error("keeper: worker %s; more than %d crashes in %.0f s, giving up", what,
-                          self._loop.policy.max_crashes, self._loop.policy.window_s)
-                return 1
-            log.warning("keeper: worker %s; starting a fresh one", what)
+                log.error("keeper: crash loop: more than %d worker deaths within %.0f s; still restarting",
+                          self.policy.max_crashes, self.policy.window_s)
+            self.restarts += 1
+            log.warning("keeper: worker %s; starting a fresh one in %.1f s (restart %d)", what, delay, self.restarts)
+            if not self._sleep(delay):
+                log.info("keeper: stop signal while waiting to restart the worker")
+                return 0
+
+    def _sleep(self, delay_s: float) -> bool:
+        """Waits out a backoff in short steps; False when a stop signal came meanwhile."""
+        deadline = self._clock() + delay_s
+        while not self._stopping:
+            left = deadline - self._clock()
+            if left <= 0:
+                return True
+            time.sleep(min(left, 0.05))
+        return False
 
     def _forward(self, signum: int, _frame) -> None:
         self._stopping = True
@@ -145,8 +193,9 @@ class Keeper:
             except ProcessLookupError:
                 pass
 
-    def _run_child(self) -> tuple[int, bool]:
-        """Forks one worker and waits for it: (its wait status, whether it became ready)."""
+    def _run_child(self) -> tuple[int, bool, str]:
+        """Forks one worker and waits for it: (its wait status, whether it became ready, what
+        killed it when that can be told: the memory limit or the OOM killer, else "")."""
         read_end, write_end = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -165,15 +214,29 @@ class Keeper:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
         os.close(write_end)
+        kills_before = oom_kills()
+        # Started after the fork and stopped before the next one: a fork copies one thread.
+        watch = (MemoryWatch(pid, self.policy.memory_limit_mb * MB).start()
+                 if self.policy.memory_limit_mb > 0 else None)
         try:
-            # Blocks until the worker says it is ready, or EOF when it dies first.
-            was_ready = os.read(read_end, 1) == _READY
+            try:
+                # Blocks until the worker says it is ready, or EOF when it dies first.
+                was_ready = os.read(read_end, 1) == _READY
+                self._ready_at = self._clock() if was_ready else None
+            finally:
+                os.close(read_end)
+            _, status = os.waitpid(pid, 0)
         finally:
-            os.close(read_end)
-        _, status = os.waitpid(pid, 0)
+            if watch is not None:
+                watch.stop()
         self._child = None
         _end_group(pid)
-        return status, was_ready
+        cause = (watch.reason() if watch is not None else None) or ""
+        if not cause and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            kills_after = oom_kills()
+            if kills_before is not None and kills_after is not None and kills_after > kills_before:
+                cause = "the kernel's OOM killer"
+        return status, was_ready, cause
 
     def _child_main(self, keeper: int, ready_fd: int, stop_signals: set[signal.Signals]) -> int:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config import Section
 
@@ -85,8 +85,25 @@ class WorkerConfig(Section):
         False, description="Run under a keeper that has the engine imported and starts a fresh worker "
                            "at once when one dies (about 0.5 s instead of a cold start).")
     respawn_max: int = Field(
-        10, ge=0, description="Crashes within respawn_window_s after which the keeper gives up (exit 1).")
+        10, ge=0, description="Crashes within respawn_window_s that the keeper reports as a crash loop "
+                              "(it logs an error and goes on restarting, at the backoff's cap).")
     respawn_window_s: float = Field(60.0, gt=0, description="Window of respawn_max.")
+    respawn_backoff_initial_s: float = Field(
+        0.5, ge=0, description="Keeper: wait before the first restart after a death; doubles with each "
+                               "death in a row.")
+    respawn_backoff_max_s: float = Field(30.0, gt=0, description="Keeper: the longest wait before a restart.")
+    respawn_healthy_s: float = Field(
+        10.0, gt=0, description="Keeper: a worker that served this long was healthy: its next death waits "
+                                "the initial backoff again.")
+    memory_limit_mb: int = Field(
+        4096, ge=0, description="Resident memory (MB) of the worker and what it starts, over which its keeper "
+                                "(or the local supervisor) SIGKILLs and restarts it; 0: no limit.")
+
+    @model_validator(mode="after")
+    def _backoff_order(self):
+        if self.respawn_backoff_max_s < self.respawn_backoff_initial_s:
+            raise ValueError("worker.respawn_backoff_max_s must be >= worker.respawn_backoff_initial_s")
+        return self
 
     @field_validator("vllm_cpu_threads_bind", mode="before")
     @classmethod

@@ -1,7 +1,7 @@
-"""The worker keeper: respawns a worker that died after it was ready (and a fresh one killed
-while it loads), gives up on a first worker that dies before it is ready, on a crash loop and
-on a clean exit, and passes SIGTERM on. Each keeper
-runs in a subprocess of its own (it forks and installs signal handlers)."""
+"""The worker keeper: respawns a worker after any death once one was ready (a fresh one killed
+while it loads, a crash loop, a worker over its memory limit), with a doubling backoff; gives up
+on a first worker that dies before it is ready and on a clean exit; passes SIGTERM on. Each
+keeper runs in a subprocess of its own (it forks and installs signal handlers)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import logging, os, signal, subprocess, sys, time
     logging.basicConfig(level=logging.INFO)
+    from services.common.backoff import BackoffPolicy
     from services.worker.keeper import Keeper, RespawnPolicy
-    mode, runs, max_crashes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mode, runs, max_crashes, memory_limit_mb = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 
     def serve(ready):
         with open(runs, "a") as f:
@@ -45,7 +46,17 @@ SCRIPT = textwrap.dedent("""
         if mode == "killed-then-clean" and n < 3:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "crash-loop":
-            return 1
+            return 1 if n < 5 else 0
+        if mode == "grow-on-command":
+            if n == 1:
+                # Grows past its memory limit when the test says so (a schema bomb, say).
+                while not os.path.exists(runs + ".grow"):
+                    time.sleep(0.02)
+                hog = bytearray(300 * 1024 * 1024)
+                for i in range(0, len(hog), 4096):
+                    hog[i] = 1  # touched: resident, not just reserved
+                time.sleep(60)
+            return 0
         if mode == "with-engine":
             # Like vLLM's engine process: started by the worker, ended by nobody but the keeper.
             engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -61,13 +72,16 @@ SCRIPT = textwrap.dedent("""
             return 5
         return 0
 
-    sys.exit(Keeper(serve, RespawnPolicy(max_crashes, 60.0)).run())
+    backoff = BackoffPolicy(initial_s=0.05, max_s=0.2)
+    sys.exit(Keeper(serve, RespawnPolicy(max_crashes, 60.0, backoff, memory_limit_mb)).run())
 """)
 
 
-def run_keeper(tmp_path: Path, mode: str, max_crashes: int = 10, **kwargs) -> subprocess.Popen:
+def run_keeper(tmp_path: Path, mode: str, max_crashes: int = 10, memory_limit_mb: int = 0,
+               **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'protos'}"}
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(tmp_path / "runs"), str(max_crashes)],
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(tmp_path / "runs"), str(max_crashes),
+                             str(memory_limit_mb)],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
@@ -102,12 +116,29 @@ def test_a_fresh_worker_killed_before_it_is_ready_is_started_again(tmp_path):
     assert "killed by SIGKILL before it was ready; starting a fresh one" in output
 
 
-def test_a_crash_loop_ends_the_keeper(tmp_path):
+def test_a_crash_loop_is_reported_and_the_keeper_goes_on_with_a_doubling_backoff(tmp_path):
     keeper = run_keeper(tmp_path, "crash-loop", max_crashes=2)
     output, _ = keeper.communicate(timeout=60)
-    assert keeper.returncode == 1
-    assert len(runs(tmp_path)) == 3  # two crashes allowed, the third gives up
-    assert "giving up" in output
+    assert keeper.returncode == 0, output  # the fifth worker exits cleanly
+    assert len(runs(tmp_path)) == 5
+    # More than two crashes in the window: reported twice (the third and the fourth).
+    assert output.count("crash loop: more than 2 worker deaths") == 2
+    waits = [line.split(" in ")[-1].split(" s ")[0] for line in output.splitlines() if "starting a fresh one" in line]
+    assert waits == ["0.1", "0.1", "0.2", "0.2"]  # 0.05 (printed 0.1), 0.1, 0.2, then the cap
+
+
+def test_a_worker_over_its_memory_limit_is_killed_and_started_again(tmp_path):
+    keeper = run_keeper(tmp_path, "grow-on-command", memory_limit_mb=150)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "runs").exists():
+        assert time.monotonic() < deadline, "the worker never ran"
+        time.sleep(0.02)
+    (tmp_path / "runs.grow").touch()  # the command to grow past the limit
+    output, _ = keeper.communicate(timeout=60)
+    assert keeper.returncode == 0, output  # the second worker exits cleanly
+    assert len(runs(tmp_path)) == 2
+    assert "killed by SIGKILL (memory limit (" in output
+    assert "over 150 MB)); starting a fresh one" in output
 
 
 def test_sigterm_reaches_the_worker_and_the_keeper_exits_with_its_status(tmp_path):
