@@ -9,7 +9,9 @@ from pathlib import Path
 
 import grpc
 
-from services.cli.mesh import CONFIG_FILE, LOCAL_API_KEY, Mesh, MeshSpec, read_state, running_state, stop_recorded
+from services.cli.mesh import (CERTS_DIR, CONFIG_FILE, LOCAL_API_KEY, MeshSpec, pid_alive, read_state,
+                               running_state, stop_recorded, wait_for_workers)
+from services.cli.supervised import launch_daemon, read_supervisor_state, wait_daemon_ready
 
 
 def _model_present(model_dir: Path) -> bool:
@@ -61,24 +63,34 @@ def cmd_up(args) -> int:
 
         print(f"building the tiny model in {args.model_dir}")
         build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
-    spec = MeshSpec(state_dir=args.state_dir, model_dir=args.model_dir, workers=args.workers,
-                    router_port=args.router_port, router_http_port=args.http_port or None, engine=args.engine,
-                    secure=args.secure, redis_cluster=args.redis_cluster or args.clusters,
-                    etcd_cluster=args.etcd_cluster or args.clusters,
-                    routers=args.routers)
-    mesh = Mesh(spec)
-    print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers) ...", flush=True)
+    spec = MeshSpec(state_dir=Path(args.state_dir).resolve(), model_dir=Path(args.model_dir).resolve(),
+                    workers=args.workers, router_port=args.router_port, router_http_port=args.http_port or None,
+                    engine=args.engine, secure=args.secure, redis_cluster=args.redis_cluster or args.clusters,
+                    etcd_cluster=args.etcd_cluster or args.clusters, routers=args.routers,
+                    redis_persist=not args.no_redis_persist, fixed_ports=True)
+    print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers, supervised) ...", flush=True)
     started = time.monotonic()
-    mesh.start()
-    for server in (part for infra in mesh.infra for part in infra.parts()):
-        print(f"  {server.name:<9} {server.address:<22} pid {server.pid}")
-    for service in mesh.services:
-        print(f"  {service.name:<9} {service.address:<22} pid {service.pid}  metrics :{service.metrics_port}")
-    print(f"mesh up in {time.monotonic() - started:.1f}s; router at {mesh.router_address}"
-          + (f" (mutual TLS, certificates in {mesh.certs_dir})" if spec.secure else ""))
+    # A background supervisor starts every process and starts again any that dies, after
+    # this command returns (services/cli/supervised.py).
+    daemon = launch_daemon(spec)
+    try:
+        supervised = wait_daemon_ready(daemon, spec.state_dir, spec.start_timeout_s + 120)
+        state = read_state(args.state_dir)
+        wait_for_workers(Path(state["config"]), spec.workers, spec.start_timeout_s)
+    except BaseException as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        daemon.stop(timeout=60.0)
+        stop_recorded(args.state_dir)
+        return 1
+    for child in supervised["children"]:
+        metrics = f"  metrics :{child['metrics_port']}" if child.get("metrics_port") else ""
+        print(f"  {child['name']:<9} {child['address']:<22} pid {child['pid']}{metrics}")
+    tls = f" (mutual TLS, certificates in {Path(args.state_dir) / CERTS_DIR})" if spec.secure else ""
+    print(f"mesh up in {time.monotonic() - started:.1f}s; router at {state['router']}{tls}; "
+          f"supervisor pid {daemon.pid} restarts any process that dies")
     print("  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
-    print(f"  OpenAI-compatible HTTP API at {mesh.http_base_url}; a streamed answer:")
-    print(f"  {openai_curl(mesh.http_base_url, LOCAL_API_KEY, mesh.certs_dir if spec.secure else None)}")
+    print(f"  OpenAI-compatible HTTP API at {state['http']}; a streamed answer:")
+    print(f"  {openai_curl(state['http'], LOCAL_API_KEY, Path(args.state_dir).resolve() / CERTS_DIR if spec.secure else None)}")
     return 0
 
 
@@ -150,9 +162,39 @@ def _router_breakers(args) -> dict[str, str] | None:
     return states
 
 
+def _supervised_lines(args) -> list[str]:
+    """The local mesh's processes as its supervisor sees them: PID, restarts, last exit."""
+    state = read_supervisor_state(args.state_dir)
+    if not state or not state.get("children"):
+        return []
+    if state.get("phase") == "running" and not pid_alive(state["pid"]):
+        return [f"(the supervisor, pid {state['pid']}, is not running: nothing restarts the processes below; "
+                "`ballast down` stops what is left of them)", *_process_rows(state), ""]
+    return [*_process_rows(state), ""]
+
+
+def _process_rows(state: dict) -> list[str]:
+    header = f"{'process':<12} {'pid':>8} {'state':<9} {'restarts':>8}  last exit"
+    lines = [header, "-" * len(header)]
+    for child in state["children"]:
+        last = child.get("last_exit")
+        when = time.strftime("%H:%M:%S", time.localtime(last["at"])) if last and last.get("at") else ""
+        exit_text = f"{last['text']} at {when}" if last else "-"
+        if child.get("next_start_in_s") is not None:
+            exit_text += f"; restart in {child['next_start_in_s']:.1f}s"
+        status = {"up": "up", "starting": "starting", "backoff": "waiting", "stopped": "stopped"}.get(
+            child["status"], child["status"])
+        lines.append(f"{child['name']:<12} {child['pid'] or '-':>8} {status:<9} {child['restarts']:>8}  {exit_text}")
+    if state.get("phase") not in ("running", None):
+        lines.append(f"(supervisor {state['phase']}{': ' + state['error'] if state.get('error') else ''})")
+    return lines
+
+
 def cmd_status(args) -> int:
     from services.cli.etcd_view import list_workers
 
+    for line in _supervised_lines(args):
+        print(line)
     config = _local_config(args)
     try:
         rows = asyncio.run(list_workers(config.etcd, with_lease_ttl=True))

@@ -417,21 +417,25 @@ class EtcdServer(LocalServer):
 
 
 class RedisServer(LocalServer):
-    """A Redis-compatible server (Redis or Valkey) without persistence; files in state_dir/redis.
+    """A Redis-compatible server (Redis or Valkey); files in state_dir/redis.
 
     `maxmemory` (bytes) bounds it, evicting with volatile-lru (or `maxmemory_policy`): only keys with a
     TTL (the KV cache's blocks) are evicted, never the backfill's answers, which have none.
+    With `appendonly` it keeps an append-only file there (fsync every second), so a restart,
+    even after SIGKILL, comes back with what it held up to the last second; without, a
+    restart starts empty.
     """
 
     name = "redis"
 
     def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
                  maxmemory: int | None = None, maxmemory_policy: str = "volatile-lru",
-                 security: BackingSecurity | None = None) -> None:
+                 security: BackingSecurity | None = None, appendonly: bool = False) -> None:
         super().__init__(state_dir, port, host)
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
         self.security = security
+        self.appendonly = appendonly
 
     @property
     def url(self) -> str:
@@ -457,7 +461,7 @@ class RedisServer(LocalServer):
         argv = [
             binary,
             "--save", "",
-            "--appendonly", "no",
+            *(["--appendonly", "yes", "--appendfsync", "everysec"] if self.appendonly else ["--appendonly", "no"]),
             "--bind", self.host,
             *self._listen_argv(),
             "--dir", str(self.data_dir),

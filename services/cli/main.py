@@ -19,7 +19,8 @@ DEFAULT_MODEL_DIR = DEFAULT_STATE_DIR / "models" / "tiny"
 
 
 def _add_up(sub) -> None:
-    p = sub.add_parser("up", help="start etcd, Redis, Kafka broker and the services in the background")
+    p = sub.add_parser("up", help="start etcd, Redis, Kafka broker and the services in the background, under a "
+                                  "supervisor that restarts any process that dies")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     p.add_argument("--workers", type=int, default=2)
@@ -39,6 +40,8 @@ def _add_up(sub) -> None:
     p.add_argument("--etcd-cluster", action="store_true", help="etcd as a cluster of three members")
     p.add_argument("--clusters", action="store_true",
                    help="both: a Redis Cluster and a three-member etcd (add --routers 2 for several routers)")
+    p.add_argument("--no-redis-persist", action="store_true",
+                   help="the local Redis without its append-only file (a restart then loses what it held)")
     p.set_defaults(handler="services.cli.commands:cmd_up")
 
 
@@ -51,13 +54,14 @@ def _add_certs(sub) -> None:
 
 
 def _add_down(sub) -> None:
-    p = sub.add_parser("down", help="stop everything `up` started, by PID, in reverse order")
+    p = sub.add_parser("down", help="stop everything `up` started (through its supervisor, else by PID), in "
+                                    "reverse order")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.set_defaults(handler="services.cli.commands:cmd_down")
 
 
 def _add_status(sub) -> None:
-    p = sub.add_parser("status", help="table of workers from etcd")
+    p = sub.add_parser("status", help="supervised processes (restarts, last exit) and the workers in etcd")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.add_argument("--config", help="ballast.yaml (default: the local mesh's)")
     p.add_argument("--router-metrics", help="a router's /metrics URL, for breaker states (default: the local mesh's)")

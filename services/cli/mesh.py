@@ -23,7 +23,8 @@ from services.cli.etcd_cluster import LocalEtcdCluster
 from services.cli.kafka_tls import SecureKafkaBroker
 from services.cli.redis_cluster import LocalRedisCluster
 from services.cli.localservers import BackingSecurity, EtcdServer, KafkaBroker, LocalServer, RedisServer, ServerGroup
-from services.common.processes import ManagedProcess, ProcessStartError, free_ports, stop_pid, wait_until_ready
+from services.common.processes import (ManagedProcess, ProcessStartError, StopOutcome, free_ports, stop_pid,
+                                      wait_until_ready)
 
 STATE_FILE = "mesh.json"
 # Redis's memory bound in a local mesh (split over the masters of a local Redis Cluster).
@@ -72,6 +73,23 @@ class MeshSpec:
     redis_cluster: bool = False
     # etcd as a cluster of three members (the services get every member's address).
     etcd_cluster: bool = False
+    # The single local Redis keeps an append-only file (fsync every second) under
+    # state_dir/redis, so a restart loses no stored answer: on for `ballast up`; off here by
+    # default (a test mesh starts empty, and its KV blocks need not reach the disk).
+    redis_persist: bool = False
+    # Every service on gRPC and /metrics ports picked before it starts (workers too) and kept
+    # across restarts: what a supervisor that restarts them and probes their health needs.
+    fixed_ports: bool = False
+
+    def to_json(self) -> dict:
+        """The spec as JSON-ready data (paths as strings), for a process that starts it."""
+        data = dict(self.__dict__)
+        data["state_dir"], data["model_dir"] = str(self.state_dir), str(self.model_dir)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MeshSpec":
+        return cls(**{**data, "state_dir": Path(data["state_dir"]), "model_dir": Path(data["model_dir"])})
 
     @property
     def start_timeout_s(self) -> float:
@@ -192,7 +210,8 @@ class Mesh:
         self.redis: RedisServer | LocalRedisCluster = (
             LocalRedisCluster(self.state_dir, masters=3, replicas_per_master=1, maxmemory=REDIS_MAXMEMORY // 3)
             if spec.redis_cluster
-            else RedisServer(self.state_dir, spec.redis_port, maxmemory=REDIS_MAXMEMORY, security=self.security))
+            else RedisServer(self.state_dir, spec.redis_port, maxmemory=REDIS_MAXMEMORY, security=self.security,
+                             appendonly=spec.redis_persist))
         # The broker has no TLS of its own: secured, it sits behind a TLS front.
         self.kafka = (SecureKafkaBroker(self.state_dir, spec.kafka_port, security=self.security)
                       if self.security else KafkaBroker(self.state_dir, spec.kafka_port))
@@ -210,6 +229,8 @@ class Mesh:
         self._host_seq = 0
         # Restarts may run in threads (fault benchmarks): guard the service list and mesh.json.
         self._lock = threading.RLock()
+        # Laid over mesh.json's top level (a supervisor records itself there).
+        self.extra_state: dict = {}
 
     # -- config -----------------------------------------------------------------------------
 
@@ -280,6 +301,9 @@ class Mesh:
         env = {"BALLAST_CONFIG": str(self.config_path), "PYTHONUNBUFFERED": "1", **env}
         if self.spec.secure:
             env = {**role_env(self.certs_dir, name.split("-")[0], backing=BACKING_SERVERS), **env}
+        address, metrics_port = "", 0
+        if self.spec.fixed_ports:
+            env, address, metrics_port = self._fixed_ports(name, env)
         process = ManagedProcess(
             name,
             [sys.executable, "-m", module, *args],
@@ -287,7 +311,23 @@ class Mesh:
             env=env,
             cwd=self.state_dir,
         )
-        return ServiceProcess(name, process, env, args=tuple(args))
+        return ServiceProcess(name, process, env, address=address, metrics_port=metrics_port, args=tuple(args))
+
+    def _fixed_ports(self, name: str, env: dict[str, str]) -> tuple[dict[str, str], str, int]:
+        """Pins a service's /metrics port (and a worker's gRPC port) in its environment;
+        returns the environment, its gRPC address and its metrics port."""
+        grpc_port, metrics_port = free_ports(2)
+        env = {**env, "BALLAST__TELEMETRY__METRICS_PORT": str(metrics_port)}
+        kind = name.split("-")[0]
+        if kind == "worker":
+            env["BALLAST__WORKER__PORT"] = str(grpc_port)
+        elif kind == "router":
+            grpc_port = int(env.get("BALLAST__ROUTER__PORT", self.router_port))
+        elif kind == "cache":
+            grpc_port = self.cache_port
+        elif kind == "backfill":
+            grpc_port = self.backfill_port
+        return env, f"127.0.0.1:{grpc_port}", metrics_port
 
     def _spawn(self, service: ServiceProcess) -> int:
         """Starts the process; returns the log offset its READY line will come after."""
@@ -447,21 +487,7 @@ class Mesh:
 
     def wait_for_workers(self, count: int, timeout: float) -> None:
         """Blocks until `count` workers hold a lease in etcd."""
-        import asyncio
-
-        from services.cli.etcd_view import list_workers
-        from services.config import load_config
-
-        config = load_config(self.config_path, environ={})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if len(asyncio.run(list_workers(config.etcd))) >= count:
-                    return
-            except Exception:
-                pass
-            time.sleep(0.2)
-        raise ProcessStartError(f"fewer than {count} workers registered in etcd after {timeout:.0f}s")
+        wait_for_workers(self.config_path, count, timeout)
 
     @property
     def router_address(self) -> str:
@@ -494,9 +520,13 @@ class Mesh:
                 entries.append({"name": service.name, "pid": service.pid, "argv0": service.process.argv[0],
                                 "address": service.address, "metrics_port": service.metrics_port,
                                 "log": str(service.process.log_path)})
-        (self.state_dir / STATE_FILE).write_text(json.dumps(
+        # Atomic: `ballast down` and `status` may read it while a supervisor rewrites it.
+        path = self.state_dir / STATE_FILE
+        tmp = path.with_name(f".{STATE_FILE}.tmp")
+        tmp.write_text(json.dumps(
             {"config": str(self.config_path), "router": self.router_address,
-             "http": self.http_base_url, "processes": entries}, indent=2))
+             "http": self.http_base_url, **self.extra_state, "processes": entries}, indent=2))
+        os.replace(tmp, path)
 
     def stop(self) -> None:
         """Stops services (workers first: they drain), then the router, then infra."""
@@ -510,6 +540,25 @@ class Mesh:
             state.unlink()
 
 
+def wait_for_workers(config_path: Path, count: int, timeout: float) -> None:
+    """Blocks until `count` workers hold a lease in the etcd that `config_path` names."""
+    import asyncio
+
+    from services.cli.etcd_view import list_workers
+    from services.config import load_config
+
+    config = load_config(config_path, environ={})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len(asyncio.run(list_workers(config.etcd))) >= count:
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise ProcessStartError(f"fewer than {count} workers registered in etcd after {timeout:.0f}s")
+
+
 def read_state(state_dir: Path) -> dict | None:
     path = Path(state_dir) / STATE_FILE
     if not path.exists():
@@ -517,7 +566,7 @@ def read_state(state_dir: Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True
@@ -528,24 +577,43 @@ def _pid_alive(pid: int) -> bool:
 
 
 def running_state(state_dir: Path) -> dict | None:
-    """The recorded mesh, if its router is still running."""
+    """The recorded mesh, if its supervisor (or, without one, its router) is still running."""
     state = read_state(state_dir)
     if state is None:
         return None
+    supervisor = state.get("supervisor")
+    if supervisor is not None:
+        return state if pid_alive(supervisor["pid"]) else None
     router = next((p for p in state["processes"] if p["name"] == "router"), None)
-    if router is None or not _pid_alive(router["pid"]):
+    if router is None or not pid_alive(router["pid"]):
         return None
     return state
 
 
-def stop_recorded(state_dir: Path, timeout: float = 30.0) -> list[tuple[str, int, str]]:
-    """Stops every process recorded in mesh.json, newest first (workers, services, infra)."""
+def stop_recorded(state_dir: Path, timeout: float = 30.0,
+                  supervisor_timeout: float = 180.0) -> list[tuple[str, int, str]]:
+    """Stops the mesh recorded in mesh.json. A supervisor, when one runs it, is asked first
+    (SIGTERM: it stops every process it runs, restarted ones included, in reverse start
+    order); then every recorded process still running is stopped by PID, newest first
+    (workers, services, infra): all of them when the supervisor is gone."""
     state = read_state(state_dir)
     if state is None:
         return []
     results = []
-    for entry in reversed(state["processes"]):
+    entries = list(reversed(state["processes"]))
+    supervisor = state.get("supervisor")
+    if supervisor is not None:
+        outcome = stop_pid(supervisor["pid"], supervisor["argv0"], timeout=supervisor_timeout)
+        results.append(("supervisor", supervisor["pid"], outcome.value))
+        # It rewrote mesh.json while it ran (the PIDs of the processes it restarted) and as it
+        # stopped them (dropping each stopped one): the latest PID of each name.
+        latest = {e["name"]: e for e in (read_state(state_dir) or state)["processes"]}
+        entries = [latest.get(e["name"], e) for e in entries]
+    for entry in entries:
         outcome = stop_pid(entry["pid"], entry["argv0"], timeout=timeout)
-        results.append((entry["name"], entry["pid"], outcome.value))
-    (Path(state_dir) / STATE_FILE).unlink()
+        if supervisor is not None and outcome is StopOutcome.NOT_RUNNING and results[0][2] == "stopped":
+            results.append((entry["name"], entry["pid"], "stopped by the supervisor"))
+        else:
+            results.append((entry["name"], entry["pid"], outcome.value))
+    (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
     return results
