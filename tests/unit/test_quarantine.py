@@ -271,3 +271,15 @@ async def test_a_quarantined_record_is_parked_without_a_replay():
 def test_parked_entries_read_back_and_bad_values_are_skipped():
     good = ParkedTicket("bf1-x", "acme", "quarantined", 0, 5.0)
     assert read_parked([good.to_json().encode(), b"junk"]) == [good]
+
+
+def test_status_lists_quarantined_fingerprints_and_parked_tickets_without_prompts():
+    from services.cli.poison_view import describe
+
+    lines = describe([entry("f" * 64, since=900.0, ttl_s=600.0)],
+                     [ParkedTicket("bf1-abc", "acme", "quarantined", 0, 990.0)], now=1000.0)
+    assert lines[0] == "quarantine: 1 fingerprint(s) refused"
+    assert "ffffffffffffffff" in lines[1] and "2 workers lost" in lines[1] and "500s left" in lines[1]
+    assert lines[2].startswith("backfill parked (latest 1)") and "bf1-abc" in lines[3] and "quarantined" in lines[3]
+    assert describe([], None)[-1] == "backfill parked: (redis not readable)"
+    assert describe([], [])[-1] == "backfill parked: none"
