@@ -38,6 +38,24 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
+def cmd_fetch_model(args) -> int:
+    from services.worker.pinned_models import PINNED, ModelFetchError, fetch_model, fetched
+
+    model = PINNED[args.name]
+    out_dir = args.dir or Path(".ballast") / "models" / model.name
+    if fetched(out_dir, model):
+        print(f"{model.name} already in {out_dir}")
+        return 0
+    started = time.monotonic()
+    try:
+        fetch_model(out_dir, model, progress=lambda msg: print(f"  {msg}", flush=True))
+    except ModelFetchError as exc:
+        print(f"ballast: {exc}", file=sys.stderr)
+        return 2
+    print(f"{model.name} in {out_dir} ({time.monotonic() - started:.1f}s)")
+    return 0
+
+
 def openai_curl(base_url: str, api_key: str, certs_dir: Path | None = None) -> str:
     """A curl line that streams a chat answer from the OpenAI-compatible HTTP API; with
     `certs_dir` (a secured mesh: the API is HTTPS) it trusts the mesh's CA there."""

