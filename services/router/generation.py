@@ -46,7 +46,7 @@ from services.common.faults import classify
 from services.common.generation import FinishReason
 from services.common.membership import MembershipWatcher, WorkerRecord
 from services.router.affinity import SessionAffinity
-from services.router.context.window import fit_request
+from services.router.context.window import fit_request_async
 from services.router.events import Event, Finished, Resumed, Started, Tokens, WorkerFinished
 from services.router.events_pb import worker_event_from_pb, worker_request_pb
 from services.router.metrics import RouterMetrics
@@ -383,7 +383,8 @@ class GenerationRunner:
         tokenizer = await self.models.tokenizer_for(worker, run.deadline - time.monotonic())
         # Fit the conversation into the model's context by the request's policy; done once,
         # so every resume continues the very same prompt.
-        _, fit = fit_request(request, tokenizer, policy=request.context_policy, max_turns=request.max_turns)
+        _, fit = await fit_request_async(request, tokenizer, policy=request.context_policy,
+                                         max_turns=request.max_turns)
         state.prompt_ids = list(fit.prompt_ids)
         state.dropped = tuple(fit.dropped)
         self.metrics.context.record(fit, request.model)

@@ -1,7 +1,8 @@
 """Turns a request into prompt token ids with the model's own tokenizer and chat template.
 
 The router fetches both from a worker's ModelInfo once per model version, so it counts
-tokens exactly as the engine will, without loading any model weights.
+tokens exactly as the engine will, without loading any model weights. Both are linear in the
+text; a big request renders and tokenizes on a thread (context.window.fit_request_async).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from tokenizers import Tokenizer
 
 from services.common.errors import InvalidArgument
 from services.router.requests import InferenceRequest
+
+
+# Texts at least this long (characters) are tokenized without holding the GIL.
+GIL_FREE_CHARS = 4096
 
 
 def _raise_exception(message: str) -> None:
@@ -62,7 +67,13 @@ class ModelTokenizer:
         text = self.render(request)
         # Raw prompts get the tokenizer's own special tokens (e.g. BOS); rendered chats
         # already carry them from the template.
-        return self.tokenizer.encode(text, add_special_tokens=request.prompt is not None).ids
+        special = request.prompt is not None
+        if len(text) < GIL_FREE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=special).ids
+        # Only the batch call lets go of the GIL while it works, so a long prompt tokenized on
+        # a thread does not hold the event loop (200k characters take a second or more); it
+        # costs about a millisecond more per call, which a short text does not repay.
+        return self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.max_context:

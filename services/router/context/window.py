@@ -18,6 +18,7 @@ were dropped, so the Finished event can report it.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 from dataclasses import dataclass, replace
@@ -25,6 +26,11 @@ from typing import Callable, Protocol, Sequence
 
 from services.common.errors import InvalidArgument
 from services.router.context.entities import overlap, terms
+
+# A request with more text than this (characters) or more messages is fitted on a thread:
+# rendering and tokenizing it can take longer than the event loop may be held.
+OFF_LOOP_CHARS = 16 * 1024
+OFF_LOOP_MESSAGES = 64
 
 # Exchanges just before the latest one that entity_aware drops last: a follow-up ("is it
 # available in white?") needs them without naming anything in them.
@@ -110,40 +116,76 @@ def fit_conversation(
             "or entity_aware, or send fewer turns)")
     original_tokens = len(ids)
     latest, earlier = (units[-1] if units else []), units[:-1]
-    queue = _drop_order(messages, earlier, latest, policy, recent_exchanges)  # positions in `earlier`
+    order = _drop_order(messages, earlier, latest, policy, recent_exchanges)  # positions in `earlier`
 
     def pick(kept: Sequence[int]) -> list:
         return [messages[i] for i in _indices(system, latest, earlier, kept)]
 
-    # Estimate each exchange's tokens once and drop by the estimates; the exact count of the
-    # final selection below then corrects template or merge effects at the boundaries.
+    # Estimate each exchange's tokens and drop by the estimates; exact counts of the final
+    # selection then correct template or merge effects at the boundaries. Every step is linear
+    # in the conversation (a request of thousands of turns must not cost thousands of renders
+    # of the whole prompt): one render of each exchange alone, and O(log n) exact renders.
     base = len(encode(pick([])))
-    cost = [len(encode(pick([k]))) - base for k in range(len(earlier))]
-    kept = set(range(len(earlier)))
+    cost = _exchange_costs(messages, earlier, encode, len(ids) - base)
     estimate = base + sum(cost)
     kept_turns = turns
 
     def over_estimate() -> bool:
         return estimate + max_tokens > max_context or (max_turns is not None and kept_turns > max_turns)
 
-    while queue and over_estimate():
-        k = queue.pop(0)
-        kept.discard(k)
+    dropped = 0
+    while dropped < len(order) and over_estimate():
+        k = order[dropped]
+        dropped += 1
         estimate -= cost[k]
         kept_turns -= len(earlier[k])
-    while True:
-        chosen = pick(sorted(kept))
-        ids = encode(chosen)
-        if len(ids) + max_tokens <= max_context:
-            break
-        if not queue:
+
+    def attempt(count: int) -> tuple[list, list[int], list[int]]:
+        kept = sorted(set(range(len(earlier))) - set(order[:count]))
+        chosen = pick(kept)
+        return chosen, encode(chosen), kept
+
+    chosen, ids, kept = attempt(dropped)
+    if len(ids) + max_tokens > max_context:
+        # Drop more, in the same order: the fewest further exchanges that make it fit, found by
+        # bisection over exact counts (dropping more never adds tokens).
+        low, high = dropped + 1, len(order)
+        chosen, ids, kept = attempt(high)
+        if len(ids) + max_tokens > max_context:
             raise InvalidArgument(
                 f"the system prompt and the latest turn alone are {len(ids)} tokens; with max_tokens "
                 f"{max_tokens} that exceeds the model's context of {max_context} tokens")
-        kept.discard(queue.pop(0))
+        while low < high:
+            middle = (low + high) // 2
+            trial = attempt(middle)
+            if len(trial[1]) + max_tokens <= max_context:
+                high, (chosen, ids, kept) = middle, trial
+            else:
+                low = middle + 1
     kept_idx = _indices(system, latest, earlier, kept)
-    dropped = tuple(sorted(set(range(len(messages))) - set(kept_idx)))
-    return ContextFit(tuple(chosen), tuple(ids), policy, kept_idx, dropped, original_tokens)
+    dropped_idx = tuple(sorted(set(range(len(messages))) - set(kept_idx)))
+    return ContextFit(tuple(chosen), tuple(ids), policy, kept_idx, dropped_idx, original_tokens)
+
+
+def _exchange_costs(messages: Sequence[ChatMessage], earlier: list[list[int]], encode: Encode,
+                    total: int) -> list[int]:
+    """Estimated tokens each earlier exchange adds to the prompt, `total` for all of them.
+
+    Each exchange is rendered alone; what such a render adds besides the exchange (a BOS, a
+    default system prompt, the generation prompt) is the same for each, so it is taken out
+    evenly: the estimates then add up to `total`. A template that refuses an exchange alone
+    (it must start the conversation, say) gets shares of `total` by characters instead.
+    """
+    if not earlier:
+        return []
+    try:
+        alone = [len(encode([messages[i] for i in unit])) for unit in earlier]
+    except InvalidArgument:
+        chars = [sum(len(messages[i].content) + 1 for i in unit) for unit in earlier]
+        whole = sum(chars)
+        return [total * c / whole for c in chars]
+    overhead = (sum(alone) - total) / len(earlier)
+    return [max(0.0, a - overhead) for a in alone]
 
 
 def _indices(system: list[int], latest: list[int], earlier: list[list[int]], kept) -> tuple[int, ...]:
@@ -207,3 +249,13 @@ def fit_request(request, tokenizer, *, policy: ContextPolicy = ContextPolicy.ENT
     fit = fit_conversation(request.messages, encode, max_context=tokenizer.max_context,
                            max_tokens=max_tokens, policy=policy, max_turns=max_turns)
     return (replace(request, messages=fit.messages) if fit.truncated else request), fit
+
+
+async def fit_request_async(request, tokenizer, *, policy: ContextPolicy = ContextPolicy.ENTITY_AWARE,
+                            max_turns: int | None = None):
+    """`fit_request`, on a thread when the request is big enough to hold the event loop
+    (a small one is fitted in place: the hop costs more than the work)."""
+    chars = len(request.prompt) if request.prompt is not None else sum(len(m.content) for m in request.messages)
+    if chars > OFF_LOOP_CHARS or len(request.messages) > OFF_LOOP_MESSAGES:
+        return await asyncio.to_thread(fit_request, request, tokenizer, policy=policy, max_turns=max_turns)
+    return fit_request(request, tokenizer, policy=policy, max_turns=max_turns)

@@ -23,7 +23,7 @@ from services.common.errors import BallastError
 from services.common.grpc_tracing import trace_metadata
 from services.common.membership import WorkerRecord
 from services.common.sampling_pb import sampling_to_pb
-from services.router.context.window import fit_request
+from services.router.context.window import fit_request_async
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
 from services.router.resilience.breaker import Outcome, outcome_of
@@ -160,7 +160,8 @@ class MirrorRunner:
         started = time.perf_counter()
         try:
             tokenizer = await self._models.tokenizer_for(worker, deadline - time.monotonic())
-            _, fit = fit_request(request, tokenizer, policy=request.context_policy, max_turns=request.max_turns)
+            _, fit = await fit_request_async(request, tokenizer, policy=request.context_policy,
+                                             max_turns=request.max_turns)
             call_request = worker_pb2.WorkerGenerateRequest(
                 # Its own id and no session: the copy must not touch the session's saved KV.
                 request_id=f"{request.request_id}:mirror",
@@ -188,4 +189,3 @@ class MirrorRunner:
             answer.error = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error.code.name
             answer.fault = outcome_of(error) is Outcome.FAULT
         return answer
-
