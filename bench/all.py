@@ -48,6 +48,7 @@ BENCHMARKS = (
     Benchmark("backfill", quick=("--requests", "200", "--sessions", "20", "--reps", "1")),
     Benchmark("engines", quick=("--rounds", "1", "--trials", "20")),
     Benchmark("fuzz", quick=("--cases", "500")),
+    Benchmark("hostile"),
     # Last: the longest (two 10-minute phases on vLLM) and the README's opening table.
     Benchmark("soak", quick=("--minutes", "2", "--unloaded-s", "15")),
 )

@@ -133,7 +133,7 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: `all [--quick]` runs every one and writes the report; "
                                      "each writes bench/results/<name>.json")
     p.add_argument("name", help="all, report, or one benchmark: overhead, tiers, failover, scale, kv_restore, "
-                                "structured, context, degrade_handoff, backfill, engines, fuzz, soak")
+                                "structured, context, degrade_handoff, backfill, engines, fuzz, hostile, soak")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (--help lists them)")
     p.set_defaults(handler="services.cli.commands:cmd_bench")
 
