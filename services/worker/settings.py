@@ -95,8 +95,10 @@ class WorkerConfig(Section):
     respawn_healthy_s: float = Field(
         10.0, gt=0, description="Keeper: a worker that served this long was healthy: its next death waits "
                                 "the initial backoff again.")
+    # A vLLM CPU worker of the bench model holds about 2.9 GB (1 GiB of it KV cache), a torch
+    # worker of the tiny model about 0.3 GB: room for a real small model, far below a runaway.
     memory_limit_mb: int = Field(
-        4096, ge=0, description="Resident memory (MB) of the worker and what it starts, over which its keeper "
+        6144, ge=0, description="Resident memory (MB) of the worker and what it starts, over which its keeper "
                                 "(or the local supervisor) SIGKILLs and restarts it; 0: no limit.")
 
     @model_validator(mode="after")
