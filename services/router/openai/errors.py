@@ -1,7 +1,7 @@
 """Errors of the HTTP front in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
 A Ballast error keeps its meaning: the HTTP status follows its gRPC code (INVALID_ARGUMENT 400,
-UNAUTHENTICATED 401, NOT_FOUND 404, FAILED_PRECONDITION 422 (a quarantined request),
+UNAUTHENTICATED 401, PERMISSION_DENIED 403, NOT_FOUND 404, FAILED_PRECONDITION 422 (a quarantined request),
 RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504) and `code` is its fault
 (`overloaded`, `no_live_worker`, `quarantined`...). Overload, unavailability and a quarantine
 carry `Retry-After` in whole seconds. Errors of HTTP itself (a body too large) are types here.
@@ -19,6 +19,7 @@ from services.common.errors import BallastError, InvalidArgument, Quarantined, R
 STATUS_FOR_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     # A quarantined request (it killed workers): well-formed, but it will not be processed.
     grpc.StatusCode.FAILED_PRECONDITION: 422,
@@ -32,6 +33,7 @@ STATUS_FOR_CODE = {
 TYPE_FOR_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
