@@ -34,6 +34,8 @@ CERTS_DIR = "certs"
 LOCAL_API_KEY = "local-dev-key"
 # The backfill service replays degraded requests through the router as this tenant.
 BACKFILL_API_KEY = "local-backfill-key"
+# The backfill's tenant (backfill.replay_tenant): its keys act for the tenants that degraded.
+BACKFILL_TENANT = "ballast-backfill"
 
 
 @dataclass
@@ -128,7 +130,7 @@ def _merge(base: dict, extra: dict) -> dict:
 def local_auth(enabled: bool, api_keys: dict[str, str]) -> dict:
     """The auth section of a local mesh: the developer's key may claim every tier (the README's
     examples ask for S), and the backfill's key replays on behalf of the tenant that degraded."""
-    keys: dict = {key: ({"tenant": tenant, "acts_for_tenants": True} if key == BACKFILL_API_KEY else tenant)
+    keys: dict = {key: ({"tenant": tenant, "acts_for_tenants": True} if tenant == BACKFILL_TENANT else tenant)
                   for key, tenant in api_keys.items()}
     tenants = {api_keys[LOCAL_API_KEY]: {"tiers": ["S", "A", "B"]}} if LOCAL_API_KEY in api_keys else {}
     return {"enabled": enabled, "api_keys": keys, "tenants": tenants}
