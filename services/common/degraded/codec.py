@@ -153,8 +153,8 @@ def replay_request(record: backfill_pb2.DegradedRequest, flush_interval_ms: int 
     replay.tier = common_pb2.TIER_B
     replay.allow_degraded = False
     replay.flush_interval_ms = flush_interval_ms
-    # No session: the replay runs under the backfill's own tenant, so KV saved for the session
-    # would be filed where the session's tenant never looks, at the cost of a save per replay.
+    # No session: the user's conversation went on with the degraded answer, so KV of the replay's
+    # answer saved under the session would not be the session's history (and costs a save).
     replay.session_id = ""
     return replay
 
