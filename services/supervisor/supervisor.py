@@ -11,6 +11,7 @@ kills a child over its memory limit, and times out a restarted child that never 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -103,8 +104,6 @@ class Supervisor:
         return c.process.pid if c.process is not None and c.status in (STARTING, UP) else None
 
     def snapshot(self) -> dict:
-        import os
-
         with self._lock:
             now = self._clock()
             return {"pid": os.getpid(), "phase": self.phase, "error": self.error, "updated_at": time.time(),
