@@ -11,6 +11,8 @@ holds the marker, and measures what it cost:
   (the backfill parks it instead: `parked` says whether it did within the wait).
 - `served_again_s`: seconds from sending the poison until a normal request (degradation off)
   was served again; goal at most 10.
+- `workers_back_s`: seconds from sending the poison until every worker runs and is registered
+  again (their keepers restarted the lost ones); reported, not judged.
 
 Also: the poison's answer (`answer_code`, `answer_reason`: FAILED_PRECONDITION, quarantined,
 never a degraded 200), whether a retry of it under a new request id was refused without a
@@ -105,6 +107,33 @@ async def _set_marker(mesh, marker: str | None) -> None:
         await client.close()
 
 
+async def _leases(mesh) -> dict[str, int | None]:
+    """Each worker's etcd lease now (a restarted worker registers under a new one)."""
+    from services.cli.etcd_view import list_workers
+    from services.config import load_config
+
+    etcd = load_config(mesh.config_path, environ={}).etcd
+    try:
+        return {record.id: record.lease_id for record, _ in await list_workers(etcd)}
+    except Exception:  # noqa: BLE001 - etcd busy: nothing known this time
+        return {}
+
+
+async def _all_back(mesh, pids_before: dict, leases_before: dict, deadline: float) -> float | None:
+    """When every worker process runs again and each lost one registered under a new lease
+    (None: not by `deadline`)."""
+    while time.monotonic() < deadline:
+        pids = _serving_pids(mesh)
+        if all(pids.values()):
+            leases = await _leases(mesh)
+            if all(leases.get(name) is not None
+                   and (pids[name] == pid or leases[name] != leases_before.get(name))
+                   for name, pid in pids_before.items()):
+                return time.monotonic()
+        await asyncio.sleep(0.1)
+    return None
+
+
 async def _answer(router, request, api_key: str) -> tuple[str, str, bool]:
     """(status code name, ballast reason, degraded) of one request's outcome."""
     from services.cli.client import collect
@@ -161,6 +190,7 @@ async def poison_case(mesh, api_key: str | None = None, tenant: str = "local", m
     replays_before = await _metric(backfill_port, "ballast_backfill_replays_total")
     parked_before = await _metric(backfill_port, "ballast_backfill_dead_lettered_total", cause="quarantined")
     before = _serving_pids(mesh)
+    leases_before = await _leases(mesh)
     poison = chat_request(f"Summarise this: {marker}", model=model, max_tokens=16,
                           request_id=f"poison-{secrets.token_hex(4)}")
     result: dict[str, Any] = {}
@@ -188,6 +218,8 @@ async def poison_case(mesh, api_key: str | None = None, tenant: str = "local", m
                 await asyncio.sleep(0.2)
             result["served_again_s"] = None if served_at is None else round(served_at - started, 3)
             result["answer_s"] = round(answered - started, 3)
+            back = await _all_back(mesh, before, leases_before, started + 60)
+            result["workers_back_s"] = None if back is None else round(back - started, 3)
         await _hand_off_degraded(mesh, poison, tenant)
         deadline = time.monotonic() + park_wait_s
         parked = False
@@ -231,6 +263,7 @@ def main() -> int:
         ("workers lost", result["workers_lost"], f"<= {GOALS['workers_lost']}"),
         ("backfill replays", result["backfill_replays"], f"<= {GOALS['backfill_replays']}"),
         ("served again (s)", result["served_again_s"], f"<= {GOALS['served_again_s']}"),
+        ("all workers back (s)", result["workers_back_s"], "-"),
         ("answer", f"{result['answer_code']} {result['answer_reason']}", "FAILED_PRECONDITION quarantined"),
     ])
     write_result(RESULT, {"case": "poison", **result})
