@@ -130,7 +130,12 @@ class _Walk:
         raise InvalidArgument(f"{self.what}: {message}")
 
     def run(self) -> None:
+        self.anchors = _anchors(self.root)
         self.visit(self.root, "$", 1, 0)
+        # Definitions no $ref reaches cost nothing to apply, but a compiler may still build them.
+        for where, node in iter_subschemas(self.root):
+            if isinstance(node, dict):
+                self.keywords(node, where)
 
     def visit(self, node: Any, where: str, depth: int, descents: int) -> tuple[int, int]:
         """Walks `node` at `depth`; returns (its height, its expanded subschema count)."""
@@ -156,12 +161,13 @@ class _Walk:
             for child, child_where, descends in _children(node, where):
                 h, _ = self.visit(child, child_where, depth + 1, descents + (1 if descends else 0))
                 height = max(height, h)
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                target = _resolve(self.root, ref)
-                if target is not None:
-                    h, _ = self.visit(target, f"{where}.$ref", depth + 1, descents)
-                    height = max(height, h)
+            for name in ("$ref", "$dynamicRef"):
+                ref = node.get(name)
+                if isinstance(ref, str) and ref.startswith("#"):
+                    target = _resolve(self.root, ref, self.anchors)
+                    if target is not None:
+                        h, _ = self.visit(target, f"{where}.{name}", depth + 1, descents)
+                        height = max(height, h)
         finally:
             del self.path[key]
         self.heights[key] = height + 1
@@ -278,13 +284,28 @@ def _children(node: dict, where: str, definitions: bool = False) -> Iterator[tup
                     yield child, f"{where}.{name}.{key}", bool(descends)
 
 
-def _resolve(root: Any, ref: str) -> Any:
-    """The node a local JSON-pointer `$ref` ('#/$defs/x') names, or None (anchors and dangling
-    refs are left to the validator's own check)."""
+def _anchors(root: Any) -> dict[str, Any]:
+    """Plain-name fragments ('#item') and the subschemas that declare them ($anchor,
+    $dynamicAnchor, or an older draft's "$id": "#item")."""
+    found: dict[str, Any] = {}
+    for _where, node in iter_subschemas(root):
+        if isinstance(node, dict):
+            for name in ("$anchor", "$dynamicAnchor"):
+                if isinstance(node.get(name), str):
+                    found.setdefault(node[name], node)
+            ident = node.get("$id")
+            if isinstance(ident, str) and ident.startswith("#") and len(ident) > 1:
+                found.setdefault(ident[1:], node)
+    return found
+
+
+def _resolve(root: Any, ref: str, anchors: dict[str, Any]) -> Any:
+    """The node a local `$ref` names ('#', '#/$defs/x', '#item'), or None (dangling refs are
+    left to the validator's own check)."""
     if ref == "#":
         return root
     if not ref.startswith("#/"):
-        return None
+        return anchors.get(unquote(ref[1:]))
     node = root
     for part in unquote(ref[2:]).split("/"):
         part = part.replace("~1", "/").replace("~0", "~")

@@ -121,6 +121,17 @@ def test_a_ref_chain_that_doubles_per_link_is_refused_by_the_expanded_count():
     assert "max_subschemas" in message
 
 
+def test_a_ref_chain_through_anchors_is_counted_too():
+    defs = {"a0": {"$anchor": "a0", "type": "integer"}}
+    for i in range(1, 4):
+        defs[f"a{i}"] = {"$anchor": f"a{i}", "anyOf": [{"$ref": f"#a{i - 1}"}] * 64}
+    assert "max_subschemas" in refused({"$defs": defs, "$ref": "#a3"})
+
+
+def test_unreferenced_definitions_are_bounded_too():
+    assert "$.$defs.unused.minItems" in refused({"$defs": {"unused": {"minItems": 10**9}}, "type": "string"})
+
+
 def test_a_wide_ref_chain_is_refused_before_its_depth():
     defs = {"a0": {"type": "integer"}, "a1": {"anyOf": [{"$ref": "#/$defs/a0"}] * 100},
             "a2": {"anyOf": [{"$ref": "#/$defs/a1"}] * 100}}
