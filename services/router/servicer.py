@@ -29,6 +29,7 @@ from services.common.errors import BallastError, NotFound, QuotaExceeded, Unavai
 from services.common.membership import MembershipWatcher
 from services.config import BallastConfig
 from services.router.backfill_proxy import BackfillProxy
+from services.router.context.guard import ContextGuard
 from services.router.context.live_eval import publish_retention
 from services.router.degrade.degrader import Degrader
 from services.router.events_pb import events_to_pb
@@ -100,6 +101,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.pools = PoolGates(
             TierPolicy.from_mapping(config.router.scheduling), membership, self.health, SchedulerMetrics(metrics)
         )
+        self.context_guard = ContextGuard(self.models.latest, self.pools.has_capacity)
         # Rollouts follow etcd; the app starts and stops the controller.
         self.rollouts = RolloutController(config.etcd, clients, self.models, metrics.meter)
         self.runner = GenerationRunner(
@@ -230,6 +232,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             inference = await checked_request(request, tenant, self.router_config)
             self._check_model_known(inference.model)
             model = inference.model
+            # Before the ladder: a prompt over the model's context is bad input whether or not
+            # a worker is alive, never a degraded answer.
+            await self.context_guard.check(inference)
             # Before the ladder: a prompt over the model's context is bad input whether or not
             # a worker is alive, never a degraded answer.
             # After validation, so a malformed request costs the tenant nothing.

@@ -214,7 +214,8 @@ async def test_a_client_that_never_reads_holds_little_and_its_request_is_cancell
 
 
 async def test_an_over_long_prompt_is_400_with_no_live_worker(front, front_worker, http):
-    # The router has served the model (earlier tests), so it has learnt its tokenizer.
+    # Once the router has served the model, it has learnt its tokenizer.
+    assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
     assert front.servicer.models.latest("tiny") is not None
     await front_worker.shutdown(grace_s=1.0)
     await _until(lambda: not front.servicer.pools.has_capacity("tiny"), 30, "the stopped worker is still routable")

@@ -43,21 +43,26 @@ def guard(tokenizer, routable: bool = False) -> ContextGuard:
 
 
 @pytest.mark.parametrize("prompt", [True, False])
-def test_over_the_context_with_no_worker_is_invalid_argument(prompt):
+async def test_over_the_context_with_no_worker_is_invalid_argument(prompt):
     with pytest.raises(InvalidArgument) as refused:
-        guard(WordTokenizer(100)).check(request(95, prompt=prompt))
+        await guard(WordTokenizer(100)).check(request(95, prompt=prompt))
     assert "context of 100 tokens" in refused.value.message
 
 
-def test_a_prompt_that_fits_passes():
-    guard(WordTokenizer(100)).check(request(90))
+async def test_a_prompt_that_fits_passes():
+    await guard(WordTokenizer(100)).check(request(90))
 
 
-def test_a_routable_worker_counts_it_itself():
+async def test_a_routable_worker_counts_it_itself():
     tokenizer = WordTokenizer(100)
-    guard(tokenizer, routable=True).check(request(500))
+    await guard(tokenizer, routable=True).check(request(500))
     assert tokenizer.encoded == 0
 
 
-def test_a_model_never_learnt_goes_on_uncounted():
-    guard(None).check(request(500))
+async def test_a_model_never_learnt_goes_on_uncounted():
+    await guard(None).check(request(500))
+
+
+async def test_a_big_prompt_is_counted_too():
+    with pytest.raises(InvalidArgument):
+        await guard(WordTokenizer(1000)).check(request(20_000))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from services.router.context.window import fit_request
+from services.router.context.window import fit_request_async
 
 
 class ContextGuard:
@@ -24,13 +24,14 @@ class ContextGuard:
         self._tokenizer_of = tokenizer_of
         self._routable = routable
 
-    def check(self, request) -> None:
+    async def check(self, request) -> None:
         """Raises InvalidArgument (with the counts) when the request's prompt cannot fit the
-        model's context by its policy and no worker is there to say so."""
+        model's context by its policy and no worker is there to say so. A big prompt is
+        counted on a thread, as on the worker path."""
         if self._routable(request.model):
             # The worker path counts exactly once; counting here too would cost every request.
             return
         tokenizer = self._tokenizer_of(request.model)
         if tokenizer is None:
             return
-        fit_request(request, tokenizer, policy=request.context_policy, max_turns=request.max_turns)
+        await fit_request_async(request, tokenizer, policy=request.context_policy, max_turns=request.max_turns)
