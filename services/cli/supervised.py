@@ -121,7 +121,7 @@ class SupervisedMesh:
         mesh = self.mesh
         services = [mesh._service_process(name, f"services.{name}", {}) for name in ("cache", "backfill", "router")]
         services += [mesh._new_router(port) for port in mesh._extra_router_ports()]
-        services += [mesh._new_worker() for _ in range(mesh.spec.workers)]
+        services += mesh.initial_workers()
         return services
 
     def start(self) -> None:
