@@ -20,7 +20,7 @@ from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.worker.keeper import serving_pid
 from tests.integration.test_mesh import etcd_config, metric_value, registered_ids, scrape
-from tests.integration.victims import Answering, answering, worker_answering
+from tests.integration.victims import Answering, answering, token_counter, worker_answering
 from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
@@ -107,9 +107,7 @@ class Progress:
         self.tokens_each = tokens_each
 
     def counter(self, index: int):
-        def on_tokens(tokens) -> None:
-            self.received[index] += len(tokens.token_ids)
-        return on_tokens
+        return token_counter(self.received, index)
 
     def fraction(self) -> float:
         return sum(self.received) / (len(self.received) * self.tokens_each)
@@ -139,8 +137,10 @@ def start_streams(router, prompts, progress: Progress) -> list[asyncio.Task]:
 FAULT_BATCHES = 3
 
 
+@pytest.mark.timeout(FAULT_BATCHES * 120)
 async def test_kill9_at_random_points_loses_no_stream(mesh, router, references):
     rng = random.Random(20261129)
+    outcomes: list[dict] = []
     for _batch in range(FAULT_BATCHES):
         on_workers = await Answering.read(mesh.workers())
         progress = Progress(len(PROMPTS), STREAM_TOKENS)
@@ -152,7 +152,7 @@ async def test_kill9_at_random_points_loses_no_stream(mesh, router, references):
         for low, high in ((0.1, 0.3), (0.4, 0.65)):
             if not await progress.until(rng.uniform(low, high), streams):
                 break
-            victim = await worker_answering(mesh.workers(), on_workers, streams, rng)
+            victim = await worker_answering(mesh.workers(), on_workers, streams, rng, progress.received)
             if victim is None:
                 break
             victim.process.kill()
@@ -161,13 +161,15 @@ async def test_kill9_at_random_points_loses_no_stream(mesh, router, references):
             on_workers.restarted(victim.name)
         results = await asyncio.gather(*streams)
         assert_streams_match(results, references)
-        if kills >= 1 and sum(r.finished.resumes for r in results) >= 1:
+        outcomes.append({"kills": kills, "resumes": sum(r.finished.resumes for r in results)})
+        if kills >= 1 and outcomes[-1]["resumes"] >= 1:
             break
     else:
-        pytest.fail(f"in {FAULT_BATCHES} batches no kill hit a stream in flight")
+        pytest.fail(f"in {FAULT_BATCHES} batches no kill hit a stream in flight: {outcomes}")
     await wait_registered(mesh, [w.name for w in mesh.workers()])
 
 
+@pytest.mark.timeout(FAULT_BATCHES * 120)
 async def test_stalled_worker_is_detected_and_streams_resume(mesh, router, references):
     # The stop hits a worker in the middle of answering a stream of the batch (a worker the
     # router keeps in slow start may hold none); a batch whose streams the stopped worker had
@@ -179,7 +181,7 @@ async def test_stalled_worker_is_detected_and_streams_resume(mesh, router, refer
         streams = start_streams(router, PROMPTS[:9], progress)
         victim = None
         if await progress.until(0.2, streams):
-            victim = await worker_answering(mesh.workers(), on_workers, streams, rng)
+            victim = await worker_answering(mesh.workers(), on_workers, streams, rng, progress.received)
         if victim is None:
             assert_streams_match(await asyncio.gather(*streams), references[:9])
             continue

@@ -15,8 +15,7 @@ import pytest
 
 from services.cli.client import chat_request, collect
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
-from tests.integration.test_mesh import metric_value, scrape
-from tests.integration.victims import Answering, worker_answering
+from tests.integration.victims import Answering, token_counter, worker_answering
 from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
@@ -42,6 +41,10 @@ def request(i: int, seeded: bool):
 
 
 KILLED = 4
+# While victims are chosen, every sim worker runs this many times slower (its own knob), so the
+# batch's streams last while the test reads sixteen workers' metrics on a busy machine; the
+# gaps between tokens stay far under the router's stall timeouts.
+SLOWDOWN = 10.0
 # A batch in which a victim had finished its streams when its kill landed proves less than it
 # claims: another batch runs (the victims started again first), up to this many.
 FAULT_BATCHES = 3
@@ -54,30 +57,40 @@ async def test_streams_survive_sim_workers_killed_mid_stream(mesh, router):
         assert_served(reference)
         assert len(reference.token_ids) == TOKENS
     rng = random.Random(20261203)
+    outcomes: list[dict] = []
     for _batch in range(FAULT_BATCHES):
         alive = [w for w in mesh.workers() if w.process.alive()]
         on_workers = await Answering.read(alive)
-        streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120)) for i, s in keys]
+        await set_all_faults(mesh, alive, {"slowdown": SLOWDOWN})
+        received = [0] * len(keys)
+        streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120,
+                                               on_tokens=token_counter(received, n)))
+                   for n, (i, s) in enumerate(keys)]
         # Each victim is killed the moment it is read in the middle of answering a stream of
         # the batch (16 processes share this machine's cores: when that is depends on it).
         victims: list = []
-        while len(victims) < KILLED:
-            victim = await worker_answering([w for w in alive if w not in victims], on_workers, streams, rng)
-            if victim is None:
-                break
-            victim.process.kill()
-            victims.append(victim)
+        try:
+            while len(victims) < KILLED:
+                victim = await worker_answering([w for w in alive if w not in victims], on_workers, streams, rng,
+                                                received)
+                if victim is None:
+                    break
+                victim.process.kill()
+                victims.append(victim)
+        finally:
+            await clear_faults(mesh, alive)
         results = await asyncio.gather(*streams)
         for result, reference in zip(results, references):
             assert_served(result)
             assert result.token_ids == reference.token_ids
             assert result.indices == list(range(TOKENS))
-        if len(victims) == KILLED and sum(r.finished.resumes for r in results) >= len(victims):
+        outcomes.append({"kills": len(victims), "resumes": sum(r.finished.resumes for r in results)})
+        if len(victims) == KILLED and outcomes[-1]["resumes"] >= len(victims):
             break
         for victim in victims:
             await asyncio.to_thread(mesh.restart_service, victim)
     else:
-        pytest.fail(f"in {FAULT_BATCHES} batches {KILLED} kills never each hit a stream in flight")
+        pytest.fail(f"in {FAULT_BATCHES} batches {KILLED} kills never each hit a stream in flight: {outcomes}")
 
 
 async def set_faults(mesh, worker_name: str, faults: dict | None) -> None:
@@ -98,6 +111,14 @@ async def set_faults(mesh, worker_name: str, faults: dict | None) -> None:
         await client.close()
 
 
+async def set_all_faults(mesh, workers, faults: dict) -> None:
+    await asyncio.gather(*(set_faults(mesh, w.name, faults) for w in workers))
+
+
+async def clear_faults(mesh, workers) -> None:
+    await asyncio.gather(*(set_faults(mesh, w.name, None) for w in workers))
+
+
 async def test_fault_knobs_set_through_etcd_while_the_workers_run(mesh, router):
     from tests.integration.test_failover import routed_temperature, wait_routing
 
@@ -111,19 +132,24 @@ async def test_fault_knobs_set_through_etcd_while_the_workers_run(mesh, router):
     rng = random.Random(20261204)
     for _batch in range(FAULT_BATCHES):
         on_workers = await Answering.read(workers)
-        streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120)) for i, s in keys]
+        await set_all_faults(mesh, workers, {"slowdown": SLOWDOWN})
+        received = [0] * len(keys)
+        streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120,
+                                               on_tokens=token_counter(received, n)))
+                   for n, (i, s) in enumerate(keys)]
         failing: list = []
         try:
             while len(failing) < 2:
-                worker = await worker_answering([w for w in workers if w not in failing], on_workers, streams, rng)
+                worker = await worker_answering([w for w in workers if w not in failing], on_workers, streams, rng,
+                                                received)
                 if worker is None:
                     break
                 await set_faults(mesh, worker.name, {"fail_after_tokens": 20})
                 failing.append(worker)
+            await clear_faults(mesh, [w for w in workers if w not in failing])  # full speed again
             results = await asyncio.gather(*streams)
         finally:
-            for worker in failing:
-                await set_faults(mesh, worker.name, None)
+            await clear_faults(mesh, workers)
         for result, reference in zip(results, references):
             assert_served(result)
             assert result.token_ids == reference.token_ids

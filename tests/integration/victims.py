@@ -29,37 +29,23 @@ async def answering(worker) -> float:
 class Answering:
     """Reads which workers are in the middle of answering a stream of a batch, from their own
     counters: baselines per worker name are read while none of the batch's streams has
-    started. A stream counts once its first token came out before the worker's previous
-    reading (so it has had time to reach the router, which resumes only a stream it has
-    tokens of) and it has not finished by this one. A worker started again counts from zero:
-    `restarted` says so."""
+    started. A worker started again counts from zero: `restarted` says so."""
 
-    def __init__(self, baselines: dict[str, tuple[float, float]]) -> None:
-        self.baselines = baselines  # name -> (first tokens given, requests finished)
-        self.first_tokens_seen: dict[str, float] = {}
+    def __init__(self, baselines: dict[str, float]) -> None:
+        self.baselines = baselines
 
     @classmethod
     async def read(cls, workers) -> "Answering":
-        baselines = {}
-        for worker in workers:
-            text = await scrape(worker.metrics_port)
-            baselines[worker.name] = (_first_tokens(text), _finished(text))
-        return cls(baselines)
+        return cls({w.name: await answering(w) for w in workers})
 
     def restarted(self, name: str) -> None:
-        self.baselines[name] = (0.0, 0.0)
-        self.first_tokens_seen.pop(name, None)
+        self.baselines[name] = 0.0
 
     async def now(self, worker) -> tuple[float, float]:
-        """(streams of the batch `worker` gave a first token before its previous reading and has
-        not finished now, 0 at its first reading; its in-flight gauge), from one scrape."""
+        """(streams of the batch `worker` is in the middle of answering, its in-flight gauge),
+        both from one scrape."""
         text = await scrape(worker.metrics_port)
-        first0, finished0 = self.baselines.get(worker.name, (0.0, 0.0))
-        earlier = self.first_tokens_seen.get(worker.name)
-        self.first_tokens_seen[worker.name] = _first_tokens(text)
-        if earlier is None:
-            return 0.0, metric_value(text, "ballast_worker_in_flight")
-        return (earlier - first0) - (_finished(text) - finished0), metric_value(text, "ballast_worker_in_flight")
+        return answering_in(text) - self.baselines.get(worker.name, 0.0), metric_value(text, "ballast_worker_in_flight")
 
 
 def _first_tokens(text: str) -> float:
@@ -70,21 +56,38 @@ def _finished(text: str) -> float:
     return metric_value(text, "ballast_worker_requests_total")
 
 
+def token_counter(received: list[int], index: int):
+    """An `on_tokens` callback for `collect` that adds the tokens of stream `index` to
+    `received[index]`."""
+    def on_tokens(tokens) -> None:
+        received[index] += len(tokens.token_ids)
+    return on_tokens
+
+
+def all_begun(received: list[int], streams: list[asyncio.Task]) -> bool:
+    """Every stream of the batch has had a token at the client, or has ended. Only then does a
+    fault resume each stream it breaks: the router resumes a stream it has relayed tokens of,
+    and retries one it has none of, and a busy router may relay a worker's first tokens late."""
+    return all(count > 0 or stream.done() for count, stream in zip(received, streams))
+
+
 async def worker_answering(candidates, answering: Answering, streams: list[asyncio.Task], rng: random.Random,
-                           timeout: float = 60.0):
+                           received: list[int], timeout: float = 120.0):
     """A worker among `candidates` in the middle of answering a stream of the batch now (its
-    first token out, not finished, its in-flight gauge > 0) while a stream of the batch is
-    still unfinished at the client; returned as soon as it is read so, for the caller to
-    fault at once. The candidates are read in a fresh random order each round, so which of
-    the answering workers is hit is the seed's choice. None if every stream ended first."""
+    first token out, not finished, its in-flight gauge > 0) while a stream of the batch is still unfinished at the client and every stream has
+    begun there (`all_begun`); returned as soon as it is read so, for the caller to fault at
+    once. `received[i]`: tokens stream i has had at the client (see `token_counter`). The
+    candidates are read in a fresh random order each round, so which of the answering
+    workers is hit is the seed's choice. None if every stream ended first."""
     candidates = list(candidates)
     deadline = time.monotonic() + timeout
     while not all(s.done() for s in streams):
-        rng.shuffle(candidates)
-        for worker in candidates:
-            started_not_finished, in_flight = await answering.now(worker)
-            if started_not_finished >= 1 and in_flight >= 1 and not all(s.done() for s in streams):
-                return worker
+        if all_begun(received, streams):
+            rng.shuffle(candidates)
+            for worker in candidates:
+                started_not_finished, in_flight = await answering.now(worker)
+                if started_not_finished >= 1 and in_flight >= 1 and not all(s.done() for s in streams):
+                    return worker
         assert time.monotonic() < deadline, "no worker took a stream of the batch"
         await asyncio.sleep(0.005)
     return None
