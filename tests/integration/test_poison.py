@@ -66,6 +66,11 @@ def lost(before: dict, after: dict) -> int:
     return sum(1 for name, pid in before.items() if after.get(name) != pid)
 
 
+def none_died(running_then: dict, now: dict) -> bool:
+    """Every worker that was running then runs still (keepers may have restarted others since)."""
+    return all(now.get(name) == pid for name, pid in running_then.items() if pid is not None)
+
+
 def port_of(mesh, name: str) -> int:
     return next(s for s in mesh.services if s.name == name).metrics_port
 
@@ -117,7 +122,18 @@ async def test_a_query_of_death_costs_two_workers_and_is_quarantined(mesh):
         untouched = serving_pids(mesh)
         again = await refusal(router, chat_request(POISON, max_tokens=16, request_id=f"poison-{uuid.uuid4().hex}"))
         assert again.code() == grpc.StatusCode.FAILED_PRECONDITION and reason_of(again) == "quarantined"
-        assert serving_pids(mesh) == untouched
+        assert none_died(untouched, serving_pids(mesh))
+
+    # Over the OpenAI-compatible API too: 422 with code `quarantined` and a Retry-After, no worker lost.
+    import httpx
+
+    async with httpx.AsyncClient(base_url=mesh.http_base_url, timeout=60,
+                                 headers={"Authorization": f"Bearer {LOCAL_API_KEY}"}) as http:
+        reply = await http.post("/chat/completions", json={
+            "model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": POISON}]})
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["error"]["code"] == "quarantined" and int(reply.headers["Retry-After"]) > 0
+    assert none_died(untouched, serving_pids(mesh))
 
     text = await scrape(router_port)
     assert metric_value(text, "ballast_router_quarantine_total", event="quarantined") == 1
