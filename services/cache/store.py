@@ -5,6 +5,10 @@ cache is the bulk of what Redis holds, and one tenant or one long conversation m
 one master. Every command names one key, so nothing crosses slots; a pipeline goes out as one
 batch per master, in parallel.
 
+Every block is written with a TTL (the Put's, else `cache.ttl_s`; reads refresh it): the Redis
+it shares with the backfill evicts with volatile-lru, which takes only keys that have one, so
+memory pressure falls on KV blocks and never on the backfill's better answers, which have none.
+
 Every Redis call runs under a deadline; a Redis that is down, slow or out of memory becomes
 Unavailable (or a rejected block), never a crash. Reads verify each record (records.py) off
 the event loop and stop at the first block that cannot be served, deleting it when it is
@@ -69,7 +73,8 @@ class RedisKVStore:
         return record_key(self._limits.key_prefix, scope, block_hash)
 
     def ttl_for(self, asked_s: int) -> int:
-        return min(asked_s or self._limits.ttl_s, self._limits.max_ttl_s)
+        """Never 0: a block without a TTL would be out of volatile-lru's reach."""
+        return max(1, min(asked_s or self._limits.ttl_s, self._limits.max_ttl_s))
 
     async def lookup(self, scope: KVScope, hashes: Sequence[bytes], timeout_s: float,
                      caller_bound: bool = False) -> int:

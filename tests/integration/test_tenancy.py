@@ -118,6 +118,15 @@ async def test_s_claimed_without_a_grant_is_capped_and_preempts_nothing(mesh, ro
     assert capped_after - capped_before == 16
 
 
+async def test_a_tagging_rule_cannot_lift_a_request_above_the_grant(router):
+    request = chat_request("flash sale question", max_tokens=4, raw_prompt=True, allow_degraded=False)
+    request.signals.business_tag = "promotion"  # the default rules make this S
+    claimed = await collect(router, request, CLAIMER_KEY)
+    granted = await collect(router, request, LOCAL_API_KEY)
+    assert (claimed.started.tier, claimed.started.tier_reason) == (common_pb2.TIER_A, "capped_by_grant")
+    assert (granted.started.tier, granted.started.tier_reason) == (common_pb2.TIER_S, "promotion")
+
+
 async def test_only_the_backfills_key_may_act_for_another_tenant(router):
     call = router.Generate(chat_request("hi", max_tokens=4, raw_prompt=True),
                            metadata=(("x-api-key", CLAIMER_KEY), (ON_BEHALF_HEADER, "local")), timeout=30)
