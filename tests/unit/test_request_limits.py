@@ -17,7 +17,7 @@ from services.common.schema_limits import SchemaLimits
 from services.router.requests import OFF_LOOP_BYTES, checked_request, request_from_pb
 from services.router.settings import RouterConfig
 from services.router.structured import check_schema
-from services.router.structured.limits import RequestLimits
+from services.router.structured.limits import RequestLimits, check_chat_body
 from services.worker.engine import EngineRequest
 from services.worker.guided import GuideCompiler
 from services.worker.tiny_model import corpus, train_tokenizer
@@ -157,3 +157,17 @@ def test_llguidance_limits_refuse_a_grammar_that_slips_past_the_schema_limits():
 def compiler_first_token(compiler) -> int:
     tokenizer = train_tokenizer(corpus(), 512)
     return tokenizer.encode("[", add_special_tokens=False).ids[0]
+
+
+def test_a_big_chat_body_is_refused_by_its_message_count_before_it_is_parsed():
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": ""}] * 3000}).encode()
+    with pytest.raises(InvalidArgument) as caught:
+        check_chat_body(body, RequestLimits())
+    assert "3000 messages" in caught.value.message and "router.limits.max_messages" in caught.value.message
+    check_chat_body(json.dumps({"messages": [{"role": "user", "content": "hi"}] * 2048}).encode(), RequestLimits())
+
+
+@pytest.mark.parametrize("body", [b"{", b"[1, 2]", b'{"messages": "x"}', b'{"messages": null}', b"{}",
+                                  b'{"messages": [{"content": "\\ud800"}]}'])
+def test_a_chat_body_the_scan_cannot_read_is_left_to_the_full_parse(body):
+    check_chat_body(body, RequestLimits())

@@ -44,6 +44,7 @@ from services.router.openai.responses import Answer, degraded_headers
 from services.router.openai.sse import SseRelay, error_response, sse_event
 from services.router.openai.tls import https_context
 from services.router.servicer import InferenceServicer
+from services.router.structured.limits import check_chat_body
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,8 @@ class OpenAIFront:
         raw = await self._read_body(request)
 
         def parse() -> tuple[inference_pb2.GenerateRequest, Shape]:
+            if chat and len(raw) >= 64 * 1024:
+                check_chat_body(raw, self.config.limits)  # 10^5 messages refused before they are built
             # aiohttp's headers are case-insensitive: the mapping's lower-case names find them.
             return to_generate_request(parse_json(raw), request.headers, chat=chat)
 
