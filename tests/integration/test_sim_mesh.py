@@ -66,8 +66,9 @@ async def test_streams_survive_sim_workers_killed_mid_stream(mesh, router):
         streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120,
                                                on_tokens=token_counter(received, n)))
                    for n, (i, s) in enumerate(keys)]
-        # Each victim is killed the moment it is read in the middle of answering a stream of
-        # the batch (16 processes share this machine's cores: when that is depends on it).
+        # Victims: workers read in the middle of answering a stream of the batch (16 processes
+        # share this machine's cores: when that is depends on it), killed together once four
+        # are found, so no stream is resumed on a worker about to be killed.
         victims: list = []
         try:
             while len(victims) < KILLED:
@@ -75,8 +76,9 @@ async def test_streams_survive_sim_workers_killed_mid_stream(mesh, router):
                                                 received)
                 if victim is None:
                     break
-                victim.process.kill()
                 victims.append(victim)
+            for victim in victims:
+                victim.process.kill()
         finally:
             await clear_faults(mesh, alive)
         results = await asyncio.gather(*streams)
