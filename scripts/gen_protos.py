@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import shutil
 import sys
 import tempfile
 from pathlib import Path

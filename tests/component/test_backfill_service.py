@@ -23,7 +23,7 @@ from services.common.generation import Sampling
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.config import load_config
 from services.router.degrade.handoff import HandOff, HandOffSettings
-from services.router.requests import InferenceRequest, Message
+from services.router.requests import InferenceRequest
 from tests.polling import poll
 from tests.component.conftest import API_KEY, TENANT
 from tests.component.test_backfill_handoff import read_topic

@@ -109,7 +109,7 @@ def test_prefills_run_together_equal_prefills_run_alone(tiny):
     """Several sequences, some with a cached past, prefilled in one pass: each one's logits
     and KV are those of its own prefill."""
     model, _hf, prompts = tiny
-    alone, together = [], []
+    alone = []
     for ids in prompts:
         cache = model.new_cache()
         model.prefill(cache, ids[:2])  # a past for the second chunk to attend to

@@ -28,11 +28,11 @@ def make(clock: FakeClock, **overrides) -> CircuitBreaker:
 
 
 def run(breaker: CircuitBreaker, successes: int = 0, faults: int = 0) -> None:
-    for outcome, n in ((Outcome.SUCCESS, successes), (Outcome.FAULT, faults)):
+    for result, n in ((Outcome.SUCCESS, successes), (Outcome.FAULT, faults)):
         for _ in range(n):
             permit = breaker.try_acquire()
             assert permit is not None
-            permit.record(outcome)
+            permit.record(result)
 
 
 def open_breaker(breaker: CircuitBreaker) -> None:

@@ -57,7 +57,7 @@ class TestOrder:
         late = submit(s, "a-late", "A")
         clock.advance(0.1)
         urgent = submit(s, "a-urgent", "A", weight=2.0)  # deadline 0.1 + 2.0/2 < 2.0
-        strict = submit(s, "s", "S")
+        submit(s, "s", "S")
         assert urgent.deadline < late.deadline
         s.on_finished(busy)
         assert drain_one_at_a_time(s, workers, clock, 3) == ["s", "a-urgent", "a-late"]
