@@ -74,11 +74,12 @@ def all_begun(received: list[int], streams: list[asyncio.Task]) -> bool:
 async def worker_answering(candidates, answering: Answering, streams: list[asyncio.Task], rng: random.Random,
                            received: list[int], timeout: float = 120.0):
     """A worker among `candidates` in the middle of answering a stream of the batch now (its
-    first token out, not finished, its in-flight gauge > 0) while a stream of the batch is still unfinished at the client and every stream has
-    begun there (`all_begun`); returned as soon as it is read so, for the caller to fault at
-    once. `received[i]`: tokens stream i has had at the client (see `token_counter`). The
-    candidates are read in a fresh random order each round, so which of the answering
-    workers is hit is the seed's choice. None if every stream ended first."""
+    first token out, not finished, its in-flight gauge > 0) while a stream of the batch is
+    still unfinished at the client and every stream has begun there (`all_begun`); returned
+    as soon as it is read so, for the caller to fault at once. `received[i]`: tokens stream i
+    has had at the client (see `token_counter`). The candidates are read in a fresh random
+    order each round, so which of the answering workers is hit is the seed's choice. None if
+    every stream ended first."""
     candidates = list(candidates)
     deadline = time.monotonic() + timeout
     while not all(s.done() for s in streams):
