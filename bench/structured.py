@@ -1,4 +1,5 @@
-"""Structured output on the tiny model: raw vs guided vs guided+repair vs repair-only.
+"""Structured output on SmolLM2-135M-Instruct (or the tiny model): raw vs guided vs
+guided+repair vs repair-only.
 
 Generates answers for N requests over a mix of JSON Schemas (a product schema with
 product_id / price / stock_status among them) twice, without and with guided decoding
@@ -14,13 +15,15 @@ document), schema_valid_rate the share that conforms to its schema (after repair
 repair modes). Each answer's fate is reported apart: valid as generated, repaired without
 inventing a value, repaired by filling one in (a default, the first enum value, a zero), or
 failed; the headline `valid_rate` excludes filled answers, which conform but say what the
-model never did. Whether the values are right is not judged: the tiny model is untrained,
-so its values carry no meaning to check. Goal, judged in code: guided + repair valid (without
-fills) for at least 99 % of the answers. Also measures the cost
+model never did. Validity is judged by the `jsonschema` library, not by Ballast's repair.
+Whether the values are right is judged only coarsely, on the trained model: the share of
+guided answers that carry the number the question names (an order id, say), an entity check
+that needs no model. Sampling at temperature 0.7 (the model's chat default). Goal, judged in
+code: guided + repair valid (without fills) for at least 99 % of the answers. Also measures the cost
 of guidance in tokens/s, batched and one sequence at a time (as the torch engine decodes),
 and the guide's own CPU time per token. Prints tables and writes bench/results/structured.json.
 
-    python -m bench.structured [--requests 1000] [--batch 50] [--single 10] [--quick]
+    python -m bench.structured [--model smollm2|tiny] [--requests 300] [--batch 25] [--single 2] [--quick]
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from bench.goals import HIGHER, Goal, judge, print_goals
 from services.router.structured import RepairKind, Status, check_schema, repair
 from services.worker.guided import GuideCompiler
 from services.worker.sampling import position_generator, select_token
-from services.worker.tiny_model import render_chat
+from services.worker.tiny_model import CHAT_TEMPLATE
 
 PRODUCT = {
     "type": "object",
@@ -80,8 +83,10 @@ QUESTIONS = {
     "cart": "What is in my cart? Reply in JSON with customer and items.",
     "sentiment": "I was charged twice for the headphones! Classify this message in JSON.",
 }
-# Budgets cycle per batch so that some answers are cut by max_tokens and some are not.
-MAX_TOKENS = (32, 64, 96)
+# Budgets cycle per batch. On the tiny model some answers are cut by max_tokens on purpose (the
+# repair step's work); the trained model writes real values, and its budgets are what a client
+# asking for these documents would give (a few are still cut: repair closes them).
+MAX_TOKENS = {"tiny": (32, 64, 96), "smollm2": (64, 96, 128)}
 MODES = ("raw", "guided", "guided_repair", "repair_only")
 GOALS = (Goal("guided + repair answers valid without filled-in values", "guided_repair_valid_rate", 0.99, HIGHER),)
 
@@ -98,19 +103,28 @@ class Generation:
     stopped: int = 0
 
 
+# The number each question names, which a right answer carries (the order id, say).
+ENTITIES = {"order": "48213"}
+
+
 class Decoder:
     """A batched decode loop over rows that share one prompt, with optional guides per row."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, temperature: float) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        template_file = Path(model_dir) / "chat_template.jinja"
+        self.chat_template = template_file.read_text() if template_file.exists() else CHAT_TEMPLATE
         self.compiler = GuideCompiler.from_model_dir(model_dir)
         self.eos = set(self.compiler.eos_token_ids)
+        self.temperature = temperature
 
     def prompt_ids(self, question: str) -> list[int]:
-        chat = render_chat([{"role": "user", "content": question}], add_generation_prompt=True)
+        chat = self.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                  chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
         return self.tokenizer.encode(chat, add_special_tokens=False)
 
     def run(self, prompt: list[int], seeds: list[int], max_tokens: int, schema_text: str | None,
@@ -141,7 +155,8 @@ class Decoder:
                             t0 = time.thread_time()
                             logits = guides[row].apply(logits)
                             result.guide_cpu_seconds += time.thread_time() - t0
-                        token = select_token(logits, 1.0, 1.0, position_generator(seeds[row], position))
+                        token = select_token(logits, self.temperature, 1.0,
+                                             position_generator(seeds[row], position))
                         if guides:
                             t0 = time.thread_time()
                             guides[row].advance(token)
@@ -257,9 +272,22 @@ def _throughput(decoder: Decoder, batch: int, single: int, max_tokens: int = 64)
     return out
 
 
-def run_benchmark(requests: int, batch: int, out: Path, single: int = 10) -> int:
+def _entity_rate(items: list[tuple[str, object]], entity: str) -> float:
+    """The share of answers whose parsed document carries `entity` among its values."""
+    hits = 0
+    for text, _schema in items:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        hits += entity in json.dumps(value)
+    return hits / max(1, len(items))
+
+
+def run_benchmark(requests: int, batch: int, out: Path, single: int = 10, model: str = "smollm2",
+                  temperature: float = 0.7) -> int:
     torch.set_num_threads(1)  # a second intra-op thread only adds spinning on 2 shared cores
-    decoder = Decoder(model_dir_for("tiny"))
+    decoder = Decoder(model_dir_for(model), temperature)
     schemas = {name: check_schema(json.dumps(doc)) for name, doc in SCHEMAS.items()}
     names = sorted(SCHEMAS)
     texts: dict[str, list[tuple[str, object]]] = {mode: [] for mode in MODES}
@@ -267,10 +295,11 @@ def run_benchmark(requests: int, batch: int, out: Path, single: int = 10) -> int
     stopped = 0
     lengths: dict[str, list[int]] = {"raw": [], "guided": []}
     started = time.perf_counter()
+    budgets = MAX_TOKENS[model]
     batches = [list(range(i, min(i + batch, requests))) for i in range(0, requests, batch)]
     for b, ids in enumerate(batches):
         name = names[b % len(names)]
-        max_tokens = MAX_TOKENS[(b // len(names)) % len(MAX_TOKENS)]
+        max_tokens = budgets[(b // len(names)) % len(budgets)]
         schema = schemas[name]
         prompt = decoder.prompt_ids(QUESTIONS[name])
         raw = decoder.run(prompt, ids, max_tokens, None)
@@ -288,10 +317,15 @@ def run_benchmark(requests: int, batch: int, out: Path, single: int = 10) -> int
     modes = _score(texts)
     schema_rows = {name: _score(per) for name, per in by_schema.items()}
     throughput = _throughput(decoder, batch, single)
+    entities = {name: {mode: _entity_rate(by_schema[name][mode], entity) for mode in ("raw", "guided")}
+                for name, entity in ENTITIES.items()}
     result = {
+        "model": model,
+        "temperature": temperature,
+        "entities": entities,
         "requests": requests,
         "schemas": names,
-        "max_tokens": list(MAX_TOKENS),
+        "max_tokens": list(budgets),
         "modes": modes,
         "by_schema": {name: {m: {k: v for k, v in e.items() if k.endswith("rate")} for m, e in per.items()}
                       for name, per in schema_rows.items()},
@@ -300,7 +334,8 @@ def run_benchmark(requests: int, batch: int, out: Path, single: int = 10) -> int
         "answer_tokens": {mode: {"p50": percentile(v, 50), "p99": percentile(v, 99)} for mode, v in lengths.items()},
         "seconds": time.perf_counter() - started,
     }
-    print(f"\nstructured output: {requests} requests, schemas {', '.join(names)}, tiny model")
+    print(f"\nstructured output: {requests} requests, schemas {', '.join(names)}, model {model}, "
+          f"temperature {temperature}")
     print_table(["mode", "parse_rate", "schema_valid_rate", "statuses"],
                 [[m, modes[m]["parse_rate"], modes[m]["schema_valid_rate"],
                   " ".join(f"{k}={v}" for k, v in sorted(modes[m].get("statuses", {}).items()))] for m in MODES])
@@ -316,6 +351,9 @@ def run_benchmark(requests: int, batch: int, out: Path, single: int = 10) -> int
     print(f"guided answers that ended on their own: {result['guided_stopped_rate']:.3f}")
     print_table(["mode", *FATES, "valid (no fills)"],
                 [[m, *(modes[m]["fates"][f] for f in FATES), modes[m]["valid_rate"]] for m in MODES])
+    for name, rates in entities.items():
+        print(f"{name} answers carrying the question's {ENTITIES[name]}: raw {rates['raw']:.2f}, "
+              f"guided {rates['guided']:.2f}")
     result["engine"] = "torch (in-process batched decode)"
     result["guided_repair_valid_rate"] = modes["guided_repair"]["valid_rate"]
     result.update(judge(GOALS, result))
@@ -326,15 +364,18 @@ def run_benchmark(requests: int, batch: int, out: Path, single: int = 10) -> int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--batch", type=int, default=50, help="rows decoded together")
-    parser.add_argument("--single", type=int, default=10, help="requests for the one-sequence tokens/s check")
-    parser.add_argument("--quick", action="store_true", help="200 requests in batches of 10, for a fast check")
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                        help="smollm2 (a trained instruct model) or tiny (Ballast's small untrained-ish model)")
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=25, help="rows decoded together")
+    parser.add_argument("--single", type=int, default=2, help="requests for the one-sequence tokens/s check")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--quick", action="store_true", help="50 requests in batches of 10, for a fast check")
     parser.add_argument("--out", type=Path, default=Path("bench/results/structured.json"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.batch = 200, 10
-    return run_benchmark(args.requests, args.batch, args.out, args.single)
+        args.requests, args.batch = 50, 10
+    return run_benchmark(args.requests, args.batch, args.out, args.single, args.model, args.temperature)
 
 
 if __name__ == "__main__":
