@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from bench.soak_faults import MESH_FAULTS, SURGE, WORKER_FAULTS, WORKER_KILL, fault_schedule
-from bench.soak_table import ROWS
+from bench.soak.faults import MESH_FAULTS, SURGE, WORKER_FAULTS, WORKER_KILL, fault_schedule
+from bench.soak.table import ROWS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

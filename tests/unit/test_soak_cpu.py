@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bench.soak_cpu import CLIENTS, OTHER, CpuMeter, machine_busy_s, part_of
+from bench.soak.cpu import CLIENTS, OTHER, CpuMeter, machine_busy_s, part_of
 
 
 def test_processes_are_sorted_into_parts_by_their_command_line():

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak_faults import (
+from bench.soak.faults import (
     KAFKA_DOWN, MESH_FAULTS, ROUTER_KILL, WORKER_FAULTS, WORKER_KILL, WORKER_STALL, Throttle, fault_schedule,
     process_tree, settled_at, surge_window,
 )
-from bench.soak_table import RequestSample
-from bench.soak_traffic import (
+from bench.soak.table import RequestSample
+from bench.soak.traffic import (
     CONTEXT_TURNS, JSON_SHARE, NO_SURGE, ONLY_S, SCHEMAS, TURNS, Conversation, Surge, arrivals, plan_sessions,
 )
 
@@ -137,7 +137,7 @@ def test_process_tree_lists_children_and_the_throttle_leaves_them_running():
 
 ORPHAN_SCRIPT = """
 import os, subprocess, sys, time
-from bench.soak_faults import adopt_orphans, end_leftovers, process_tree
+from bench.soak.faults import adopt_orphans, end_leftovers, process_tree
 adopt_orphans()
 # A child that starts a grandchild and exits at once: the grandchild is orphaned.
 subprocess.run([sys.executable, "-c",

@@ -9,15 +9,15 @@ import math
 import httpx
 import pytest
 
-from bench.soak import rolling_ttft_p99, surge_record, timeline, PhaseOutcome
-from bench.soak_clients import FAILED_JSON_CHARS, RoundRobinTransport, json_outcome, record_json
-from bench.soak_readme import BEGIN, END, render, replace_block
-from bench.soak_table import (
+from bench.soak.run import rolling_ttft_p99, surge_record, timeline, PhaseOutcome
+from bench.soak.clients import FAILED_JSON_CHARS, RoundRobinTransport, json_outcome, record_json
+from bench.soak.readme import BEGIN, END, render, replace_block
+from bench.soak.table import (
     ABSOLUTE_GOALS, JSON_FAILED, JSON_REPAIRED, JSON_VALID, FaultRecord, RequestSample, comparison_goals, fault_rows,
     fault_table, measured_for_goals, phase_row, session_interruption_rate,
 )
 from bench.goals import judge
-from bench.soak_traffic import SCHEMAS, Surge
+from bench.soak.traffic import SCHEMAS, Surge
 
 
 def sample(session="a", start=0.0, e2e_s=0.1, ok=True, tier="B", ttft=0.02, cut=False, json_outcome=""):

@@ -1,23 +1,6 @@
-"""A chaos soak of Ballast against plain vLLM serving: the same traffic, the same faults.
-
-One invocation, two phases on the same machine, one after the other:
-  baseline  N plain OpenAI-compatible servers (vLLM's own with `--engine vllm`; a stand-in,
-            bench.plain_server, with torch or sim) behind a round-robin balancer with a
-            readiness probe, reached with the OpenAI SDK and its own retries; a server that
-            dies is restarted cold; a plain autoscaler cold-starts one more on a p99 breach;
-  ballast   two routers, the same N workers (under their keepers), the cache service on
-            Redis, the backfill service on the Kafka broker, the autoscaler with one warm
-            standby; every request through the public gRPC API.
-Each phase first measures S-tier latency unloaded (S-only sessions, two at a time), then runs
-the seeded open-loop traffic of `bench.soak_traffic` (multi-turn agent sessions, S/A/B,
-JSON turns, a 3x surge mid-way) while the fault schedule of `bench.soak_faults` strikes:
-workers SIGKILLed, stalled (SIGSTOP past the stall timeout) and running hot (80 C and half
-speed) in both phases; a router killed, Redis restarted, the Kafka broker down, etcd
-restarted in Ballast's (the baseline has none of those parts).
-
-Prints the table, writes bench/results/soak.json (keys `baseline`, `ballast`, `faults`, with
-the goals judged in code) and bench/results/soak_latency.png (latency over time, faults marked). The
-README's opening table is generated from soak.json (`python -m bench.soak_readme`).
+"""The soak's run: the plan both phases share, each phase driven on its own parts (traffic,
+faults, the breach and its scale-out, CPU), the plain baseline and then Ballast, and the
+result: the table, bench/results/soak.json, every request and the chart.
 
     python -m bench.soak [--engine vllm|torch|sim] [--minutes 10] [--workers 2] [--rate 0.4]
                          [--target-ms 1500] [--unloaded-s 30] [--seed 7]
@@ -29,7 +12,6 @@ import argparse
 import asyncio
 import json
 import math
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,17 +20,18 @@ from typing import Awaitable, Callable
 
 from bench.common import SIM_PROFILE, model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from bench.goals import judge, print_goals
-from bench.soak_cpu import CpuMeter
-from bench.soak_faults import (
+from bench.soak.cpu import CpuMeter
+from bench.soak.faults import (
     SURGE, WORKER_FAULTS, FaultTarget, ScheduledFault, adopt_orphans, end_leftovers, fault_schedule, settled_at,
     surge_window,
 )
-from bench.soak_table import (
+from bench.soak.table import (
     ABSOLUTE_GOALS, FaultRecord, RequestSample, comparison_goals, fault_rows, fault_table, measured_for_goals,
     phase_row, table_lines,
 )
-from bench.soak_traffic import NO_SURGE, ONLY_S, Conversation, SessionPlan, Surge, TurnPlan, plan_sessions
+from bench.soak.traffic import NO_SURGE, ONLY_S, Conversation, SessionPlan, Surge, TurnPlan, plan_sessions
 
+DESCRIPTION = "A chaos soak of Ballast against plain vLLM serving: the same traffic, the same faults."
 MODEL_NAME = "tiny"  # the logical name both phases serve the model under
 BREACH_WINDOW_S = 8.0
 BREACH_MIN_SAMPLES = 10
@@ -254,8 +237,8 @@ def _sim_profile(engine: str) -> Path | None:
 
 
 async def _baseline_async(plan: Plan, engine: str, model_dir: Path, workers: int, state: Path) -> PhaseOutcome:
-    from bench.soak_baseline import PlainFleet
-    from bench.soak_clients import RoundRobinTransport, baseline_turn, openai_client
+    from bench.soak.baseline import PlainFleet
+    from bench.soak.clients import RoundRobinTransport, baseline_turn, openai_client
 
     transport = RoundRobinTransport()
     fleet = PlainFleet(engine, model_dir, MODEL_NAME, state, _sim_profile(engine), transport)
@@ -284,8 +267,8 @@ async def _baseline_async(plan: Plan, engine: str, model_dir: Path, workers: int
 
 
 async def _ballast_async(plan: Plan, mesh, side) -> PhaseOutcome:
-    from bench.soak_ballast import PromotionWatch
-    from bench.soak_clients import balanced_channel, ballast_turn
+    from bench.soak.ballast import PromotionWatch
+    from bench.soak.clients import balanced_channel, ballast_turn
     from ballast.v1 import inference_pb2_grpc
     from services.cli.mesh import LOCAL_API_KEY
 
@@ -326,7 +309,7 @@ def run_baseline(plan: Plan, engine: str, model_dir: Path, workers: int) -> Phas
 
 
 def run_ballast(plan: Plan, engine: str, model_dir: Path, workers: int) -> PhaseOutcome:
-    from bench.soak_ballast import BallastSide, enable_autoscaler, mesh_spec
+    from bench.soak.ballast import BallastSide, enable_autoscaler, mesh_spec
     from services.cli.mesh import Mesh
     from services.common.processes import ProcessStartError
 
@@ -444,14 +427,15 @@ def run_benchmark(engine: str, minutes: float, workers: int, rate: float, target
     path = write_result(out, result)
     print(f"wrote {path}")
     print(f"wrote {write_samples(samples_path(path), baseline, ballast)}")
-    from bench.soak_chart import chart_path, draw
+    from bench.soak.chart import chart_path, draw
 
     print(f"wrote {draw(json.loads(path.read_text()), chart_path(path))}")
     return 0 if result["met"] else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The command line of `python -m bench.soak` and `ballast bench soak`."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     parser.add_argument("--engine", choices=("vllm", "torch", "sim"), default="vllm")
     parser.add_argument("--minutes", type=float, default=10.0, help="length of each phase's soak")
     parser.add_argument("--workers", type=int, default=2)
@@ -470,7 +454,3 @@ def main(argv: list[str] | None = None) -> int:
     return run_benchmark(args.engine, args.minutes, args.workers, args.rate or DEFAULT_RATE[args.engine],
                          args.target_ms, args.unloaded_s, args.seed, args.out, args.preset or DEFAULT_PRESET[args.engine],
                          args.model_dir)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import ContextManager
 
 from bench.common import metric_sum
-from bench.soak_faults import (
+from bench.soak.faults import (
     COOL_C, ETCD_RESTART, HOT_C, KAFKA_DOWN, MESH_FAULTS, REDIS_RESTART, ROUTER_KILL, WORKER_FAULTS, WORKER_HOT,
     WORKER_KILL, WORKER_STALL, ScheduledFault, Throttle, Victims, signal_tree,
 )
@@ -74,7 +74,7 @@ def _in_flight(worker: ServiceProcess) -> float | None:
 
 
 class BallastSide:
-    """The mesh as the chaos driver sees it (`soak_faults.FaultTarget`)."""
+    """The mesh as the chaos driver sees it (`bench.soak.faults.FaultTarget`)."""
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh

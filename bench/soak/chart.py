@@ -1,7 +1,7 @@
 """The soak's chart: latency over time in both phases, with the faults marked, drawn from
 bench/results/soak.json alone (so it can be drawn again from any result).
 
-    python -m bench.soak_chart [bench/results/soak.json]
+    python -m bench.soak.chart [bench/results/soak.json]
 
 One panel per phase, on the same time and latency axes: the end-to-end p99 of the requests
 started in each 5 s (all tiers, and S alone), failures per 5 s as crosses at the top, the

@@ -29,8 +29,8 @@ import jsonschema
 import openai
 
 from ballast.v1 import common_pb2, inference_pb2
-from bench.soak_table import JSON_FAILED, JSON_REPAIRED, JSON_VALID, RequestSample
-from bench.soak_traffic import TurnPlan
+from bench.soak.table import JSON_FAILED, JSON_REPAIRED, JSON_VALID, RequestSample
+from bench.soak.traffic import TurnPlan
 from services.common.tier_pb import TIER_TO_PB
 
 REQUEST_TIMEOUT_S = 60.0

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.soak_faults import process_tree
+from bench.soak.faults import process_tree
 
 # The first match decides; checked against the command line (and the process name, which
 # vLLM sets for its engine process).

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import metric_sum
-from bench.soak_clients import RoundRobinTransport
-from bench.soak_faults import (
+from bench.soak.clients import RoundRobinTransport
+from bench.soak.faults import (
     WORKER_FAULTS, WORKER_HOT, WORKER_KILL, WORKER_STALL, ScheduledFault, Throttle, Victims, signal_tree,
 )
 from services.common.processes import ManagedProcess, ProcessStartError, free_ports, wait_until_ready

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 from bench.common import percentile
-from bench.soak_table import RequestSample
-from bench.soak_traffic import Surge
+from bench.soak.table import RequestSample
+from bench.soak.traffic import Surge
 
 WORKER_KILL, WORKER_STALL, WORKER_HOT = "worker_kill", "worker_stall", "worker_hot"
 SURGE = "surge"
