@@ -23,11 +23,12 @@ README's opening table is generated from soak.json (`python -m bench.soak.readme
     python -m bench.soak [--engine vllm|torch|sim] [--minutes 10] [--workers 2] [--rate 0.4]
                          [--target-ms 1500] [--unloaded-s 30] [--seed 7]
 
-The modules: `run` (the plan, each phase driven, the result, the command line), `baseline`
-and `ballast` (each phase's parts and how a fault strikes them), `clients` (each phase's
-client), `traffic` (the seeded sessions), `faults` (the fault schedule, process trees, the
-throttle), `cpu` (where the CPU time went), `table` (the arithmetic of the table), `chart`
-(latency over time) and `readme` (the README's opening table).
+The modules: `run` (the plan, both phases one after the other, the command line), `drive`
+(one phase's traffic, faults, breach and samplers), `baseline` and `ballast` (each phase's
+parts and how a fault strikes them), `clients` (each phase's client), `traffic` (the seeded
+sessions), `faults` (the fault schedule, process trees, the throttle), `cpu` (where the CPU
+time went), `table` (the table's arithmetic), `result` (a phase summarized, the samples
+kept), `chart` (latency over time) and `readme` (the README's opening table).
 """
 
 from bench.soak.run import main

@@ -9,7 +9,8 @@ import math
 import httpx
 import pytest
 
-from bench.soak.run import rolling_ttft_p99, surge_record, timeline, PhaseOutcome
+from bench.soak.drive import PhaseOutcome, rolling_ttft_p99
+from bench.soak.result import surge_record, timeline
 from bench.soak.clients import FAILED_JSON_CHARS, RoundRobinTransport, json_outcome, record_json
 from bench.soak.readme import BEGIN, END, render, replace_block
 from bench.soak.table import (
