@@ -43,6 +43,7 @@ BENCHMARKS = (
     Benchmark("scale", quick=("--reps", "1")),
     Benchmark("kv_restore", quick=("--contexts", "256,1024", "--reps", "3")),
     Benchmark("structured", quick=("--quick",)),
+    Benchmark("answer_quality"),
     Benchmark("context"),
     Benchmark("degrade_handoff", quick=("--handoffs", "500")),
     Benchmark("backfill", quick=("--requests", "200", "--sessions", "20", "--reps", "1")),
