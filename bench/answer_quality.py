@@ -138,7 +138,7 @@ def run_benchmark(max_tokens: int, out: Path) -> int:
     likelihood = Likelihood(smollm2_dir)
     rows = []
     for i, (question, entities) in enumerate(QUESTIONS):
-        row = {"question": question, "entities": list(entities)}
+        row: dict = {"question": question, "entities": list(entities)}
         for rung in RUNGS:
             row[rung] = {"answer": answers[rung][i], "entities": entity_share(answers[rung][i], entities),
                          "likelihood": likelihood(question, answers[rung][i])}
