@@ -2,6 +2,7 @@
 
 The callback gets the key's value (None when deleted) on every change. While etcd is away
 the last value stays in force; on return the key is read again, so no change is missed.
+The reads, the watch and the reconnects are the session's (`etcd_session.watch_prefix`).
 """
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ import logging
 from typing import Callable
 
 from services.common.config import EtcdConfig
-from services.common.membership import ETCD_ERRORS, make_client
-from services.common.tasks import stop_task
+from services.common.etcd_session import Change, EtcdSession
 
 log = logging.getLogger(__name__)
 
 
 class KeyWatcher:
-    def __init__(self, config: EtcdConfig, key: str, on_value: Callable[[bytes | None], None]) -> None:
+    def __init__(self, config: EtcdConfig, key: str, on_value: Callable[[bytes | None], None],
+                 session: EtcdSession | None = None) -> None:
         self.config = config
         self.key = key.encode()
         self._on_value = on_value
-        self._task: asyncio.Task | None = None
+        # A session of its own unless the owner shares one (then the owner closes it).
+        self._owned = session is None
+        self.session = session or EtcdSession(config)
+        self._watch = self.session.watch_prefix(self.key, self._on_sync, self._on_change,
+                                                name=f"watch-{key}")
         self.synced = asyncio.Event()
 
     def _deliver(self, value: bytes | None) -> None:
@@ -31,34 +36,20 @@ class KeyWatcher:
         except Exception:  # a bad value must not kill the watch; the callback logs why
             log.exception("rejected value of %s", self.key.decode())
 
-    async def _follow(self) -> None:
-        client = make_client(self.config)
-        try:
-            await client.connect()
-            # One read gives both the value and the revision to watch from: nothing slips between.
-            result = await client.get_prefix(self.key)
-            self._deliver(next((kv.value for kv in result if kv.key == self.key), None))
-            self.synced.set()
-            watch = await client.watch(self.key, start_revision=result.header.revision + 1)
-            async for event in watch:
-                self._deliver(None if event.kind == "DELETE" else event.kv.value)
-        finally:
-            try:
-                await client.close()
-            except Exception:
-                pass
+    def _on_sync(self, snapshot: dict[bytes, Change], _changes: list[Change]) -> None:
+        # The prefix read also holds longer keys that start with this one: only this key counts.
+        found = snapshot.get(self.key)
+        self._deliver(None if found is None else found.value)
+        self.synced.set()
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._follow()
-            except ETCD_ERRORS as exc:
-                log.debug("watch of %s lost: %s", self.key.decode(), exc)
-            await asyncio.sleep(self.config.reconnect_backoff_s)
+    def _on_change(self, change: Change) -> None:
+        if change.key == self.key:
+            self._deliver(change.value)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"watch-{self.key.decode()}")
+        await self._watch.start()
 
     async def stop(self) -> None:
-        await stop_task(self._task)
-        self._task = None
+        await self._watch.stop()
+        if self._owned:
+            await self.session.close()

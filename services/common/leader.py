@@ -9,7 +9,8 @@ at the latest one TTL after it died, when etcd expires its lease.
 
 Leadership is advisory between the checks: a holder cut off from etcd may act for up to one
 refresh interval plus one call deadline after its lease expired. Whatever it acts on must
-therefore be idempotent and absolute (desired counts, not "add one").
+therefore be idempotent and absolute (desired counts, not "add one"). Connections,
+reconnects and the lease calls are an `EtcdSession`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ import asyncio
 import logging
 from typing import Callable
 
-import aetcd
-
 from services.common.config import EtcdConfig
-from services.common.membership import ETCD_ERRORS, close_client, make_client
+from services.common.etcd_session import ETCD_ERRORS, EtcdSession, next_wait, reconnect_backoff
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -50,7 +49,9 @@ class LeaderLock:
         self.ttl_s = ttl_s
         self._on_change = on_change
         self._leader = asyncio.Event()
-        self._lease: aetcd.leases.Lease | None = None
+        self.session = EtcdSession(config)
+        # The lease holding the key while leader.
+        self._lease: int | None = None
         self._task: asyncio.Task | None = None
         self.terms = 0
         """How many times this candidate has won (a new term after every loss)."""
@@ -62,7 +63,7 @@ class LeaderLock:
     @property
     def lease_id(self) -> int | None:
         """The lease holding the key while leader (to revoke it in tests and drills)."""
-        return self._lease.id if self._lease is not None and self.is_leader else None
+        return self._lease if self._lease is not None and self.is_leader else None
 
     async def wait_leader(self, timeout: float) -> bool:
         try:
@@ -105,46 +106,38 @@ class LeaderLock:
             self._task = None
         self._set_leader(False)
         if lease is not None:
-            client = make_client(self.config)
-            try:
-                await client.connect()
-                await asyncio.wait_for(client.revoke_lease(lease.id), self.config.timeout_s)
-            except ETCD_ERRORS as exc:
-                log.warning("could not resign (the lease will expire): %s", exc)
-            finally:
-                await close_client(client)
+            await self.session.revoke(lease)
         self._lease = None
+        await self.session.close()
 
     async def holder(self) -> str | None:
         """Who holds the lock now, read from etcd (None: nobody)."""
-        client = make_client(self.config)
-        try:
-            await client.connect()
-            result = await client.get(self.key)
+        async with EtcdSession(self.config) as session:
+            result = await session.get(self.key)
             return None if result is None else result.value.decode()
-        finally:
-            await close_client(client)
 
     async def _run(self) -> None:
-        backoff = self.config.reconnect_backoff_s
+        backoff = reconnect_backoff(self.config)
         while True:
-            client = make_client(self.config)
             try:
-                await client.connect()
-                await self._campaign(client)
+                await self._campaign()
             except ETCD_ERRORS as exc:
                 log.warning("leader lock %s: etcd unreachable, campaigning again: %s", self.key.decode(), exc)
+                # A call cut short by our own deadline leaves the client in place: drop it, so the
+                # next campaign connects again (at the next member).
+                await self.session.reset()
             finally:
                 self._set_leader(False)
-                await close_client(client)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            if self.terms:
+                backoff.streak = 0  # a term was won since the last loss: etcd works again
+            await asyncio.sleep(next_wait(backoff))
 
-    async def _campaign(self, client: aetcd.Client) -> None:
-        txn = client.transactions
+    async def _campaign(self) -> None:
+        session = self.session
+        txn = session.transactions
         while True:
-            lease = await client.lease(self.ttl_s)
-            won, responses = await client.transaction(
+            lease = await session.grant(self.ttl_s)
+            won, responses = await session.transaction(
                 compare=[txn.create(self.key) == 0],
                 success=[txn.put(self.key, self.identity.encode(), lease=lease)],
                 failure=[txn.get(self.key)],
@@ -153,7 +146,7 @@ class LeaderLock:
                 self._lease = lease
                 self._set_leader(True)
                 try:
-                    await self._hold(client, lease, responses[0].response_put.header.revision)
+                    await self._hold(lease, responses[0].response_put.header.revision)
                 finally:
                     self._set_leader(False)
                     self._lease = None
@@ -162,16 +155,16 @@ class LeaderLock:
                 await asyncio.sleep(self.ttl_s)
                 continue
             # Not ours: the lease we took for the attempt is of no use while we wait.
-            await client.revoke_lease(lease.id)
+            await session.revoke(lease)
             held = responses[0]
             revision = held[0][1].mod_revision if held else 0
-            await self._wait_vacant(client, revision)
+            await self._wait_vacant(revision)
 
-    async def _wait_vacant(self, client: aetcd.Client, revision: int) -> None:
+    async def _wait_vacant(self, revision: int) -> None:
         """Returns once the key has been deleted after `revision` (or after a TTL, to re-check)."""
         if revision == 0:
             return
-        watch = await client.watch(self.key, start_revision=revision + 1)
+        watch = await self.session.watch(self.key, start_revision=revision + 1)
 
         async def deleted() -> None:
             async for event in watch:
@@ -185,11 +178,11 @@ class LeaderLock:
         except TimeoutError:
             pass
         finally:
-            await watch.cancel()
+            await _cancel(watch)
 
-    async def _hold(self, client: aetcd.Client, lease: aetcd.leases.Lease, revision: int) -> None:
+    async def _hold(self, lease: int, revision: int) -> None:
         """Keeps the lease alive; returns when leadership is lost."""
-        watch = await client.watch(self.key, start_revision=revision + 1)
+        watch = await self.session.watch(self.key, start_revision=revision + 1)
         lost = asyncio.Event()
 
         async def follow() -> None:
@@ -210,13 +203,17 @@ class LeaderLock:
                 except TimeoutError:
                     pass
                 async with asyncio.timeout(min(self.config.timeout_s, interval)):
-                    reply = await lease.refresh()
-                if reply is None or reply.TTL <= 0:
+                    ttl = await self.session.refresh(lease)
+                if ttl <= 0:
                     log.warning("leader lease of %s expired", self.key.decode())
                     break
         finally:
             await stop_task(follower)
-            try:
-                await watch.cancel()
-            except ETCD_ERRORS:
-                pass
+            await _cancel(watch)
+
+
+async def _cancel(watch) -> None:
+    try:
+        await watch.cancel()
+    except Exception:  # noqa: BLE001 - the session may have closed the watch's channel already
+        pass

@@ -6,7 +6,8 @@ temperature) at that heartbeat when something in it changed, and at least every
 `record_refresh_s` otherwise. When a worker dies,
 its lease expires, etcd deletes the key, and every router's watch drops it: no polling.
 Both sides survive the loss and return of etcd: the worker re-grants its lease and
-re-publishes; the router keeps the last known membership and resynchronises.
+re-publishes; the router keeps the last known membership and resynchronises. Connections,
+reconnects, the lease and the watch are an `EtcdSession`'s.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Awaitable, Callable
 
-import aetcd
-import aetcd.exceptions
-
 from services.common.config import EtcdConfig
 from services.common.etcd_client import make_client  # noqa: F401  (re-exported: callers import it from here)
+from services.common.etcd_session import (  # noqa: F401  (ETCD_ERRORS, close_client re-exported)
+    ETCD_ERRORS,
+    Change,
+    EtcdSession,
+    close_client,
+    next_wait,
+    reconnect_backoff,
+)
 from services.common.telemetry import DependencyStatus
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
-
-ETCD_ERRORS = (aetcd.exceptions.ClientError, OSError, asyncio.TimeoutError)
 
 
 @dataclass
@@ -86,16 +90,6 @@ def worker_key(config: EtcdConfig, worker_id: str) -> str:
     return f"{workers_prefix(config)}{worker_id}"
 
 
-async def close_client(client: aetcd.Client | None) -> None:
-    """Closes a client that may already be broken (closing a dead channel can fail; it is gone
-    either way)."""
-    if client is not None:
-        try:
-            await client.close()
-        except Exception:
-            pass
-
-
 class WorkerRegistration:
     """Keeps one worker's leased record in etcd fresh until stopped."""
 
@@ -108,10 +102,11 @@ class WorkerRegistration:
         self.config = config
         self._snapshot = snapshot
         self._dependencies = dependencies
-        self._client: aetcd.Client | None = None
-        self._lease: aetcd.leases.Lease | None = None
-        # The lease held before the client was reset, tried again before granting a new one.
-        self._kept_lease_id: int | None = None
+        self.session = EtcdSession(config)
+        # Kept across reconnects: a failed call resets the connection, not necessarily the
+        # lease, and a new lease would make routers see a new incarnation of this worker (and
+        # fail over its streams) after a mere hiccup.
+        self._lease = self.session.kept_lease(config.lease_ttl_s)
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self.registered = asyncio.Event()
@@ -127,63 +122,37 @@ class WorkerRegistration:
         """Publishes at once instead of at the next heartbeat (e.g. on draining)."""
         self._wake.set()
 
-    async def _ensure_lease(self) -> aetcd.leases.Lease:
-        if self._client is None:
-            self._client = make_client(self.config)
-            await self._client.connect()
-        if self._lease is None and self._kept_lease_id is not None:
-            # A failed call reset the client, not necessarily the lease: keep it if etcd still
-            # holds it. A new lease would make routers see a new incarnation of this worker
-            # (and fail over its streams) after a mere hiccup.
-            self._lease = aetcd.leases.Lease(self._kept_lease_id, self.config.lease_ttl_s, self._client)
-            self._kept_lease_id = None
-        if self._lease is None:
-            self._lease = await self._client.lease(self.config.lease_ttl_s)
-            return self._lease
-        reply = await self._lease.refresh()
-        if reply is None or reply.TTL <= 0:
-            # The lease expired while etcd or this worker was away: take a new one.
-            self._lease = await self._client.lease(self.config.lease_ttl_s)
-        return self._lease
-
     async def _publish(self) -> None:
-        lease = await self._ensure_lease()
+        lease_id = await self._lease.ensure()
         record = self._snapshot()
-        content = (lease.id, replace(record, updated_at=0.0).to_json())
+        content = (lease_id, replace(record, updated_at=0.0).to_json())
         if content == self._written and time.monotonic() - self._written_at < self.config.record_refresh_s:
             return  # the lease is refreshed; the record in etcd already says all this
         record.updated_at = time.time()
-        await self._client.put(worker_key(self.config, record.id).encode(), record.to_json(), lease=lease)
+        await self.session.put(worker_key(self.config, record.id).encode(), record.to_json(), lease=lease_id)
         self._written, self._written_at = content, time.monotonic()
 
     async def _reset_client(self) -> None:
         # etcd may have come back without its data: write the record again at the next try.
         self._written = None
-        if self._lease is not None:
-            self._kept_lease_id = self._lease.id
-        client, self._client, self._lease = self._client, None, None
-        if client is not None:
-            try:
-                await client.close()
-            except Exception:  # closing a broken channel may fail; it is gone either way
-                pass
+        await self.session.reset()
 
     async def _run(self) -> None:
-        backoff = self.config.reconnect_backoff_s
+        backoff = reconnect_backoff(self.config)
         while True:
             try:
-                async with asyncio.timeout(self.config.timeout_s * 2):
+                async with asyncio.timeout(self.session.call_timeout_s * 2):
                     await self._publish()
                 self._dependencies.set("etcd", True)
                 self.registered.set()
-                backoff = self.config.reconnect_backoff_s
+                backoff.streak = 0
                 delay = self.config.heartbeat_s
             except ETCD_ERRORS as exc:
                 if self._dependencies.is_up("etcd") or not self.registered.is_set():
                     log.warning("etcd unreachable, will retry: %s", exc)
                 self._dependencies.set("etcd", False)
                 await self._reset_client()
-                delay, backoff = backoff, min(backoff * 2, 5.0)
+                delay = next_wait(backoff)
             self._wake.clear()
             try:
                 # asyncio.timeout, not wait_for: wait_for can swallow the cancel that stops us.
@@ -197,18 +166,16 @@ class WorkerRegistration:
         (a simulated worker's crash)."""
         await stop_task(self._task)
         self._task = None
+        self._lease.forget()
         await self._reset_client()
 
     async def stop(self) -> None:
         """Stops refreshing and revokes the lease, so routers drop this worker at once."""
         await stop_task(self._task)
         self._task = None
-        if self._lease is not None:
-            try:
-                await asyncio.wait_for(self._lease.revoke(), timeout=self.config.timeout_s)
-            except ETCD_ERRORS as exc:
-                log.warning("could not revoke lease (it will expire): %s", exc)
+        await self._lease.revoke()
         await self._reset_client()
+        await self.session.close()
 
 
 Listener = Callable[[dict[str, WorkerRecord]], Awaitable[None] | None]
@@ -231,7 +198,9 @@ class MembershipWatcher:
         self.config = config
         self._dependencies = dependencies
         self._workers: dict[str, WorkerRecord] = {}
-        self._task: asyncio.Task | None = None
+        self.session = EtcdSession(config)
+        self._watch = self.session.watch_prefix(workers_prefix(config).encode(), self._on_sync, self._on_change,
+                                                self._on_lost, name="etcd-membership")
         self._changed = asyncio.Condition()
         self.synced = asyncio.Event()
         # Bumped on every change, so waiters can tell "changed since I looked".
@@ -263,11 +232,10 @@ class MembershipWatcher:
                 event.set()
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="etcd-membership")
+        await self._watch.start()
 
     async def stop(self) -> None:
-        await stop_task(self._task)
-        self._task = None
+        await self.session.close()
 
     async def wait_for(self, predicate: Callable[[dict[str, WorkerRecord]], bool], timeout: float) -> bool:
         """Waits until the membership satisfies `predicate`; False on timeout."""
@@ -293,52 +261,37 @@ class MembershipWatcher:
     def _worker_id(self, key: bytes) -> str:
         return key.decode()[len(workers_prefix(self.config)):]
 
-    async def _sync_and_watch(self, client: aetcd.Client) -> None:
-        prefix = workers_prefix(self.config).encode()
-        snapshot = await client.get_prefix(prefix)
+    def _record(self, change: Change) -> WorkerRecord | None:
+        try:
+            return WorkerRecord.from_json(change.value, change.lease)
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring malformed worker record %s: %s", change.key, exc)
+            return None
+
+    async def _on_sync(self, snapshot: dict[bytes, Change], _changes: list[Change]) -> None:
         fresh: dict[str, WorkerRecord] = {}
-        for kv in snapshot:
-            try:
-                fresh[self._worker_id(kv.key)] = WorkerRecord.from_json(kv.value, kv.lease)
-            except (ValueError, TypeError) as exc:
-                log.warning("ignoring malformed worker record %s: %s", kv.key, exc)
+        for key, change in snapshot.items():
+            record = self._record(change)
+            if record is not None:
+                fresh[self._worker_id(key)] = record
         self._mark_gone({w: record for w, record in self._workers.items() if w not in fresh})
         self._workers = fresh
         self._dependencies.set("etcd", True)
         self.synced.set()
         await self._notify()
-        watch = await client.watch_prefix(prefix, start_revision=snapshot.header.revision + 1)
-        async for event in watch:
-            worker_id = self._worker_id(event.kv.key)
-            if event.kind == "DELETE":
-                self._mark_gone({worker_id: self._workers.pop(worker_id, None)})
-            else:
-                try:
-                    self._workers[worker_id] = WorkerRecord.from_json(event.kv.value, event.kv.lease)
-                except (ValueError, TypeError) as exc:
-                    log.warning("ignoring malformed worker record %s: %s", worker_id, exc)
-            await self._notify()
 
-    async def _run(self) -> None:
-        backoff = self.config.reconnect_backoff_s
-        while True:
-            client = make_client(self.config)
-            self.synced.clear()
-            try:
-                await client.connect()
-                await self._sync_and_watch(client)
-                # A watch that ends without error means etcd closed it: resync.
-            except ETCD_ERRORS as exc:
-                if self._dependencies.is_up("etcd"):
-                    log.warning("etcd watch lost, keeping last membership: %s", exc)
-                self._dependencies.set("etcd", False)
-            finally:
-                try:
-                    await client.close()
-                except Exception:
-                    pass
-            if self.synced.is_set():
-                # The last connection worked: start over from the shortest wait.
-                backoff = self.config.reconnect_backoff_s
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+    async def _on_change(self, change: Change) -> None:
+        worker_id = self._worker_id(change.key)
+        if change.deleted:
+            self._mark_gone({worker_id: self._workers.pop(worker_id, None)})
+        else:
+            record = self._record(change)
+            if record is not None:
+                self._workers[worker_id] = record
+        await self._notify()
+
+    def _on_lost(self, exc: BaseException) -> None:
+        self.synced.clear()
+        if self._dependencies.is_up("etcd"):
+            log.warning("etcd watch lost, keeping last membership: %s", exc)
+        self._dependencies.set("etcd", False)

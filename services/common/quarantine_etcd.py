@@ -15,8 +15,7 @@ import logging
 import math
 
 from services.common.config import EtcdConfig
-from services.common.etcd_watch import KeyWatcher
-from services.common.membership import ETCD_ERRORS, make_client
+from services.common.etcd_session import ETCD_ERRORS, Change, EtcdSession, next_wait, reconnect_backoff
 from services.common.quarantine import (
     QUARANTINE_PREFIX,
     InvalidQuarantineEntry,
@@ -29,12 +28,16 @@ from services.common.tasks import stop_task
 log = logging.getLogger(__name__)
 
 
-class QuarantineWatch(KeyWatcher):
-    """Follows every entry under `<prefix>quarantine/` into `store` (KeyWatcher's reconnect loop)."""
+class QuarantineWatch:
+    """Follows every entry under `<prefix>quarantine/` into `store` (the session's prefix watch)."""
 
     def __init__(self, config: EtcdConfig, store: QuarantineStore) -> None:
-        super().__init__(config, f"{config.prefix}{QUARANTINE_PREFIX}", on_value=lambda _value: None)
+        self.config = config
+        self.key = f"{config.prefix}{QUARANTINE_PREFIX}".encode()
         self.store = store
+        self.session = EtcdSession(config)
+        self._watch = self.session.watch_prefix(self.key, self._on_sync, self._on_change, name="quarantine-watch")
+        self.synced = asyncio.Event()
 
     def _entry(self, raw: bytes) -> QuarantineEntry | None:
         try:
@@ -43,26 +46,25 @@ class QuarantineWatch(KeyWatcher):
             log.warning("ignored a value under %s: %s", self.key.decode(), exc)
             return None
 
-    async def _follow(self) -> None:
-        client = make_client(self.config)
-        try:
-            await client.connect()
-            snapshot = await client.get_prefix(self.key)
-            self.store.merge(e for e in (self._entry(kv.value) for kv in snapshot) if e is not None)
-            self.synced.set()
-            watch = await client.watch_prefix(self.key, start_revision=snapshot.header.revision + 1)
-            async for event in watch:
-                if event.kind == "DELETE":
-                    self.store.remove(event.kv.key[len(self.key):].decode())
-                    continue
-                entry = self._entry(event.kv.value)
-                if entry is not None:
-                    self.store.add(entry)
-        finally:
-            try:
-                await client.close()
-            except Exception:  # closing a broken channel may fail; it is gone either way
-                pass
+    def _on_sync(self, snapshot: dict[bytes, Change], _changes: list[Change]) -> None:
+        # A merge, not a replacement: entries written here while etcd was away are kept.
+        self.store.merge(e for e in (self._entry(c.value) for c in snapshot.values() if c.value is not None)
+                         if e is not None)
+        self.synced.set()
+
+    def _on_change(self, change: Change) -> None:
+        if change.value is None:
+            self.store.remove(change.key[len(self.key):].decode())
+            return
+        entry = self._entry(change.value)
+        if entry is not None:
+            self.store.add(entry)
+
+    async def start(self) -> None:
+        await self._watch.start()
+
+    async def stop(self) -> None:
+        await self.session.close()
 
 
 class QuarantinePublisher:
@@ -74,6 +76,7 @@ class QuarantinePublisher:
         self._pending: collections.deque[QuarantineEntry] = collections.deque(maxlen=max_pending)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.session = EtcdSession(config)
         self.published = 0
 
     def publish(self, entry: QuarantineEntry) -> None:
@@ -90,9 +93,10 @@ class QuarantinePublisher:
     async def stop(self) -> None:
         await stop_task(self._task)
         self._task = None
+        await self.session.close()
 
     async def _run(self) -> None:
-        backoff = self.config.reconnect_backoff_s
+        backoff = reconnect_backoff(self.config)
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -102,10 +106,9 @@ class QuarantinePublisher:
                     await self._write(entry)
                 except ETCD_ERRORS as exc:
                     log.warning("cannot write quarantine entry %s to etcd yet: %s", entry.fingerprint[:16], exc)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    await asyncio.sleep(next_wait(backoff))
                     continue
-                backoff = self.config.reconnect_backoff_s
+                backoff.streak = 0
                 if self._pending and self._pending[0] is entry:
                     self._pending.popleft()
 
@@ -113,16 +116,7 @@ class QuarantinePublisher:
         ttl = math.ceil(self.store.remaining_s(entry))
         if ttl <= 0:
             return  # lapsed while it waited
-        client = make_client(self.config)
-        try:
-            async with asyncio.timeout(self.config.timeout_s):
-                await client.connect()
-                lease = await client.lease(max(2, ttl))
-                await client.put(quarantine_key(self.config.prefix, entry.fingerprint).encode(), entry.to_json(),
-                                 lease=lease)
-        finally:
-            try:
-                await client.close()
-            except Exception:  # noqa: BLE001 - the write's own outcome is what counts
-                pass
+        key = quarantine_key(self.config.prefix, entry.fingerprint).encode()
+        # Each entry under a lease of its own remaining time: etcd drops it when it lapses.
+        await self.session.put(key, entry.to_json(), lease=await self.session.grant(max(2, ttl)))
         self.published += 1

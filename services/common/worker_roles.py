@@ -8,9 +8,8 @@ worker's own membership lease: it disappears with the worker and never outlives 
 
 from __future__ import annotations
 
-import aetcd
-
 from services.common.config import EtcdConfig
+from services.common.etcd_session import EtcdSession
 
 SERVING = "serving"
 STANDBY = "standby"
@@ -29,7 +28,7 @@ def parse_role(value: bytes | None) -> str | None:
     return role if role in ROLES else None
 
 
-async def request_role(client: aetcd.Client, config: EtcdConfig, worker_id: str, role: str, lease_id: int) -> None:
+async def request_role(client: EtcdSession, config: EtcdConfig, worker_id: str, role: str, lease_id: int) -> None:
     """Asks `worker_id` to switch to `role`; `lease_id` is the worker's membership lease."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
