@@ -4,7 +4,8 @@ reads them all.
 `<prefix>autoscale/reports/<router_id>` holds a `RouterReport` as JSON. The lease (a few
 report intervals long) takes a dead router's report away, so the leader never decides on a
 router that stopped measuring. Reports older than `max_age_s` are ignored as well: a router
-whose clock or loop stalls must not pin the pool's p99.
+whose clock or loop stalls must not pin the pool's p99. The lease is the session's
+`KeptLease`: refreshed at each report, granted again when etcd lost it.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import logging
 import time
 from typing import Callable
 
-import aetcd
+from typing import Any
 
 from services.common.config import EtcdConfig
-from services.common.membership import ETCD_ERRORS, close_client, make_client
+from services.common.etcd_session import ETCD_ERRORS, EtcdSession
 from services.common.tasks import stop_task
 from services.router.autoscale.report import RouterReport
 
@@ -44,8 +45,8 @@ class ReportBoard:
         self._clock = clock
         self.ttl_s = max(2, round(interval_s * 3 + 0.49))
         self.max_age_s = max(self.ttl_s * 2.0, 10.0)
-        self._client: aetcd.Client | None = None
-        self._lease: aetcd.leases.Lease | None = None
+        self.session = EtcdSession(config)
+        self._lease = self.session.kept_lease(self.ttl_s)
         self._task: asyncio.Task | None = None
         self.published = asyncio.Event()
 
@@ -59,29 +60,12 @@ class ReportBoard:
     async def stop(self) -> None:
         await stop_task(self._task)
         self._task = None
-        if self._lease is not None:
-            try:
-                async with asyncio.timeout(self.config.timeout_s):
-                    await self._lease.revoke()
-            except ETCD_ERRORS:
-                pass  # it expires on its own
-        await self._reset()
-
-    async def _reset(self) -> None:
-        client, self._client, self._lease = self._client, None, None
-        await close_client(client)
+        await self._lease.revoke()  # or it expires on its own
+        await self.session.close()
 
     async def publish(self) -> None:
-        if self._client is None:
-            self._client = make_client(self.config)
-            await self._client.connect()
-        if self._lease is None:
-            self._lease = await self._client.lease(self.ttl_s)
-        else:
-            reply = await self._lease.refresh()
-            if reply is None or reply.TTL <= 0:
-                self._lease = await self._client.lease(self.ttl_s)
-        await self._client.put(self.key, self._build().to_json(), lease=self._lease)
+        lease_id = await self._lease.ensure()
+        await self.session.put(self.key, self._build().to_json(), lease=lease_id)
         self.published.set()
 
     async def _run(self) -> None:
@@ -91,11 +75,12 @@ class ReportBoard:
                     await self.publish()
             except ETCD_ERRORS as exc:
                 log.debug("could not publish the autoscaler report: %s", exc)
-                await self._reset()
+                await self.session.reset()
             await asyncio.sleep(self.interval_s)
 
-    async def read_all(self, client: aetcd.Client) -> list[RouterReport]:
-        """Every live router's report, skipping malformed and stale ones."""
+    async def read_all(self, client: Any) -> list[RouterReport]:
+        """Every live router's report, skipping malformed and stale ones (`client`: an
+        EtcdSession or an aetcd client)."""
         now = self._clock()
         reports = []
         for kv in await client.get_prefix(reports_prefix(self.config).encode()):

@@ -21,11 +21,11 @@ import time
 from dataclasses import asdict
 from typing import Callable, Iterable
 
-import aetcd
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from services.common.etcd_session import ETCD_ERRORS, EtcdSession
 from services.common.leader import LeaderLock
-from services.common.membership import ETCD_ERRORS, MembershipWatcher, close_client, make_client
+from services.common.membership import MembershipWatcher
 from services.common.tasks import stop_task
 from services.config import BallastConfig
 from services.router.autoscale.board import ReportBoard
@@ -83,7 +83,7 @@ class AutoscalerController:
         )
         self.lock = LeaderLock(config.etcd, LEADER_NAME, router_id, self.settings.leader_ttl_s)
         self._decider: Autoscaler | None = None
-        self._client: aetcd.Client | None = None
+        self.session = EtcdSession(config.etcd)
         self._task: asyncio.Task | None = None
         self.decisions: dict[str, ScaleDecision] = {}
         """The latest decision per pool while leader (empty otherwise)."""
@@ -120,11 +120,7 @@ class AutoscalerController:
         await self.lock.stop()
         await self.board.stop()
         await self.executor.close()
-        await self._reset_client()
-
-    async def _reset_client(self) -> None:
-        client, self._client = self._client, None
-        await close_client(client)
+        await self.session.close()
 
     async def _run(self) -> None:
         while True:
@@ -134,7 +130,7 @@ class AutoscalerController:
                         await self.tick()
                 except (*ETCD_ERRORS, TimeoutError) as exc:
                     log.warning("autoscaler tick failed, retrying next tick: %s", exc)
-                    await self._reset_client()
+                    await self.session.reset()
                 except Exception:  # a bad tick (e.g. the Kubernetes API refusing) must not end the loop
                     log.exception("autoscaler tick failed")
             else:
@@ -144,12 +140,9 @@ class AutoscalerController:
 
     async def tick(self) -> dict[str, ScaleDecision]:
         """One round as leader: merge the reports, decide every pool, record, apply."""
-        if self._client is None:
-            self._client = make_client(self.config.etcd)
-            await self._client.connect()
         if self._decider is None:
             self._decider = Autoscaler(self.policy)
-        reports = await self.board.read_all(self._client)
+        reports = await self.board.read_all(self.session)
         workers = self.membership.workers()
         now = self._clock()
         decisions = {}
@@ -160,7 +153,7 @@ class AutoscalerController:
             if decision.changed:
                 log.info("pool %s: %s -> serving %d, standby %d (%s)", name, decision.action.value,
                          decision.serving, decision.standby, decision.reason)
-            await self._client.put(
+            await self.session.put(
                 decision_key(self.config.etcd.prefix, name).encode(),
                 json.dumps(decision_record(decision, self.router_id), sort_keys=True).encode(),
             )

@@ -16,10 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-import aetcd
-
 from services.common.config import EtcdConfig
-from services.common.membership import WorkerRecord, close_client, make_client
+from services.common.etcd_session import EtcdSession
+from services.common.membership import WorkerRecord
 from services.common.worker_roles import SERVING, STANDBY, request_role
 from services.router.autoscale.decision import Replicas, ScaleDecision
 
@@ -89,7 +88,7 @@ class RoleExecutor:
     def __init__(self, etcd: EtcdConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.etcd = etcd
         self._clock = clock
-        self._client: aetcd.Client | None = None
+        self.session = EtcdSession(etcd)
         # worker id -> (role asked for, when): counted as done until the record agrees.
         self._requested: dict[str, tuple[str, float]] = {}
 
@@ -125,12 +124,8 @@ class RoleExecutor:
         return plan
 
     async def _ask(self, worker: WorkerRecord, role: str) -> None:
-        if self._client is None:
-            self._client = make_client(self.etcd)
-            await self._client.connect()
-        await request_role(self._client, self.etcd, worker.id, role, worker.lease_id)
+        await request_role(self.session, self.etcd, worker.id, role, worker.lease_id)
         self._requested[worker.id] = (role, self._clock())
 
     async def close(self) -> None:
-        client, self._client = self._client, None
-        await close_client(client)
+        await self.session.close()

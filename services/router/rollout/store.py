@@ -3,19 +3,17 @@
 A write names the mod revision it read (0: the key must not exist yet) and succeeds only
 if the key is unchanged, so two routers that both see a breach, or an operator and a
 router acting at once, cannot overwrite each other: the loser re-reads and finds the
-decision already made.
+decision already made. The store works over an `EtcdSession` (or a bare aetcd client).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
-
-import aetcd
+from typing import Any, Awaitable, Callable, TypeVar
 
 from services.common.config import EtcdConfig
-from services.common.membership import make_client
+from services.common.etcd_session import EtcdSession
 from services.router.rollout.state import ROLLOUT_PREFIX, Rollout, load_rollout, rollout_key
 
 
@@ -31,9 +29,9 @@ class Stored:
 
 
 class RolloutStore:
-    """Rollout documents under `<prefix>rollout/`, over one connected aetcd client."""
+    """Rollout documents under `<prefix>rollout/`, over one session (or aetcd client)."""
 
-    def __init__(self, client: aetcd.Client, config: EtcdConfig) -> None:
+    def __init__(self, client: Any, config: EtcdConfig) -> None:
         self.client = client
         self.config = config
 
@@ -69,13 +67,7 @@ class RolloutStore:
 
 
 async def with_store(config: EtcdConfig, action: Callable[[RolloutStore], Awaitable[T]]) -> T:
-    """Runs `action` on a store over a fresh connection (rollout writes are rare: none is kept)."""
-    client = make_client(config)
-    try:
-        await asyncio.wait_for(client.connect(), config.timeout_s)
-        return await action(RolloutStore(client, config))
-    finally:
-        try:
-            await client.close()
-        except Exception:  # closing a broken channel may fail; it is gone either way
-            pass
+    """Runs `action` on a store over a session of its own (rollout writes are rare: none is kept)."""
+    async with EtcdSession(config) as session:
+        await session.client()  # connected first (finding a live member), so each call has its deadline
+        return await action(RolloutStore(session, config))

@@ -6,16 +6,16 @@ handed over whole, so a document deleted meanwhile is dropped too.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from services.common.config import EtcdConfig
-from services.common.etcd_watch import KeyWatcher
-from services.common.membership import make_client
+from services.common.etcd_session import Change, EtcdSession
 from services.router.rollout.state import ROLLOUT_PREFIX
 
 
-class RolloutWatch(KeyWatcher):
-    """A KeyWatcher over the whole prefix (its reconnect loop, start and stop are reused)."""
+class RolloutWatch:
+    """The session's prefix watch over `<prefix>rollout/`, handed over by model name."""
 
     def __init__(
         self,
@@ -23,27 +23,28 @@ class RolloutWatch(KeyWatcher):
         on_snapshot: Callable[[dict[str, bytes]], None],
         on_change: Callable[[str, bytes | None], None],
     ) -> None:
-        super().__init__(config, f"{config.prefix}{ROLLOUT_PREFIX}", on_value=lambda _value: None)
+        self.config = config
+        self.key = f"{config.prefix}{ROLLOUT_PREFIX}".encode()
         # Every document by model name, after each (re)read of the prefix.
         self._on_snapshot = on_snapshot
         # One model's new document, or None when it was deleted.
         self._on_change = on_change
+        self.session = EtcdSession(config)
+        self._watch = self.session.watch_prefix(self.key, self._synced, self._changed, name="rollout-watch")
+        self.synced = asyncio.Event()
 
     def _model(self, key: bytes) -> str:
         return key[len(self.key):].decode()
 
-    async def _follow(self) -> None:
-        client = make_client(self.config)
-        try:
-            await client.connect()
-            snapshot = await client.get_prefix(self.key)
-            self._on_snapshot({self._model(kv.key): kv.value for kv in snapshot})
-            self.synced.set()
-            watch = await client.watch_prefix(self.key, start_revision=snapshot.header.revision + 1)
-            async for event in watch:
-                self._on_change(self._model(event.kv.key), None if event.kind == "DELETE" else event.kv.value)
-        finally:
-            try:
-                await client.close()
-            except Exception:  # closing a broken channel may fail; it is gone either way
-                pass
+    def _synced(self, snapshot: dict[bytes, Change], _changes: list[Change]) -> None:
+        self._on_snapshot({self._model(key): c.value for key, c in snapshot.items() if c.value is not None})
+        self.synced.set()
+
+    def _changed(self, change: Change) -> None:
+        self._on_change(self._model(change.key), change.value)
+
+    async def start(self) -> None:
+        await self._watch.start()
+
+    async def stop(self) -> None:
+        await self.session.close()
