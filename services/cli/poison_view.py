@@ -8,7 +8,7 @@ import time
 
 from services.backfill.parked import ParkedTicket, parked_key, read_parked
 from services.common.config import EtcdConfig, RedisConfig
-from services.common.membership import make_client
+from services.common.etcd_session import EtcdSession
 from services.common.quarantine import QUARANTINE_PREFIX, InvalidQuarantineEntry, QuarantineEntry
 
 # Lines of each list at most: status is a glance, etcdctl and the dead-letter topic hold the rest.
@@ -17,10 +17,9 @@ DEFAULT_BACKFILL_PREFIX = "ballast:backfill:"
 
 
 async def quarantined(config: EtcdConfig) -> list[QuarantineEntry]:
-    client = make_client(config)
-    try:
-        await asyncio.wait_for(client.connect(), config.timeout_s)
-        result = await asyncio.wait_for(client.get_prefix(f"{config.prefix}{QUARANTINE_PREFIX}".encode()),
+    async with EtcdSession(config) as session:
+        await asyncio.wait_for(session.client(), session.call_timeout_s)
+        result = await asyncio.wait_for(session.get_prefix(f"{config.prefix}{QUARANTINE_PREFIX}".encode()),
                                         config.timeout_s)
         entries = []
         for kv in result:
@@ -29,8 +28,6 @@ async def quarantined(config: EtcdConfig) -> list[QuarantineEntry]:
             except InvalidQuarantineEntry:
                 continue
         return sorted(entries, key=lambda e: e.since, reverse=True)
-    finally:
-        await client.close()
 
 
 async def parked(config: RedisConfig, redis_prefix: str, count: int = SHOWN) -> list[ParkedTicket]:

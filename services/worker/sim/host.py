@@ -86,16 +86,14 @@ class SimHost:
     async def _clear_crash_knob(self, app: WorkerApp) -> None:
         # The new incarnation reads the same fault key: a crash knob left there would end it
         # again at once.
-        from services.common.etcd_client import make_client
+        from services.common.etcd_session import EtcdSession
         from services.worker.sim.faults import faults_key
 
-        client = make_client(self.config.etcd)
-        try:
-            await client.delete(faults_key(self.config.etcd.prefix, app.worker_id).encode())
-        except Exception as exc:  # noqa: BLE001 - etcd away: the incarnation may crash again, said in the log
-            log.warning("could not clear the crash knob of %s: %s", app.worker_id, exc)
-        finally:
-            await client.close()
+        async with EtcdSession(self.config.etcd) as session:
+            try:
+                await session.delete(faults_key(self.config.etcd.prefix, app.worker_id).encode())
+            except Exception as exc:  # noqa: BLE001 - etcd away: the incarnation may crash again, said in the log
+                log.warning("could not clear the crash knob of %s: %s", app.worker_id, exc)
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
