@@ -16,27 +16,48 @@ A test module picks engines and a model and subclasses `EngineConformance`:
 The suite checks streams (delta shape, exact max_tokens, text that concatenates to the
 decoded tokens), greedy and seeded determinism, resuming from generated ids (greedy exactly;
 seeded exactly where the engine can, reproducibly everywhere), stop strings (also one already
-reached before the resume point), EOS never emitted, abort on close and on cancellation, and
-typed errors for bad input. It uses only the Engine protocol, the model's tokenizer.json and
-plain-text prompts, so it runs unchanged on the tiny model on CPU and on a real model on a GPU.
+reached before the resume point), EOS never emitted, abort on close and on cancellation,
+typed errors for bad input, and guided decoding by the rules of `services.worker.guided`: a
+complete document that conforms (with EOS on or off), resumed ids that break the schema
+refused, a document cut by max_tokens that the router's repair step closes, and a resumed
+guided stream that continues the document exactly. It uses only the Engine protocol, the
+model's tokenizer.json and plain-text prompts, so it runs unchanged on the tiny model on CPU
+and on a real model on a GPU.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import jsonschema
 import pytest
 import pytest_asyncio
 
 from services.common.errors import InvalidArgument
+from services.router.structured import Status, check_schema, repair
 from services.worker.engine import Engine, EngineRequest, FinishReason, Sampling, TokenDelta
 
 PROSE = "The customer paid for the winter coat with a credit card and asked when it ships"
 OTHER = "Support answered the question about the running shoes"
+
+# Every document of this schema is short (a bounded integer, an enum, a string of at most 12
+# characters), so a stream that follows its grammar completes one within GUIDED_BUDGET tokens
+# however weak the model: the guided cases hold on the untrained tiny model too.
+ORDER_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"order": {"type": "integer", "minimum": 1, "maximum": 9999},
+                   "status": {"type": "string", "enum": ["shipped", "late"]},
+                   "note": {"type": "string", "maxLength": 12}},
+    "required": ["order", "status", "note"],
+    "additionalProperties": False,
+})
+GUIDED_PROMPT = "Reply in JSON about order 7041:"
+GUIDED_BUDGET = 128
 
 
 @dataclass(frozen=True)
@@ -97,10 +118,11 @@ class Result:
 
 
 async def run(engine: Engine, prompt: str | Sequence[int], generated: Sequence[int] = (),
-              **sampling: Any) -> Result:
+              response_format: str = "", **sampling: Any) -> Result:
     ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     sampling.setdefault("temperature", 0.0)
-    request = EngineRequest("conformance", tuple(ids), tuple(generated), Sampling(**sampling))
+    request = EngineRequest("conformance", tuple(ids), tuple(generated), Sampling(**sampling),
+                            response_format=response_format)
     result = Result()
     async for delta in engine.generate(request):
         assert result.finish is None, "a delta after the finishing one"
@@ -289,3 +311,51 @@ class EngineConformance:
             async for _ in conf_engine.generate(request):
                 pass
         await wait_idle(conf_engine, engine_factory.idle_timeout_s)
+
+    # --- guided decoding (response_format) ------------------------------------------------------
+    async def guided(self, engine: Engine, generated: Sequence[int] = (), max_tokens: int = GUIDED_BUDGET) -> Result:
+        return await run(engine, GUIDED_PROMPT, generated=generated, response_format=ORDER_SCHEMA,
+                         max_tokens=max_tokens - len(generated))
+
+    async def test_guided_answer_is_a_complete_document_of_the_schema(self, conf_engine, endless):
+        got = await self.guided(conf_engine)
+        assert got.finish == FinishReason.STOP and len(got.tokens) < GUIDED_BUDGET
+        assert got.text == decoder(conf_engine).decode(got.tokens, skip_special_tokens=True)
+        jsonschema.validate(json.loads(got.text), json.loads(ORDER_SCHEMA))
+        assert not set(got.tokens) & set(conf_engine.model.eos_token_ids)
+        # The document ends by the grammar, not by the engine's EOS setting: with EOS off the
+        # stream is the same, and ends at the same token.
+        without_eos = await self.guided(endless)
+        assert (without_eos.tokens, without_eos.finish) == (got.tokens, got.finish)
+
+    @pytest.mark.parametrize("sent", ["hello", '{"order":12,"colour"'], ids=["not-json", "unknown-property"])
+    async def test_resumed_ids_that_break_the_schema_are_refused(self, conf_engine, engine_factory, sent):
+        generated = conf_engine.tokenize(sent)
+        with pytest.raises(InvalidArgument):
+            await self.guided(conf_engine, generated=generated)
+        await wait_idle(conf_engine, engine_factory.idle_timeout_s)
+        await run(conf_engine, PROSE, max_tokens=2)  # and it still serves
+
+    async def test_guided_answer_cut_by_max_tokens_is_a_prefix_the_router_can_repair(self, conf_engine):
+        full = await self.guided(conf_engine)
+        n = max(1, len(full.tokens) // 2)
+        cut = await self.guided(conf_engine, max_tokens=n)
+        assert cut.finish == FinishReason.LENGTH and cut.tokens == full.tokens[:n]
+        assert full.text.startswith(cut.text)
+        with pytest.raises(ValueError):
+            json.loads(cut.text)
+        schema = check_schema(ORDER_SCHEMA)
+        repaired = repair(cut.text, schema)
+        assert repaired.status is Status.REPAIRED, (cut.text, repaired.errors)
+        jsonschema.validate(json.loads(repaired.text), json.loads(ORDER_SCHEMA))
+
+    async def test_resumed_guided_stream_continues_the_document(self, conf_engine):
+        full = await self.guided(conf_engine)
+        n = len(full.tokens)
+        for k in sorted({1, n // 2, n - 1, n}):
+            resumed = await self.guided(conf_engine, generated=full.tokens[:k])
+            assert full.tokens[:k] + resumed.tokens == full.tokens, k
+            assert resumed.finish == FinishReason.STOP, k
+            sent = full.text_before(k)
+            if sent is not None:  # the text the client had, continued seamlessly
+                assert sent + resumed.text == full.text, k

@@ -2,23 +2,37 @@
 
 The worker's gRPC layer depends only on this module, so engines can be swapped by config
 and tested by one conformance suite. Everything here is plain Python, no protobuf.
+
+Beside `Engine`, what only some engines can do is declared here too, one small protocol per
+capability: `KvAttachable` (session KV metrics and persistence), `ChunkedPrefill` (prefill in
+chunks of a known size) and `Wakeable` (a sleeping warm standby woken on promotion). An engine
+class names the ones it implements among its bases, and the worker asks with `isinstance`,
+never by probing for attributes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, runtime_checkable
 
 from services.common.generation import FinishReason, Sampling
 
+if TYPE_CHECKING:
+    from services.worker.kv.metrics import KVMetrics
+    from services.worker.kv.session import SessionKV
+
 __all__ = [
+    "CAPABILITIES",
+    "ChunkedPrefill",
     "Engine",
     "EngineRequest",
     "EngineStats",
     "FinishReason",
+    "KvAttachable",
     "ModelDescription",
     "Sampling",
     "TokenDelta",
+    "Wakeable",
 ]
 
 
@@ -99,3 +113,35 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def tokenize(self, text: str) -> list[int]: ...
+
+
+# --- optional capabilities -----------------------------------------------------------------
+@runtime_checkable
+class KvAttachable(Protocol):
+    """Reports KV reuse through the worker's KV metrics and, given a session KV client,
+    restores and saves sessions' KV through the cache service."""
+
+    def attach_kv(self, metrics: KVMetrics, session_kv: SessionKV | None = None) -> bool:
+        """Call after start(). False when this engine cannot store this model's KV."""
+        ...
+
+
+@runtime_checkable
+class ChunkedPrefill(Protocol):
+    """Computes a prompt's prefill in chunks of `prefill_chunk` tokens (the KV cost model
+    weighs a restore against that many chunks of compute)."""
+
+    @property
+    def prefill_chunk(self) -> int: ...
+
+
+@runtime_checkable
+class Wakeable(Protocol):
+    """May sleep as a warm standby (weights off the accelerator); `wake_up` brings it back
+    before it takes work, and does nothing when it is awake."""
+
+    async def wake_up(self) -> None: ...
+
+
+# Every optional capability, for the check that each engine class declares what it implements.
+CAPABILITIES: tuple[type, ...] = (KvAttachable, ChunkedPrefill, Wakeable)

@@ -1,21 +1,34 @@
-"""Guided decoding for the torch and sim engines: a JSON Schema as an allowed-token mask per step.
+"""Guided decoding for every engine: a JSON Schema as an allowed-token mask per step.
 
 `GuideCompiler` turns a model's tokenizer into llguidance's view of it once, and compiles
 each schema into a grammar matcher (cached, then copied per request). `JsonGuide` follows
 one request: `mask()` says which token ids may come next, `advance(token)` records the one
 chosen, and `accepting` / `finished` say when the output is a complete document that
-conforms to the schema. EOS ids are allowed only in an accepting state, so a model that
-samples from masked logits can only end with valid JSON; when `max_tokens` cuts it short,
-the router's repair step closes it. A stream resumed on another replica builds its guide
-with the tokens already generated, so the grammar continues where the first replica was.
+conforms to the schema. The torch engine masks its logits with it, the sim engine draws under
+it, and the vLLM engine follows vLLM's own grammar (the same one: llguidance, compact JSON)
+with it, token by token.
+
+The rules, the same on every engine (each calls the helpers here, so they cannot drift):
+
+  * A request's guide is built with `GuideCompiler.for_request`: a stream resumed on another
+    replica is fast-forwarded over the tokens already generated, so the grammar continues
+    where the first replica was. Generated tokens that the schema's grammar does not accept
+    are refused with InvalidArgument: a resumed stream that breaks its own schema is a bug or
+    bad input, and going on unguided could emit invalid JSON.
+  * The end of a guided document (`document_end`, after `advance(token)`): the stream stops
+    with finish STOP right after the token that leaves the grammar `finished` (complete, and
+    only EOS could follow: that token is sent, and no forward pass is spent on the EOS), or at
+    an EOS chosen while the grammar is `accepting` (complete, though more could follow, as
+    after the digits of a top-level number: the EOS is not sent). EOS is allowed only in an
+    accepting state, so a guided stream never ends on an incomplete document except at
+    `max_tokens` (finish LENGTH), where the router's repair step closes it.
 
 Engine hook, per decode step (engine thread, sampling on the CPU):
 
     logits = guide.apply(logits)          # disallowed ids -> -inf
     token = select_token(logits, ...)
     guide.advance(token)
-    if token in eos_ids: finish STOP      # EOS is only allowed once the JSON is complete
-    elif guide.finished: finish STOP      # only EOS could follow: skip that forward pass
+    end = document_end(guide, token)      # None, AT_EOS (not sent) or COMPLETE (sent)
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -115,6 +129,17 @@ class GuideCompiler:
         guide.fast_forward(generated_ids)
         return guide
 
+    def for_request(self, schema: str, generated_ids: Sequence[int] = ()) -> "JsonGuide":
+        """The guide of one request (the rule every engine follows): InvalidArgument when the
+        schema cannot be guided, and when `generated_ids` (a resumed stream's) leave its
+        grammar; nothing has started then, so the refusal changes nothing."""
+        try:
+            return self.guide(schema, generated_ids)
+        except GuideMismatch as exc:
+            raise InvalidArgument(
+                f"the generated ids do not fit response_format: {exc}; a resumed guided stream must "
+                "continue a document of its own schema") from None
+
     def _matcher(self, schema_text: str) -> llguidance.LLMatcher:
         with self._lock:
             template = self._compiled.get(schema_text)
@@ -204,6 +229,12 @@ class JsonGuide:
 
     def advance(self, token: int) -> None:
         """Record the token chosen for this step; GuideMismatch if the grammar forbids it."""
+        if int(token) in self.eos_token_ids and self._matcher.is_error():
+            # The matcher hit its resource limits: `mask` then allows only EOS, which ends the
+            # sequence (see `document_end`).
+            self.consumed += 1
+            self._mask = None
+            return
         if not self._matcher.consume_token(int(token)):
             raise GuideMismatch(
                 f"token {token} at generated position {self.consumed} does not fit the schema: "
@@ -229,3 +260,22 @@ class JsonGuide:
         """Tokens the grammar forces next (e.g. `{"name":"`); an engine may feed them in one
         forward pass instead of sampling them one by one."""
         return list(self._matcher.compute_ff_tokens())
+
+
+class DocumentEnd(Enum):
+    """How a guided document ended at a token (see the module docstring)."""
+
+    # The token is an EOS, chosen in an accepting state: the stream stops before it (not sent).
+    AT_EOS = "eos"
+    # The token completed the document and only EOS could follow: sent, then the stream stops.
+    COMPLETE = "complete"
+
+
+def document_end(guide: JsonGuide, token: int) -> DocumentEnd | None:
+    """Whether the guided document ends at `token`, which `guide` has just advanced over;
+    None while it goes on. The one end rule of every engine."""
+    if int(token) in guide.eos_token_ids:
+        return DocumentEnd.AT_EOS
+    if guide.finished:
+        return DocumentEnd.COMPLETE
+    return None

@@ -18,7 +18,7 @@ from services.common.config import EtcdConfig
 from services.common.etcd_watch import KeyWatcher
 from services.common.tasks import stop_task
 from services.common.worker_roles import SERVING, STANDBY, parse_role, role_key
-from services.worker.engine import Engine
+from services.worker.engine import Engine, Wakeable
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,8 @@ class StandbyControl:
 
     async def _promote(self) -> None:
         started = time.perf_counter()
-        wake_up = getattr(self._engine, "wake_up", None)
-        if wake_up is not None:
-            await wake_up()  # vLLM sleep mode: weights back on the GPU before taking work
+        if isinstance(self._engine, Wakeable):
+            await self._engine.wake_up()  # vLLM sleep mode: weights back on the GPU before taking work
         self.standby = False
         self._publish()
         self.promoted_in_s = time.perf_counter() - started

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.router.structured import RepairKind, Status, check_schema, repair
-from services.worker.guided import GuideCompiler, JsonGuide
+from services.worker.guided import DocumentEnd, GuideCompiler, JsonGuide, document_end
 from services.worker.sampling import position_generator, select_token
 from services.worker.tiny_model import render_chat
 from tests.model_fixtures import tiny_model_dir  # noqa: F401
@@ -85,7 +85,7 @@ def prompt_ids(tokenizer):
 def decode(model, prompt_ids: list[int], guide: JsonGuide | None, *, max_tokens: int, seed: int,
            eos: tuple[int, ...], temperature: float = 1.0, generated: list[int] = ()) -> tuple[list[int], str]:
     """Generates after prompt + `generated` the way an engine would, with the guide hook:
-    mask the logits, sample with position seeds, advance, stop on EOS or a finished grammar."""
+    mask the logits, sample with position seeds, advance, stop where `document_end` says."""
     cache, feed, out = None, [*prompt_ids, *generated], []
     with torch.inference_mode():
         for k in range(max_tokens):
@@ -95,12 +95,14 @@ def decode(model, prompt_ids: list[int], guide: JsonGuide | None, *, max_tokens:
             position = len(generated) + k
             generator = position_generator(seed, position) if temperature else None
             token = select_token(logits, temperature, 1.0, generator)
+            end = None
             if guide is not None:
                 guide.advance(token)
-            if token in eos:
+                end = document_end(guide, token)  # the engines' own end rule
+            if token in eos or end is DocumentEnd.AT_EOS:
                 return out, "stop"
             out.append(token)
-            if guide is not None and guide.finished:
+            if end is DocumentEnd.COMPLETE:
                 return out, "stop"
             feed = [token]
     return out, "length"

@@ -190,3 +190,26 @@ async def test_a_schema_that_cannot_be_guided_is_refused_before_anything_starts(
     with pytest.raises(InvalidArgument):
         engine.generate(request)
     assert engine.stats().running == 0
+
+
+async def test_a_complete_document_that_could_go_on_ends_at_a_drawn_eos(tiny_model_dir):
+    """A top-level number is complete after its first digit and may go on: the sim draws the
+    EOS on a closing step, and ends there as every engine does (the EOS is never sent)."""
+    from services.common.generation import Sampling
+    from services.worker.engine import EngineRequest, FinishReason
+
+    engine = _make(tiny_model_dir)
+    await engine.start()
+    finishes, at_eos = set(), 0
+    for seed in range(8):
+        request = EngineRequest(request_id=f"number-{seed}", prompt_ids=(5, 6, 7), generated_ids=(),
+                                sampling=Sampling(max_tokens=64, temperature=1.0, seed=seed),
+                                response_format='{"type": "integer"}')
+        deltas = [d async for d in engine.generate(request)]
+        tokens = [t for d in deltas for t in d.token_ids]
+        finishes.add(deltas[-1].finish_reason)
+        assert not set(tokens) & set(engine.model.eos_token_ids)
+        assert isinstance(int("".join(d.text for d in deltas)), int)
+        # Ended by the EOS (a last delta without tokens), or by a number nothing may follow ("0").
+        at_eos += deltas[-1].token_ids == []
+    assert finishes == {FinishReason.STOP} and at_eos >= 4, at_eos

@@ -94,7 +94,9 @@ class FakeAsyncLLM:
 
     Greedy: the next token is a function of the context. Seeded (Ballast's sampler arguments
     in extra_args): the draw at generated position p comes from (seed, p), as Ballast's
-    logits processor makes it inside real vLLM. Outputs are DELTAs of up to `chunk` tokens; EOS
+    logits processor makes it inside real vLLM. Guided (vLLM's structured outputs, or Ballast's
+    resumed guide in extra_args): the choice is kept to the ids the grammar allows, as vLLM's
+    mask keeps it. Outputs are DELTAs of up to `chunk` tokens; EOS
     and stop-token ids are included in token_ids, stop strings are matched on the decoded
     output, as vLLM does."""
 
@@ -120,10 +122,30 @@ class FakeAsyncLLM:
         engine.args, engine.from_kwargs = args, kwargs
         return engine
 
-    def next_token(self, context: list[int], rng: random.Random | None) -> int:
+    def next_token(self, context: list[int], rng: random.Random | None, guide=None) -> int:
         if rng is None:
-            return 4 + (sum(context[-3:]) * 7 + len(context) * 13) % (self.vocab - 4)
-        return 4 + rng.randrange(self.vocab - 4)
+            token = 4 + (sum(context[-3:]) * 7 + len(context) * 13) % (self.vocab - 4)
+        else:
+            token = 4 + rng.randrange(self.vocab - 4)
+        if guide is None:
+            return token
+        allowed = guide.mask().nonzero().flatten().tolist()
+        return token if token in allowed else allowed[token % len(allowed)]
+
+    def guide(self, params):
+        """The grammar vLLM would mask this request with, or None."""
+        from services.worker.guided import GuideCompiler
+        from services.worker.vllm.request_args import GUIDE_KEY
+
+        resumed = (getattr(params, "extra_args", None) or {}).get(GUIDE_KEY)
+        fresh = getattr(params, "structured_outputs", None) or getattr(params, "guided_decoding", None)
+        if resumed is None and fresh is None:
+            return None
+        if getattr(self, "_compiler", None) is None:
+            self._compiler = GuideCompiler(self.tokenizer.to_str(), self.vocab, (EOS, 1))
+        if resumed is not None:
+            return self._compiler.guide(resumed["schema"], resumed["generated"])
+        return self._compiler.guide(fresh.json)
 
     async def generate(self, prompt, params, request_id, priority=0):
         self.calls.append((prompt, params, request_id))
@@ -131,6 +153,7 @@ class FakeAsyncLLM:
         self.active.add(request_id)
         context = list(prompt["prompt_token_ids"])
         sampler = (getattr(params, "extra_args", None) or {}).get(SAMPLER_KEY)
+        guide = self.guide(params)
         out_ids: list[int] = []
         step = 0
         try:
@@ -141,7 +164,12 @@ class FakeAsyncLLM:
                         raise self.fail
                     rng = None if sampler is None else random.Random(
                         f"{sampler['seed']}:{sampler['offset'] + len(out_ids)}")
-                    token = EOS if step == self.eos_at else self.next_token(context, rng)
+                    token = EOS if step == self.eos_at else self.next_token(context, rng, guide)
+                    if guide is not None:
+                        try:
+                            guide.advance(token)
+                        except ValueError:  # past the document's EOS: nothing left to guide
+                            guide = None
                     step += 1
                     batch.append(token)
                     context.append(token)

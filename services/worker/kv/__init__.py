@@ -13,6 +13,7 @@ from typing import Any
 from services.cache.client import KVCacheClient
 from services.common.telemetry import Telemetry
 from services.common.tls.settings import TLSConfig
+from services.worker.engine import ChunkedPrefill, KvAttachable
 from services.worker.kv.metrics import KVMetrics
 from services.worker.kv.session import DEPENDENCY, KVSettings, SessionKV
 
@@ -24,8 +25,7 @@ log = logging.getLogger(__name__)
 async def start_session_kv(worker_config: Any, engine: Any, telemetry: Telemetry,
                            health: Any = None, tls: TLSConfig | None = None) -> SessionKV | None:
     """Attaches KV metrics (and persistence, when configured) to an engine that supports it."""
-    attach = getattr(engine, "attach_kv", None)
-    if attach is None:
+    if not isinstance(engine, KvAttachable):
         if worker_config.cache_address:
             log.warning("engine %s cannot persist KV; worker.cache_address is ignored", type(engine).__name__)
         return None
@@ -35,8 +35,8 @@ async def start_session_kv(worker_config: Any, engine: Any, telemetry: Telemetry
         session = SessionKV(KVCacheClient(worker_config.cache_address, tls=tls),
                             KVSettings.from_worker_config(worker_config), metrics,
                             telemetry.dependencies, health,
-                            prefill_chunk=getattr(engine, "prefill_chunk", 512))
-    if not attach(metrics, session) and session is not None:
+                            prefill_chunk=engine.prefill_chunk if isinstance(engine, ChunkedPrefill) else 512)
+    if not engine.attach_kv(metrics, session) and session is not None:
         log.warning("this model's KV cannot be stored in blocks; KV persistence is off")
         await session.stop(0)
         return None

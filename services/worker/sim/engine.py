@@ -8,7 +8,8 @@ tokenizer, with the same incremental detokenization and stop strings as the othe
 Waiting is sleeping, so a sim worker uses almost no CPU: many of them measure Ballast, not
 model compute. EOS ids are never drawn; a stream ends at max_tokens or a stop string.
 A request with a JSON Schema (`response_format`) is drawn under the schema's grammar
-(`guided_draw`) and ends once its document is complete.
+(`guided_draw`) and ends by the rules every engine follows (`services.worker.guided`): its
+resumed ids must fit the grammar, and it stops once its document is complete.
 
 `faults` (services.worker.sim.faults) makes it misbehave on purpose: fail streams after k
 tokens, hang, run slower, take its time to start, or die on a request whose prompt holds a
@@ -142,22 +143,17 @@ class SimEngine:
         guide = self._guide(request) if request.response_format else None
         return self._generate(request, guide)
 
-    def _guide(self, request: EngineRequest) -> JsonGuide | None:
-        """The request's grammar, fast-forwarded over its generated ids (InvalidArgument for a
-        schema that cannot be guided); None, as on the torch engine, when those ids leave it."""
-        from services.worker.guided import GuideCompiler, GuideMismatch
+    def _guide(self, request: EngineRequest) -> JsonGuide:
+        """The request's grammar, fast-forwarded over its generated ids; InvalidArgument for a
+        schema that cannot be guided and for generated ids that leave it."""
+        from services.worker.guided import GuideCompiler
         from services.worker.sim.guided_draw import GuidedDraw
 
         if self._guides is None:
             self._guides = GuideCompiler(self._description.tokenizer_json, self._vocab_size, self._model_eos)
             ordinary = self._tokens.ordinary_ids
             self._guided_draw = GuidedDraw(self._tokens, [self._tokenizer.decode([i]) for i in ordinary])
-        try:
-            return self._guides.guide(request.response_format, request.generated_ids)
-        except GuideMismatch as exc:
-            log.warning("request %s: generated ids leave the grammar (%s); continuing unguided",
-                        request.request_id, exc)
-            return None
+        return self._guides.for_request(request.response_format, request.generated_ids)
 
     async def _sleep(self, ms: float) -> None:
         await asyncio.sleep(self.profile.jittered(ms, self._rng) * self.faults.slowdown / 1000)
@@ -207,21 +203,28 @@ class SimEngine:
             await self._sleep(self.profile.prefill_ms(uncached))
             self._prefix.remember(request.tenant, context)
             self._check_marker(request)
+            if guide is not None:
+                # Imported here: llguidance comes with the torch extra, which a sim worker
+                # serving no guided request does not need.
+                from services.worker.guided import DocumentEnd, document_end
             first = True
             for i in range(s.max_tokens):
                 if i:
                     await self._sleep(self.profile.decode_step_ms(self._slots.running, self._kv_total))
                 self._check_fail_after(i)
+                complete = False  # the guided document ended with this token
                 if guide is None:
                     token = self._tokens.token(seed, prompt_key, len(context) + i)
                 else:
                     assert self._guided_draw is not None
                     token = self._guided_draw.next_token(guide, seed, prompt_key, len(context) + i)
-                    if token is None:  # only the end fits: the document is as complete as it gets
+                    guide.advance(token)
+                    end = document_end(guide, token)
+                    complete = end is DocumentEnd.COMPLETE
+                    if end is DocumentEnd.AT_EOS:  # the EOS itself is never sent
                         yield TokenDelta([], text.finish(), FinishReason.STOP,
                                          prefill_tokens=uncached if first else None)
                         return
-                    guide.advance(token)
                 self._kv_tokens[key] += 1
                 self._kv_total += 1
                 self._generated_total += 1
@@ -229,10 +232,9 @@ class SimEngine:
                 finish = None
                 if stopped:
                     finish = FinishReason.STOP
-                elif i == s.max_tokens - 1 or (guide is not None and guide.accepting):
+                elif i == s.max_tokens - 1 or complete:
                     piece += text.finish()
-                    complete = text.stopped or (guide is not None and guide.accepting)
-                    finish = FinishReason.STOP if complete else FinishReason.LENGTH
+                    finish = FinishReason.STOP if text.stopped or complete else FinishReason.LENGTH
                 yield TokenDelta([token], piece, finish, prefill_tokens=uncached if first else None)
                 first = False
                 if finish is not None:

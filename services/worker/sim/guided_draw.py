@@ -5,7 +5,9 @@ A sim worker given a `response_format` draws under the grammar the torch engine 
 (seed, prompt, position, attempt) are tried in turn until one fits. On about one step in
 four the ids that close something (a quote, a brace, a bracket, a comma) are tried first, so
 strings and numbers stay short and a document ends within a few dozen tokens, as a trained
-model's does; the engine ends the answer once the document is complete. The draws depend on
+model's does. Where the document is already complete but could go on (the digits of a
+top-level number), such a step draws the EOS; so does any step where no ordinary id fits. The
+engine ends the answer by `guided.document_end`, as every engine does. The draws depend on
 the position alone and a resumed stream's grammar is fast-forwarded over the ids already
 sent, so a guided stream resumed anywhere continues exactly.
 """
@@ -31,12 +33,15 @@ class GuidedDraw:
         self._ordinary = tokens.ordinary_ids
         self._closing = [i for i, text in zip(self._ordinary, texts) if any(c in text for c in _CLOSING)]
 
-    def next_token(self, guide: JsonGuide, seed: int, prompt_key: bytes, position: int) -> int | None:
-        """The next id, or None when no ordinary id fits (only the end of the answer does)."""
+    def next_token(self, guide: JsonGuide, seed: int, prompt_key: bytes, position: int) -> int:
+        """The next id: the guide's first EOS id when the answer ends here."""
         forced = guide.forced_tokens()
         if forced:
             return forced[0]
         number = draw(seed, prompt_key, position)
+        eos = guide.eos_token_ids[0]
+        if number % _CLOSE_EVERY == 0 and guide.accepting:
+            return eos
         if self._closing and number % _CLOSE_EVERY == 0:
             start = number // _CLOSE_EVERY
             for k in range(len(self._closing)):
@@ -47,4 +52,4 @@ class GuidedDraw:
             token = self._tokens.token(seed, prompt_key, position, attempt)
             if guide.accepts(token):
                 return token
-        return next((token for token in self._ordinary if guide.accepts(token)), None)
+        return next((token for token in self._ordinary if guide.accepts(token)), eos)

@@ -35,11 +35,13 @@ import torch
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.worker.detokenizer import TextStream, finished_before_start
-from services.worker.guided import GuideCompiler, GuideMismatch
+from services.worker.guided import DocumentEnd, GuideCompiler, document_end
 from services.worker.engine import (
+    ChunkedPrefill,
     EngineRequest,
     EngineStats,
     FinishReason,
+    KvAttachable,
     ModelDescription,
     TokenDelta,
 )
@@ -92,8 +94,9 @@ class _SessionMemory:
         return sum(len(ids) for ids, _cache in self._entries.values())
 
 
-class TorchEngine:
-    """`services.worker.engine.Engine` on transformers."""
+class TorchEngine(KvAttachable, ChunkedPrefill):
+    """`services.worker.engine.Engine` on transformers, with session KV (`attach_kv`) and
+    chunked prefill."""
 
     def __init__(
         self,
@@ -238,14 +241,10 @@ class TorchEngine:
         context = [*request.prompt_ids, *request.generated_ids]
         guide = None
         if request.response_format:
-            try:
-                # Compiled on the engine thread (it is CPU work); a resumed stream continues
-                # the grammar from the tokens already generated.
-                guide = await self._steps.call(self._guides.guide, request.response_format,
-                                               request.generated_ids, priority=priority)
-            except GuideMismatch as exc:
-                log.warning("request %s: generated ids leave the grammar (%s); continuing unguided",
-                            request.request_id, exc)
+            # Compiled on the engine thread (it is CPU work); a resumed stream continues the
+            # grammar from the tokens already generated, or is refused (InvalidArgument).
+            guide = await self._steps.call(self._guides.for_request, request.response_format,
+                                           request.generated_ids, priority=priority)
 
         async with self._slot():
             seq = _Sequence()
@@ -273,12 +272,13 @@ class TorchEngine:
                     # The first delta says how much of the context was actually computed.
                     prefill = computed if first else None
                     first = False
-                    if token in self._eos:
+                    end = document_end(guide, token) if guide is not None else None
+                    if token in self._eos or end is DocumentEnd.AT_EOS:
                         finished = True
                         yield TokenDelta([], text.finish(), FinishReason.STOP, prefill_tokens=prefill)
                         return
                     delta, stopped = text.push(token)
-                    if guide is not None and guide.finished:
+                    if end is DocumentEnd.COMPLETE:
                         # The JSON document is complete: only EOS could follow.
                         finished = True
                         yield TokenDelta([token], delta + text.finish(), FinishReason.STOP, prefill_tokens=prefill)

@@ -18,6 +18,13 @@ by itself. EOS tokens are never emitted (as on the torch engine). Closing or can
 stream aborts the vLLM request (in a finally), and vLLM errors become typed errors
 (`errors`).
 
+Guided decoding: vLLM's grammar masks the tokens (its structured outputs for a fresh stream,
+Ballast's processor for a resumed one), and the engine follows the same grammar here with a
+`services.worker.guided` guide, built before vLLM sees the request (a resumed stream whose
+ids leave it is refused) and advanced over every token vLLM returns: the document ends by the
+rule every engine follows (`guided.document_end`), and vLLM's request is aborted there
+instead of spending a forward pass on the EOS.
+
 Session KV: vLLM's own prefix cache (per tenant, through `cache_salt`), and, with
 `worker.cache_address` set, persistence through the cache service by Ballast's KV connector
 (`connector`), configured at start when vLLM's page layout here is one Ballast writes
@@ -40,8 +47,16 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from services.common.errors import BallastError, InvalidArgument, ResourceExhausted, Unavailable
 from services.worker.detokenizer import TextStream, finished_before_start
-from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, TokenDelta
-from services.worker.guided import GuideCompiler, GuideMismatch
+from services.worker.engine import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    KvAttachable,
+    ModelDescription,
+    TokenDelta,
+    Wakeable,
+)
+from services.worker.guided import DocumentEnd, GuideCompiler, GuideMismatch, JsonGuide, document_end
 from services.worker.model_files import describe_model
 from services.worker.validation import validate_request
 from services.worker.vllm.api import VllmApi, detect_vllm_api
@@ -62,8 +77,9 @@ from services.worker.vllm.stats import engine_stats, kv_fragmentation
 log = logging.getLogger(__name__)
 
 
-class VllmEngine:
-    """`services.worker.engine.Engine` on vLLM."""
+class VllmEngine(KvAttachable, Wakeable):
+    """`services.worker.engine.Engine` on vLLM, with session KV (`attach_kv`) and a sleeping
+    warm standby (`wake_up`)."""
 
     def __init__(
         self,
@@ -84,6 +100,9 @@ class VllmEngine:
         self._settings = settings or VllmSettings()
         self._facts = read_model_facts(self._dir)
         description = describe_model(self._dir, model_name)
+        # The model's own EOS ids end a guided document, even with EOS switched off (as on the
+        # torch and sim engines, and in Ballast's processor inside vLLM).
+        self._model_eos = description.eos_token_ids
         if eos_token_ids is not None:
             description = replace(description, eos_token_ids=tuple(int(i) for i in eos_token_ids))
         # The router enforces the context this worker registers: the configured length.
@@ -263,6 +282,11 @@ class VllmEngine:
         if done is not None:
             yield done
             return
+        guide: JsonGuide | None = None
+        if request.response_format:
+            # Off the loop: the first guided request builds the tokenizer's grammar view (about
+            # a second for a large vocabulary), and a schema compiles in milliseconds.
+            guide = await asyncio.to_thread(self._request_guide, request)
         client = self._require_client()
         if self._in_flight >= self._max_in_flight:
             raise ResourceExhausted(f"{self._in_flight} requests in the vLLM engine; queue is full",
@@ -312,13 +336,30 @@ class VllmEngine:
                     ids.pop()  # the EOS token ends the stream but is never emitted
                 ids = ids[: s.max_tokens - emitted]
                 kept: list[int] = []
-                chunk, stopped_here = "", False
+                chunk, stopped_here, document_done = "", False, False
                 for token in ids:
+                    end = None
+                    if guide is not None:
+                        try:
+                            guide.advance(token)
+                            end = document_end(guide, token)
+                        except GuideMismatch as exc:
+                            # vLLM's grammar is not Ballast's here (a release whose structured
+                            # outputs are not llguidance's compact JSON): vLLM's own end stands.
+                            log.warning("request %s: vLLM's output left Ballast's grammar (%s); "
+                                        "the document ends where vLLM ends it", request_id, exc)
+                            guide = None
+                    if end is DocumentEnd.AT_EOS:  # an EOS vLLM did not stop on (EOS off)
+                        document_done = True
+                        break
                     kept.append(token)
                     piece, stopped = text.push(token)
                     chunk += piece
                     if stopped:
                         stopped_here = True
+                        break
+                    if end is DocumentEnd.COMPLETE:
+                        document_done = True
                         break
                 emitted += len(kept)
                 self._generated_total += len(kept)
@@ -327,6 +368,9 @@ class VllmEngine:
                 finish: FinishReason | None = None
                 if stopped_here:
                     finish = FinishReason.STOP
+                elif document_done:
+                    finish = FinishReason.STOP
+                    chunk += text.finish()
                 elif reason == "stop":
                     finish = FinishReason.STOP
                     # A stop string vLLM matched but we did not: the held-back text may be
@@ -347,8 +391,9 @@ class VllmEngine:
                         await _drain(stream)
                         stream = None
                     else:
-                        # We stopped first (a stop string across the resume point, or
-                        # max_tokens): free vLLM's KV before the consumer reads the last delta.
+                        # We stopped first (a stop string across the resume point, max_tokens,
+                        # a complete document): free vLLM's KV before the consumer reads the
+                        # last delta.
                         vllm_done = True
                         await self._abort(client, request_id)
                 yield TokenDelta(kept, chunk, finish, prefill_tokens=prefill)
@@ -372,12 +417,7 @@ class VllmEngine:
         plan = sampling_plan(request, self._description.eos_token_ids, api.delta_output_kind)
         kwargs = dict(plan.kwargs)
         if plan.resumed_guide:
-            # Checked here with the grammar the processor will use, so a schema llguidance
-            # refuses, or ids that do not fit it, fail as bad input before vLLM sees them.
-            try:
-                self._guides().guide(request.response_format, request.generated_ids)
-            except GuideMismatch as exc:
-                raise InvalidArgument(f"the generated ids do not fit response_format: {exc}") from None
+            # The schema and the ids were checked with the processor's grammar (`_request_guide`).
             self._guided_resumes += 1
         if plan.schema:
             if not api.structured_field:
@@ -394,13 +434,20 @@ class VllmEngine:
         except Exception as exc:  # vLLM validates its parameters on construction
             raise map_vllm_error(exc, api.error_types) from exc
 
-    def _guides(self) -> GuideCompiler:
-        if not self._description.eos_token_ids:
-            raise InvalidArgument("guided decoding needs an EOS token, and this engine has none")
+    def _request_guide(self, request: EngineRequest) -> JsonGuide | None:
+        """The request's guide (worker thread): InvalidArgument for a schema that cannot be
+        guided or resumed ids that leave it, before vLLM sees the request. None where nothing
+        guides vLLM (a release without guided decoding): there is no grammar to follow."""
+        if not self._model_eos:
+            raise InvalidArgument("guided decoding needs an EOS token, and this model has none")
         if self._guide_compiler is None:
             self._guide_compiler = GuideCompiler(self._description.tokenizer_json, self._vocab_size,
-                                                 self._description.eos_token_ids)
-        return self._guide_compiler
+                                                 self._model_eos)
+        guide = self._guide_compiler.for_request(request.response_format, request.generated_ids)
+        api = self._api
+        if not request.generated_ids and api is not None and not api.structured_field:
+            return None
+        return guide
 
     async def _abort(self, client: VllmClient, request_id: str) -> None:
         try:
