@@ -36,7 +36,8 @@ pytestmark = pytest.mark.timeout(300)
 
 def guided_request(engine, generated=()) -> EngineRequest:
     prompt = tuple(engine.tokenize(GUIDED_PROMPT))
-    return EngineRequest("guided", prompt, tuple(generated), Sampling(max_tokens=GUIDED_BUDGET - len(generated)),
+    return EngineRequest("guided", prompt, tuple(generated),
+                         Sampling(max_tokens=GUIDED_BUDGET - len(generated), temperature=0.0),
                          response_format=ORDER_SCHEMA)
 
 
