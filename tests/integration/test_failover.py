@@ -289,6 +289,7 @@ async def worker_lease(mesh, name: str) -> int | None:
     return next((record.lease_id for record, _ in records if record.id == name), None)
 
 
+@pytest.mark.timeout(FAULT_BATCHES * 120)
 async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_once(mesh, router, references):
     kept = await asyncio.to_thread(mesh.start_worker, {"BALLAST__WORKER__RESPAWN": "true"})
     first = serving_pid(kept.pid)
@@ -310,6 +311,7 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
         if not await until_answering(kept, before, progress, streams):
             assert_streams_match(await asyncio.gather(*streams), references)
             continue
+        log_offset = kept.process.log_path.stat().st_size
         killed_at = time.monotonic()
         os.kill(first, signal.SIGKILL)
         results = await asyncio.gather(*streams)
@@ -319,6 +321,8 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
         while await worker_lease(mesh, kept.name) in (None, lease_before):
             assert time.monotonic() - killed_at < 20, "the respawned worker did not register"
             await asyncio.sleep(0.1)
+        # Its READY line: its metrics are served (read again by the next batch) and its ports known.
+        await asyncio.to_thread(mesh.await_ready_after, kept, log_offset, 60)
         if sum(r.finished.resumes for r in results) >= 1:  # the kill broke streams
             break
         first, lease_before = serving_pid(kept.pid), await worker_lease(mesh, kept.name)
