@@ -4,10 +4,10 @@ or without a user.
 aetcd dials one plaintext address, so `EtcdClient` opens the same stubs itself: over TLS when
 configured (server verified against `etcd.tls.ca_file`, the client certificate presented when
 etcd checks them), and on one member of `etcd.endpoints`. Each new client starts at the next
-member in turn and skips one that does not accept a connection; a call that fails makes its
-caller build a new client (they all reset on errors), which so moves to another member. Each
-channel speaks to one member under that member's own name, so TLS verifies each member's
-certificate as it is. Every etcd caller goes through `make_client`.
+member in turn and skips one that does not accept a connection; a call that fails makes the
+session (`etcd_session.EtcdSession`) build a new client, which so moves to another member.
+Each channel speaks to one member under that member's own name, so TLS verifies each member's
+certificate as it is. Services reach etcd through `EtcdSession`, which alone calls `make_client`.
 """
 
 from __future__ import annotations
