@@ -1,5 +1,6 @@
 """The simulated engine passes the engine conformance suite (streams, determinism, exact
-greedy and seeded resume, stop strings, abort, bad input), over the tiny model's tokenizer."""
+greedy and seeded resume, stop strings, abort, bad input, guided decoding), over the tiny
+model's tokenizer, and what only the sim has: fault knobs and its guided draws."""
 
 from __future__ import annotations
 
