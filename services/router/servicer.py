@@ -235,8 +235,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             # Before the ladder: a prompt over the model's context is bad input whether or not
             # a worker is alive, never a degraded answer.
             await self.context_guard.check(inference)
-            # Before the ladder: a prompt over the model's context is bad input whether or not
-            # a worker is alive, never a degraded answer.
             # After validation, so a malformed request costs the tenant nothing.
             reservation = self.quotas.admit(tenant, self._prompt_chars(inference), inference.sampling.max_tokens)
             tier, reason, weight = self._tier(inference, caller)
