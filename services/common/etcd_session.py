@@ -303,6 +303,8 @@ class PrefixWatch:
 
     async def start(self) -> None:
         if self._task is None:
+            # Known to the session again, so a later close() stops it too (after a restart).
+            self.session._watches.add(self)
             self._task = asyncio.create_task(self._run(), name=self.name)
 
     async def stop(self) -> None:
