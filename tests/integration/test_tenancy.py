@@ -111,6 +111,9 @@ async def test_s_claimed_without_a_grant_is_capped_and_preempts_nothing(mesh, ro
         assert_served(result)
     assert {(r.started.tier, r.started.tier_reason) for r in claimed} == {(common_pb2.TIER_A, "capped_by_grant")}
     assert {(r.started.tier, r.started.tier_reason) for r in granted} == {(common_pb2.TIER_S, "explicit")}
+    # What was measured, for whoever runs this with -s.
+    print(f"\nmeasured: B streams preempted beside 16 streams at B {baseline_resumes}, "
+          f"at S claimed without a grant {claimed_resumes}, at S with a grant {granted_resumes}")
     assert granted_resumes > 0, "the control tenant's S streams preempted nothing: the comparison proves nothing"
     assert claimed_resumes == baseline_resumes == 0, (claimed_resumes, baseline_resumes, granted_resumes)
     capped_after = metric_value(await scrape(router_metrics_port(mesh)), "ballast_router_tier_capped_total",
@@ -165,6 +168,8 @@ async def test_a_stream_cancelled_before_its_end_is_charged_what_it_generated(me
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(router, chat_request("c", max_tokens=195, tier="A", raw_prompt=True), CANCEL_KEY)
     code, reason, retry_after_s = refused(error.value)
+    print(f"\nmeasured: a stream cancelled after {received} of 195 tokens was charged: the next request of "
+          f"196 was refused ({reason}, refill in {retry_after_s:.1f} s)")
     assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota_exceeded")
     assert retry_after_s > 0
 
@@ -183,6 +188,8 @@ async def test_a_concurrent_burst_cannot_spend_more_than_the_limit_and_one_reser
     used = sum(r.finished.usage.prompt_tokens + r.finished.usage.completion_tokens for r in served)
     reservation = 2 + max_tokens
     refilled = (time.monotonic() - started) * TOKENS_PER_MINUTE / 60
+    print(f"\nmeasured: 8 concurrent requests of {max_tokens} tokens against {TOKENS_PER_MINUTE} a minute: "
+          f"{len(served)} served using {used} tokens, {len(errors)} refused")
     assert served and errors
     assert used <= TOKENS_PER_MINUTE + reservation + refilled, (used, len(served), refilled)
 
@@ -274,7 +281,10 @@ async def test_a_waiting_better_answer_survives_kv_traffic_of_ten_times_the_memo
         sent = await kv_traffic(f"127.0.0.1:{mesh.cache_port}", 10 * bound)
         assert sent >= 10 * bound
         # The pressure was real: Redis evicted KV blocks to stay in its bound.
-        assert int((await client.info("stats"))["evicted_keys"]) > evicted_before
+        evicted = int((await client.info("stats"))["evicted_keys"]) - evicted_before
+        print(f"\nmeasured: {sent >> 20} MiB of KV blocks through a Redis bound of {bound >> 20} MiB evicted "
+              f"{evicted} keys; the waiting answer was still there")
+        assert evicted > 0
         assert (await get_answer(router, ticket, LOCAL_API_KEY, timeout_s=5)).ticket == ticket
         assert await pushes(router, [session], expected=1) == [ticket]  # delivered, once
     finally:
