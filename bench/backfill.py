@@ -34,7 +34,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
+from bench.common import metric_total, model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from ballast.v1 import backfill_pb2, common_pb2, inference_pb2_grpc
 from services.cli.client import chat_request, collect, open_channel
@@ -66,15 +66,6 @@ def _question(i: int) -> str:
 async def _scrape(port: int) -> str:
     url = f"http://127.0.0.1:{port}/metrics"
     return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
-                all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _service(mesh: Mesh, name: str):
@@ -119,7 +110,7 @@ async def _wait_outbox_empty(mesh: Mesh, timeout_s: float) -> float:
     port = _service(mesh, "router").metrics_port
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
-        if _metric(await _scrape(port), "ballast_degrade_outbox_depth", unit="rows") == 0:
+        if metric_total(await _scrape(port), "ballast_degrade_outbox_depth", unit="rows") == 0:
             return time.monotonic() - start
         await asyncio.sleep(0.2)
     raise RuntimeError(f"the router's outbox did not drain within {timeout_s:.0f}s")
@@ -245,11 +236,11 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
         "duplicates": sum(max(0, pushes[t] - 1) for t in expected),
         "lost": sum(1 for t in expected if pushes[t] == 0),
         "stored": stored,
-        "backfill_stored_total": _metric(metrics, "ballast_backfill_processed_total", outcome="stored"),
-        "backfill_replays_ok": _metric(metrics, "ballast_backfill_replays_total", result="ok"),
+        "backfill_stored_total": metric_total(metrics, "ballast_backfill_processed_total", outcome="stored"),
+        "backfill_replays_ok": metric_total(metrics, "ballast_backfill_replays_total", result="ok"),
         # Replays the router turned away (pool full, or not back yet): each waits a backoff.
-        "backfill_replays_busy": _metric(metrics, "ballast_backfill_replays_total", result="busy"),
-        "backfill_replays_unhealthy": _metric(metrics, "ballast_backfill_replays_total", result="unhealthy"),
+        "backfill_replays_busy": metric_total(metrics, "ballast_backfill_replays_total", result="busy"),
+        "backfill_replays_unhealthy": metric_total(metrics, "ballast_backfill_replays_total", result="unhealthy"),
         "subscription_errors": dict(listener.errors),
         "lag_p50_s": percentile(push_lag, 50), "lag_p99_s": percentile(push_lag, 99),
         "lag_max_s": max(push_lag, default=float("nan")),

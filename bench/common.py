@@ -73,6 +73,16 @@ def commit() -> dict:
                               "protos", ":!bench/results"))}
 
 
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """The sum of the Prometheus samples of `name` in `text` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
+                all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def write_result(path: Path, data: dict) -> Path:
     """Writes a result stamped with the machine and the commit it ran on."""
     path.parent.mkdir(parents=True, exist_ok=True)

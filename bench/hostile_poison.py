@@ -33,6 +33,8 @@ from typing import Any
 
 import grpc
 
+from bench.common import metric_total
+
 GOALS = {"workers_lost": 2, "backfill_replays": 0, "served_again_s": 10.0}
 RESULT = Path("bench/results/hostile_poison.json")
 
@@ -66,13 +68,7 @@ def _lost(before: dict[str, int | None], after: dict[str, int | None]) -> int:
 async def _metric(port: int | None, name: str, **labels: str) -> float:
     if not port:
         return 0.0
-    text = await asyncio.to_thread(_scrape, port)
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
-                all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_total(await asyncio.to_thread(_scrape, port), name, **labels)
 
 
 def _scrape(port: int) -> str:
