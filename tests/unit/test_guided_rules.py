@@ -9,26 +9,11 @@ import json
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.worker.guided import DocumentEnd, GuideCompiler, document_end
-from services.worker.tiny_model import corpus, train_tokenizer
+from services.worker.guided import DocumentEnd, document_end
+from tests.unit.test_guided import EOS, compiler, encode, tokenizer  # noqa: F401  (fixtures)
 
-EOS = (3, 1)
 ORDER = {"type": "object", "properties": {"order": {"type": "integer"}, "status": {"enum": ["late", "shipped"]}},
          "required": ["order", "status"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(corpus(), 512)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    return GuideCompiler(tokenizer.to_str(), 512, EOS)
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
 @pytest.mark.parametrize("sent", ["hello", '{"order":1,"colour"', '{"order":1,"status":"late"}x'])
