@@ -60,6 +60,11 @@ class InferenceRequest:
     # Longest the answer's tokens may be held back to go out together (0: the tier's default).
     flush_interval_ms: int = 0
 
+    @property
+    def prompt_chars(self) -> int:
+        """Characters of the prompt, or of every message of the conversation."""
+        return len(self.prompt) if self.prompt is not None else sum(len(m.content) for m in self.messages)
+
 
 def derived_seed(tenant: str, request_id: str) -> int:
     """A seed for a request that set none, stable for its idempotency key.

@@ -185,12 +185,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.metrics.tier_capped.add(1, {"asked": tier, "tier": granted, "reason": why})
         return granted, why, weight
 
-    @staticmethod
-    def _prompt_chars(request: InferenceRequest) -> int:
-        if request.prompt is not None:
-            return len(request.prompt)
-        return sum(len(m.content) for m in request.messages)
-
     def _used_tokens(self, reservation: Reservation, finished: inference_pb2.Finished | None,
                      generated: int, reached_worker: bool) -> int:
         """What a stream cost its tenant: the answer's usage when it finished; else (cancelled,
@@ -236,7 +230,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             # a worker is alive, never a degraded answer.
             await self.context_guard.check(inference)
             # After validation, so a malformed request costs the tenant nothing.
-            reservation = self.quotas.admit(tenant, self._prompt_chars(inference), inference.sampling.max_tokens)
+            reservation = self.quotas.admit(tenant, inference.prompt_chars, inference.sampling.max_tokens)
             tier, reason, weight = self._tier(inference, caller)
             # The Started event has no field for it: the trace is found by request id instead.
             trace.get_current_span().set_attributes(
