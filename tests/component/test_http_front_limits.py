@@ -107,6 +107,7 @@ async def test_an_empty_x_api_key_does_not_hide_a_bearer_key(front):
         response = await client.post("/v1/chat/completions", json=CHAT,
                                      headers={"x-api-key": "", "Authorization": f"Bearer {API_KEY}"})
         assert response.status_code == 200, response.text
+        assert response.json()["ballast"]["degradation"] == "none"
         response = await client.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": ""})
         assert response.status_code == 401
 
