@@ -91,6 +91,7 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
     metadata = (("x-api-key", api_key),)
     ttfts: list[float] = []
     tokens = 0
+    messages = 0
     errors = 0
     error_codes: dict[str, int] = {}
     counter = itertools.count()
@@ -108,7 +109,7 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
         return stub.Generate(request, metadata=metadata, timeout=60)
 
     async def client() -> None:
-        nonlocal tokens, errors
+        nonlocal tokens, messages, errors
         while time.monotonic() < end:
             i = next(counter)
             start = time.perf_counter()
@@ -120,6 +121,7 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
                             first = time.perf_counter()
                         if time.monotonic() < end:
                             tokens += len(event.tokens.token_ids)
+                            messages += 1
             except grpc.aio.AioRpcError as error:
                 errors += 1
                 error_codes[error.code().name] = error_codes.get(error.code().name, 0) + 1
@@ -131,7 +133,7 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
     await asyncio.gather(*(client() for _ in range(streams)))
     for channel in channels:
         await channel.close()
-    return {"ttft_ms": ttfts, "tokens": tokens, "errors": errors, "error_codes": error_codes, "seconds": min(seconds, time.monotonic() - started)}
+    return {"ttft_ms": ttfts, "tokens": tokens, "messages": messages, "errors": errors, "error_codes": error_codes, "seconds": min(seconds, time.monotonic() - started)}
 
 
 def _load_process(args: tuple, results) -> None:
@@ -304,7 +306,8 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                         print(f"workers {target:3d} streams {streams:5d} routers {count}: "
                               f"added TTFT p50 {row['added_ttft_p50_ms']:.2f} ms p99 {row['added_ttft_p99_ms']:.2f} ms "
                               f"(bare relay {row['relay_added_ttft_p50_ms']:.2f} / {row['relay_added_ttft_p99_ms']:.2f}), "
-                              f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok, "
+                              f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok "
+                              f"at {row['tokens_per_message']:.1f} tok/msg, "
                               f"machine busy {row['cpu_busy']:.0%} (settled in {settled:.1f} s)", flush=True)
         finally:
             if relay is not None:
@@ -344,6 +347,9 @@ def _row(workers: int, streams: int, routers: int, direct: dict, routed: dict, c
         "added_ttft_p50_ms": r50 - d50, "added_ttft_p99_ms": r99 - d99,
         "router_cpu_s": cpu, "router_cpu_s_per_1k_tokens": cpu / routed["tokens"] * 1000 if routed["tokens"] else math.nan,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_router": tokens_per_s / routers,
+        # Tokens per message the clients received: what the per-token CPU is amortised over.
+        "tokens_per_message": routed["tokens"] / routed["messages"] if routed["messages"] else math.nan,
+        "relay_tokens_per_message": bare["tokens"] / bare["messages"] if bare["messages"] else math.nan,
         "direct_tokens_per_s": direct["tokens"] / direct["seconds"] if direct["seconds"] else math.nan,
         # The bare relay (bench.bare_relay: one Python gRPC hop, none of Ballast's work) on the
         # same workers and load: the floor under the router's added latency and CPU.
@@ -363,10 +369,10 @@ def _pick(rows: list[dict], **match) -> list[dict]:
 
 def _report(rows: list[dict], membership: dict[int, float], seconds: float, out: Path) -> int:
     print_table(["workers", "streams", "routers", "added p50 ms", "added p99 ms", "bare p50 ms", "bare p99 ms",
-                 "CPU s/1k tok", "bare CPU", "tok/s", "bare tok/s", "tok/s/router", "busy", "errors"],
+                 "CPU s/1k tok", "tok/msg", "bare CPU", "tok/s", "bare tok/s", "tok/s/router", "busy", "errors"],
                 [[r["workers"], r["streams"], r["routers"], r["added_ttft_p50_ms"], r["added_ttft_p99_ms"],
                   r["relay_added_ttft_p50_ms"], r["relay_added_ttft_p99_ms"],
-                  r["router_cpu_s_per_1k_tokens"], r["relay_cpu_s_per_1k_tokens"], r["tokens_per_s"],
+                  r["router_cpu_s_per_1k_tokens"], r["tokens_per_message"], r["relay_cpu_s_per_1k_tokens"], r["tokens_per_s"],
                   r["relay_tokens_per_s"], r["tokens_per_s_per_router"], f"{r['cpu_busy']:.0%}", r["errors"]]
                  for r in rows])
     print("bare: the same load through a bare Python gRPC relay (bench.bare_relay), the floor under any relay")

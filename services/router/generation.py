@@ -427,8 +427,7 @@ class GenerationRunner:
         if plan.nothing_left:
             yield self._finished(run, FinishReason.LENGTH, plan.prompt_tokens, plan.completion_tokens)
             return
-        # Half the stall timeout at most: a worker holding tokens back must never look stalled.
-        worker_request = worker_request_pb(request, plan, tier, min(request.flush_interval_ms, int(stall_s * 500)))
+        worker_request = worker_request_pb(request, plan, tier, self._flush_interval_ms(request, stall_s))
         relayed = 0
         if control.reason == "preempted":
             control.take()
@@ -484,6 +483,13 @@ class GenerationRunner:
                     self.metrics.tokens.add(relayed, {"tier": tier})
                     grant.add_tokens(state.sent_ids[-relayed:])
         raise StreamEndedEarly(f"worker {worker.id} ended the stream without finishing")
+
+    def _flush_interval_ms(self, request: InferenceRequest, stall_s: float) -> int:
+        """How long the worker may hold this stream's tokens back (after the first): the
+        request's own interval, else the router's default. Half the stall timeout at most: a
+        worker holding tokens back must never look stalled."""
+        asked = request.flush_interval_ms or self.config.stream_interval_ms
+        return min(asked, int(stall_s * 500))
 
     def _finished(
         self, run: RequestRun, reason: FinishReason | None, prompt_tokens: int, completion_tokens: int

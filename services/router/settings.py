@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 
 from services.common.config import Section
+from services.common.streams import MAX_FLUSH_INTERVAL_MS
 from services.router.quotas import QuotaConfig
 from services.router.resilience.breaker import BreakerConfig
 from services.router.resilience.quarantine import QuarantineConfig
@@ -73,6 +74,13 @@ class RouterConfig(Section):
                     "sends that incarnation no new work, unless etcd replaces or drops it sooner.",
     )
     shutdown_grace_s: float = Field(10.0, ge=0, description="Time streams get to finish on stop.")
+    stream_interval_ms: int = Field(
+        50, ge=0, le=MAX_FLUSH_INTERVAL_MS,
+        description="Longest a worker may hold a stream's tokens after the first (always sent at once) to "
+                    "send them as one message, for a request that sets no flush_interval_ms: fewer "
+                    "messages for the same tokens, which is most of what relaying costs. 0: every token "
+                    "as it comes.",
+    )
     breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="Per-worker circuit breaker.")
     quotas: QuotaConfig = Field(default_factory=QuotaConfig, description="Requests and tokens per minute per tenant.")
     retry: RetryBudgetConfig = Field(default_factory=RetryBudgetConfig, description="Retry and resume budget.")

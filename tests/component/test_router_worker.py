@@ -234,6 +234,22 @@ async def test_a_held_back_answer_comes_in_few_messages_and_ends_on_time(router_
     assert elapsed < 1.9, f"the stream waited out its flush interval ({elapsed:.2f}s)"
 
 
+async def test_a_live_stream_comes_in_fewer_messages_than_tokens_by_default(router_stub, worker_app):
+    """A request that sets no flush_interval_ms gets the router's stream_interval_ms: the first
+    token alone and at once, the later ones several to a message, the same tokens in order."""
+    prompt = worker_app.engine.tokenize(PROMPT)
+    full, _ = await engine_greedy(worker_app.engine, prompt, 24)
+    request = chat_request(PROMPT, max_tokens=24, raw_prompt=True, tier="A")
+    messages = []
+    async for event in router_stub.Generate(request, metadata=api_key_metadata(API_KEY), timeout=20):
+        if event.HasField("tokens"):
+            messages.append((event.tokens.first_index, list(event.tokens.token_ids)))
+    assert [t for _, chunk in messages for t in chunk] == full
+    assert [first for first, _ in messages] == [sum(len(c) for _, c in messages[:i]) for i in range(len(messages))]
+    assert len(messages[0][1]) == 1
+    assert len(messages) < len(full)
+
+
 async def test_health_and_reflection(router_app, worker_app):
     for address, service in [(router_app.address, "ballast.v1.Inference"), (worker_app.address, "ballast.v1.Worker")]:
         async with grpc.aio.insecure_channel(address) as channel:
