@@ -13,6 +13,13 @@ On top of it:
 - `KeptLease`: a lease kept alive by its owner's refreshes, granted again when etcd lost it (the
   owner is told), revoked once on a clean stop.
 
+One session per process: a service's app builds it and hands it to every part that reaches etcd
+(its watches, leases and calls share the one client), and the app alone closes it, after those
+parts stopped. A part given a session never closes it: stopping a watch cancels only that watch,
+revoking a kept lease only that lease. A failed call (any part's) drops the shared client; every
+watch then reads its prefix again and every kept lease is refreshed on the next client, so one
+part's failure costs the others a resync, never a lost view or lease.
+
 `close()` is idempotent and stops the session's watches; the session can be used again after it
 (a later call connects again).
 """
@@ -40,6 +47,10 @@ ETCD_ERRORS = (aetcd.exceptions.ClientError, OSError, asyncio.TimeoutError)
 
 # The longest wait between two reconnect attempts: etcd back after an outage is seen within it.
 MAX_BACKOFF_S = 5.0
+
+# A watch's cancel request waits behind the client's other watch requests; a stop that owes
+# nothing to etcd must not hang on a stream that is gone.
+WATCH_CANCEL_TIMEOUT_S = 1.0
 
 
 def reconnect_backoff(config: EtcdConfig) -> RestartBackoff:
@@ -75,6 +86,18 @@ class Change:
     @property
     def deleted(self) -> bool:
         return self.value is None
+
+
+async def cancel_watch(watch: Any) -> None:
+    """Cancels one raw aetcd watch, leaving the client's other watches running (best effort: the
+    client may be closed already, and its watches with it)."""
+    if watch is None:
+        return
+    try:
+        async with asyncio.timeout(WATCH_CANCEL_TIMEOUT_S):
+            await watch.cancel()
+    except Exception:  # noqa: BLE001 - see above; a stop must not fail on it
+        pass
 
 
 async def _call(handler: Callable[..., Any] | None, *args: Any) -> None:
@@ -308,9 +331,11 @@ class PrefixWatch:
             self._task = asyncio.create_task(self._run(), name=self.name)
 
     async def stop(self) -> None:
+        """Stops this watch alone (its etcd watch is cancelled: the session's others go on)."""
         await stop_task(self._task)
         self._task = None
         self.synced.clear()
+        self.session._watches.discard(self)
 
     def _resync(self, result: Any) -> tuple[dict[bytes, Change], list[Change]]:
         fresh = {kv.key: Change(kv.key, kv.value, kv.lease, kv.mod_revision) for kv in result}
@@ -328,6 +353,7 @@ class PrefixWatch:
         self.synced.set()
         await _call(self._on_sync, snapshot, changes)
         client = await session.client()
+        watch = None
         try:
             watch = await client.watch_prefix(self.prefix, start_revision=result.header.revision + 1)
             async for event in watch:
@@ -343,6 +369,10 @@ class PrefixWatch:
             # The client is broken: the next read connects again (at the next member).
             await session.reset(client)
             raise
+        finally:
+            # On a shared client the stream outlives this watch: end it there too, or etcd keeps
+            # sending its events to a queue nobody reads.
+            await cancel_watch(watch)
 
     async def _run(self) -> None:
         backoff = reconnect_backoff(self.session.config)

@@ -10,7 +10,10 @@ at the latest one TTL after it died, when etcd expires its lease.
 Leadership is advisory between the checks: a holder cut off from etcd may act for up to one
 refresh interval plus one call deadline after its lease expired. Whatever it acts on must
 therefore be idempotent and absolute (desired counts, not "add one"). Connections,
-reconnects and the lease calls are an `EtcdSession`'s.
+reconnects and the lease calls are an `EtcdSession`'s: the process's, shared with its other
+parts (a lock used alone builds its own). The session's client may be dropped by any of them,
+which ends the holder's watch without a word about the key: the holder reads the key and
+watches it again, and only the key or its lease decide that the term is over.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import logging
 from typing import Callable
 
 from services.common.config import EtcdConfig
-from services.common.etcd_session import ETCD_ERRORS, EtcdSession, next_wait, reconnect_backoff
+from services.common.etcd_session import ETCD_ERRORS, EtcdSession, cancel_watch, next_wait, reconnect_backoff
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class LeaderLock:
         identity: str,
         ttl_s: int = 5,
         on_change: Callable[[bool], None] | None = None,
+        session: EtcdSession | None = None,
     ) -> None:
         if ttl_s < 2:
             raise ValueError("ttl_s must be >= 2: a shorter lease cannot be kept alive reliably")
@@ -49,7 +53,9 @@ class LeaderLock:
         self.ttl_s = ttl_s
         self._on_change = on_change
         self._leader = asyncio.Event()
-        self.session = EtcdSession(config)
+        # The process's session when given (its owner closes it), else one of its own.
+        self._owns_session = session is None
+        self.session = session or EtcdSession(config)
         # The lease holding the key while leader.
         self._lease: int | None = None
         self._task: asyncio.Task | None = None
@@ -108,10 +114,12 @@ class LeaderLock:
         if lease is not None:
             await self.session.revoke(lease)
         self._lease = None
-        await self.session.close()
+        if self._owns_session:
+            await self.session.close()
 
     async def holder(self) -> str | None:
-        """Who holds the lock now, read from etcd (None: nobody)."""
+        """Who holds the lock now, read from etcd (None: nobody). A view for tools and tests, on
+        a session of its own: it may run on another event loop than the lock's."""
         async with EtcdSession(self.config) as session:
             result = await session.get(self.key)
             return None if result is None else result.value.decode()
@@ -122,10 +130,10 @@ class LeaderLock:
             try:
                 await self._campaign()
             except ETCD_ERRORS as exc:
+                # The failed call dropped its client already (the session's calls do, a deadline's
+                # cut too); dropping the client again here could drop a newer one that the
+                # session's other users just connected.
                 log.warning("leader lock %s: etcd unreachable, campaigning again: %s", self.key.decode(), exc)
-                # A call cut short by our own deadline leaves the client in place: drop it, so the
-                # next campaign connects again (at the next member).
-                await self.session.reset()
             finally:
                 self._set_leader(False)
             if self.terms:
@@ -178,20 +186,46 @@ class LeaderLock:
         except TimeoutError:
             pass
         finally:
-            await _cancel(watch)
+            await cancel_watch(watch)
+
+    async def _read_key(self) -> tuple[bytes | None, int]:
+        """The key's value now (None: absent) and the revision of that read."""
+        result = await self.session.get_prefix(self.key)
+        value = next((kv.value for kv in result if kv.key == self.key), None)
+        return value, result.header.revision
+
+    async def _follow_key(self, revision: int, lost: asyncio.Event) -> None:
+        """Sets `lost` once the key is deleted or holds another identity after `revision`. A
+        watch that ends or fails without saying so (the session's client dropped, etcd away) is
+        opened again after a read of the key, which covers whatever happened while none was
+        open; meanwhile the refreshes guard the term."""
+        backoff = reconnect_backoff(self.config)
+        while True:
+            watch = None
+            try:
+                watch = await self.session.watch(self.key, start_revision=revision + 1)
+                async for event in watch:
+                    if event.kind == "DELETE" or event.kv.value != self.identity.encode():
+                        lost.set()
+                        return
+            except ETCD_ERRORS as exc:
+                log.debug("leader lock %s: watch lost, watching again: %s", self.key.decode(), exc)
+            finally:
+                await cancel_watch(watch)
+            await asyncio.sleep(next_wait(backoff))
+            try:
+                value, revision = await self._read_key()
+            except ETCD_ERRORS:
+                continue  # still away: watch from the old revision, or fail and wait longer
+            if value != self.identity.encode():
+                lost.set()
+                return
+            backoff.streak = 0
 
     async def _hold(self, lease: int, revision: int) -> None:
         """Keeps the lease alive; returns when leadership is lost."""
-        watch = await self.session.watch(self.key, start_revision=revision + 1)
         lost = asyncio.Event()
-
-        async def follow() -> None:
-            async for event in watch:
-                if event.kind == "DELETE" or event.kv.value != self.identity.encode():
-                    break
-            lost.set()
-
-        follower = asyncio.create_task(follow())
+        follower = asyncio.create_task(self._follow_key(revision, lost), name=f"leader-watch-{self.key.decode()}")
         interval = self.ttl_s / 3
         try:
             while not lost.is_set():
@@ -209,11 +243,3 @@ class LeaderLock:
                     break
         finally:
             await stop_task(follower)
-            await _cancel(watch)
-
-
-async def _cancel(watch) -> None:
-    try:
-        await watch.cancel()
-    except Exception:  # noqa: BLE001 - the session may have closed the watch's channel already
-        pass

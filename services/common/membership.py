@@ -7,7 +7,8 @@ temperature) at that heartbeat when something in it changed, and at least every
 its lease expires, etcd deletes the key, and every router's watch drops it: no polling.
 Both sides survive the loss and return of etcd: the worker re-grants its lease and
 re-publishes; the router keeps the last known membership and resynchronises. Connections,
-reconnects, the lease and the watch are an `EtcdSession`'s.
+reconnects, the lease and the watch are an `EtcdSession`'s: the process's, handed in by its
+app (which closes it), or one of their own when used alone.
 """
 
 from __future__ import annotations
@@ -98,11 +99,14 @@ class WorkerRegistration:
         config: EtcdConfig,
         snapshot: Callable[[], WorkerRecord],
         dependencies: DependencyStatus,
+        session: EtcdSession | None = None,
     ) -> None:
         self.config = config
         self._snapshot = snapshot
         self._dependencies = dependencies
-        self.session = EtcdSession(config)
+        # The process's session when given (its owner closes it), else one of its own.
+        self._owns_session = session is None
+        self.session = session or EtcdSession(config)
         # Kept across reconnects: a failed call resets the connection, not necessarily the
         # lease, and a new lease would make routers see a new incarnation of this worker (and
         # fail over its streams) after a mere hiccup.
@@ -132,10 +136,11 @@ class WorkerRegistration:
         await self.session.put(worker_key(self.config, record.id).encode(), record.to_json(), lease=lease_id)
         self._written, self._written_at = content, time.monotonic()
 
-    async def _reset_client(self) -> None:
+    def _write_again(self) -> None:
         # etcd may have come back without its data: write the record again at the next try.
+        # (The failed call dropped its client already; the session may be shared, so this
+        # leaves the session's client alone.)
         self._written = None
-        await self.session.reset()
 
     async def _run(self) -> None:
         backoff = reconnect_backoff(self.config)
@@ -151,7 +156,7 @@ class WorkerRegistration:
                 if self._dependencies.is_up("etcd") or not self.registered.is_set():
                     log.warning("etcd unreachable, will retry: %s", exc)
                 self._dependencies.set("etcd", False)
-                await self._reset_client()
+                self._write_again()
                 delay = next_wait(backoff)
             self._wake.clear()
             try:
@@ -167,15 +172,18 @@ class WorkerRegistration:
         await stop_task(self._task)
         self._task = None
         self._lease.forget()
-        await self._reset_client()
+        self._write_again()
+        if self._owns_session:
+            await self.session.close()
 
     async def stop(self) -> None:
         """Stops refreshing and revokes the lease, so routers drop this worker at once."""
         await stop_task(self._task)
         self._task = None
         await self._lease.revoke()
-        await self._reset_client()
-        await self.session.close()
+        self._write_again()
+        if self._owns_session:
+            await self.session.close()
 
 
 Listener = Callable[[dict[str, WorkerRecord]], Awaitable[None] | None]
@@ -194,11 +202,14 @@ class GoneEvent(asyncio.Event):
 class MembershipWatcher:
     """The router's live view of workers: a full read, then a prefix watch; resyncs after loss."""
 
-    def __init__(self, config: EtcdConfig, dependencies: DependencyStatus) -> None:
+    def __init__(self, config: EtcdConfig, dependencies: DependencyStatus,
+                 session: EtcdSession | None = None) -> None:
         self.config = config
         self._dependencies = dependencies
         self._workers: dict[str, WorkerRecord] = {}
-        self.session = EtcdSession(config)
+        # The process's session when given (its owner closes it), else one of its own.
+        self._owns_session = session is None
+        self.session = session or EtcdSession(config)
         self._watch = self.session.watch_prefix(workers_prefix(config).encode(), self._on_sync, self._on_change,
                                                 self._on_lost, name="etcd-membership")
         self._changed = asyncio.Condition()
@@ -235,7 +246,9 @@ class MembershipWatcher:
         await self._watch.start()
 
     async def stop(self) -> None:
-        await self.session.close()
+        await self._watch.stop()
+        if self._owns_session:
+            await self.session.close()
 
     async def wait_for(self, predicate: Callable[[dict[str, WorkerRecord]], bool], timeout: float) -> bool:
         """Waits until the membership satisfies `predicate`; False on timeout."""

@@ -4,7 +4,8 @@ publisher that writes new entries under a lease of their time to live.
 The watch reads `<prefix>quarantine/` whole, then follows it; a DELETE (the lease expired, or
 an operator lifted the quarantine with `etcdctl del`) drops the entry. While etcd is away the
 store keeps what it holds, and the publisher keeps at most `max_pending` entries to write once
-etcd is back (an entry that lapses meanwhile is not written).
+etcd is back (an entry that lapses meanwhile is not written). Both work over the process's
+`EtcdSession` when given one (its owner closes it), else over one of their own.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ log = logging.getLogger(__name__)
 class QuarantineWatch:
     """Follows every entry under `<prefix>quarantine/` into `store` (the session's prefix watch)."""
 
-    def __init__(self, config: EtcdConfig, store: QuarantineStore) -> None:
+    def __init__(self, config: EtcdConfig, store: QuarantineStore, session: EtcdSession | None = None) -> None:
         self.config = config
         self.key = f"{config.prefix}{QUARANTINE_PREFIX}".encode()
         self.store = store
-        self.session = EtcdSession(config)
+        # The process's session when given (its owner closes it), else one of its own.
+        self._owns_session = session is None
+        self.session = session or EtcdSession(config)
         self._watch = self.session.watch_prefix(self.key, self._on_sync, self._on_change, name="quarantine-watch")
         self.synced = asyncio.Event()
 
@@ -64,19 +67,24 @@ class QuarantineWatch:
         await self._watch.start()
 
     async def stop(self) -> None:
-        await self.session.close()
+        await self._watch.stop()
+        if self._owns_session:
+            await self.session.close()
 
 
 class QuarantinePublisher:
     """Writes entries to etcd, each under its own lease of the entry's remaining time."""
 
-    def __init__(self, config: EtcdConfig, store: QuarantineStore, max_pending: int = 256) -> None:
+    def __init__(self, config: EtcdConfig, store: QuarantineStore, max_pending: int = 256,
+                 session: EtcdSession | None = None) -> None:
         self.config = config
         self.store = store
         self._pending: collections.deque[QuarantineEntry] = collections.deque(maxlen=max_pending)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.session = EtcdSession(config)
+        # The process's session when given (its owner closes it), else one of its own.
+        self._owns_session = session is None
+        self.session = session or EtcdSession(config)
         self.published = 0
 
     def publish(self, entry: QuarantineEntry) -> None:
@@ -93,7 +101,8 @@ class QuarantinePublisher:
     async def stop(self) -> None:
         await stop_task(self._task)
         self._task = None
-        await self.session.close()
+        if self._owns_session:
+            await self.session.close()
 
     async def _run(self) -> None:
         backoff = reconnect_backoff(self.config)

@@ -32,6 +32,13 @@ async def published_again(registration: WorkerRegistration, config: EtcdConfig, 
     return await lease_of(config, worker_id)
 
 
+async def call_timed_out(registration: WorkerRegistration) -> None:
+    """What a timed-out etcd call does: the session drops its client, and the registration
+    writes its record again at the next heartbeat."""
+    await registration.session.reset()
+    registration._write_again()
+
+
 async def test_a_reset_client_keeps_a_live_lease_and_replaces_an_expired_one(etcd_server):
     config = etcd_config(etcd_server)
     record = WorkerRecord(id="w-lease", address="127.0.0.1:1", model="tiny", model_version="v1")
@@ -42,12 +49,12 @@ async def test_a_reset_client_keeps_a_live_lease_and_replaces_an_expired_one(etc
         first = await lease_of(config, "w-lease")
         assert first
 
-        await registration._reset_client()  # what a timed-out etcd call does
+        await call_timed_out(registration)
         assert await published_again(registration, config, "w-lease") == first
 
         # The lease really gone (revoked here, as an expiry would): a new one is taken.
         await registration._lease.revoke()
-        await registration._reset_client()
+        await call_timed_out(registration)
         replaced = await published_again(registration, config, "w-lease")
         assert replaced and replaced != first
     finally:
