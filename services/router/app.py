@@ -2,8 +2,12 @@
 router.http_port set) the OpenAI-compatible HTTP front on the same request path.
 
 Stateless: run as many replicas as needed behind any L4/L7 balancer. Shutdown order:
-health NOT_SERVING, server.stop(grace) lets open streams finish, then the membership
-watch, worker channels and telemetry close.
+health NOT_SERVING, server.stop(grace) lets open streams finish, then the autoscaler resigns,
+the watches stop, worker channels and telemetry close, and the etcd session goes last.
+
+The router holds one etcd session (one client, one reconnect loop): this module builds it and
+hands it to everything that reaches etcd (membership, tiering rules, quarantine, rollouts,
+autoscaler), and closes it once they all stopped.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from ballast.v1 import inference_pb2, inference_pb2_grpc
+from services.common.etcd_session import EtcdSession
 from services.common.etcd_watch import KeyWatcher
 from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.membership import MembershipWatcher
@@ -48,6 +53,8 @@ class RouterApp:
     telemetry: Telemetry
     health: object
     rules_watch: KeyWatcher
+    # The process's one etcd session, under every watch, lease and call above; closed last.
+    etcd: EtcdSession
     _sweeper: asyncio.Task | None = None
     # The autoscaler's reports, leader campaign and (while leader) decisions; None when off.
     autoscaler: AutoscalerController | None = None
@@ -94,12 +101,15 @@ class RouterApp:
         await self.membership.stop()
         await self.clients.close()
         self.telemetry.stop()
+        # Last: every part above used it, and none closes a session it was given.
+        await self.etcd.close()
 
 
 async def create_server(config: BallastConfig) -> RouterApp:
     """Starts watching membership and serving on the configured port (0 picks one)."""
     telemetry = Telemetry("router", config.telemetry)
-    membership = MembershipWatcher(config.etcd, telemetry.dependencies)
+    etcd = EtcdSession(config.etcd)
+    membership = MembershipWatcher(config.etcd, telemetry.dependencies, etcd)
     await membership.start()
     clients = WorkerClients(config.tls)
     servicer = InferenceServicer(config, membership, clients, RouterMetrics(telemetry))
@@ -108,12 +118,13 @@ async def create_server(config: BallastConfig) -> RouterApp:
     await servicer.degrader.start()
     servicer.backfill = BackfillProxy.from_config(config, telemetry)
     await servicer.backfill.start()
-    rules_watch = KeyWatcher(config.etcd, f"{config.etcd.prefix}{TIERING_KEY}", servicer.rules_changed)
+    rules_watch = KeyWatcher(config.etcd, f"{config.etcd.prefix}{TIERING_KEY}", servicer.rules_changed, etcd)
     await rules_watch.start()
-    await servicer.rollouts.start()
+    # The servicer builds the controller without etcd access; it gets the session here.
+    await servicer.rollouts.start(etcd)
     # The quarantine shared with the other routers and the backfill through etcd.
     servicer.runner.quarantine = RouterQuarantine(config.router.quarantine, config.etcd,
-                                                  counter=servicer.metrics.quarantine)
+                                                  counter=servicer.metrics.quarantine, session=etcd)
     await servicer.runner.quarantine.start()
     credentials = public_server_credentials(config.tls, "router")
     # With a plaintext public port (public_tls off, TLS ended at a balancer) the public API
@@ -127,12 +138,12 @@ async def create_server(config: BallastConfig) -> RouterApp:
     await server.start()
     telemetry.start()
     await set_serving(health, [SERVICE_NAME], True)
-    app = RouterApp(config, server, port, membership, clients, servicer, telemetry, health, rules_watch)
+    app = RouterApp(config, server, port, membership, clients, servicer, telemetry, health, rules_watch, etcd)
     if config.router.http_port is not None:
         app.http = OpenAIFront(servicer)
         await app.http.start(config.router.host, config.router.http_port)
         log.info("router OpenAI-compatible HTTP on %s://%s/v1", app.http.scheme, app.http_address)
     app._sweeper = asyncio.create_task(app._sweep_channels())
-    app.autoscaler = await start_autoscaler(config, membership, servicer, telemetry, router_identity(port))
+    app.autoscaler = await start_autoscaler(config, membership, servicer, telemetry, router_identity(port), etcd)
     log.info("router serving on %s", app.address)
     return app

@@ -5,7 +5,8 @@ reads them all.
 report intervals long) takes a dead router's report away, so the leader never decides on a
 router that stopped measuring. Reports older than `max_age_s` are ignored as well: a router
 whose clock or loop stalls must not pin the pool's p99. The lease is the session's
-`KeptLease`: refreshed at each report, granted again when etcd lost it.
+`KeptLease`: refreshed at each report, granted again when etcd lost it. The session is the
+router's when given (the router closes it), else the board's own.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ReportBoard:
         build: Callable[[], RouterReport],
         interval_s: float,
         clock: Callable[[], float] = time.time,
+        session: EtcdSession | None = None,
     ) -> None:
         self.config = config
         self.router_id = router_id
@@ -45,7 +47,8 @@ class ReportBoard:
         self._clock = clock
         self.ttl_s = max(2, round(interval_s * 3 + 0.49))
         self.max_age_s = max(self.ttl_s * 2.0, 10.0)
-        self.session = EtcdSession(config)
+        self._owns_session = session is None
+        self.session = session or EtcdSession(config)
         self._lease = self.session.kept_lease(self.ttl_s)
         self._task: asyncio.Task | None = None
         self.published = asyncio.Event()
@@ -61,7 +64,8 @@ class ReportBoard:
         await stop_task(self._task)
         self._task = None
         await self._lease.revoke()  # or it expires on its own
-        await self.session.close()
+        if self._owns_session:
+            await self.session.close()
 
     async def publish(self) -> None:
         lease_id = await self._lease.ensure()
@@ -74,8 +78,8 @@ class ReportBoard:
                 async with asyncio.timeout(self.config.timeout_s * 2):
                     await self.publish()
             except ETCD_ERRORS as exc:
+                # The failed call dropped its client already: the next report connects again.
                 log.debug("could not publish the autoscaler report: %s", exc)
-                await self.session.reset()
             await asyncio.sleep(self.interval_s)
 
     async def read_all(self, client: Any) -> list[RouterReport]:

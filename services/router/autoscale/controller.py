@@ -10,6 +10,9 @@ not lead export no such gauge, so max() over routers is the leader's number.
 
 A new leader starts with fresh decision state: cooldowns restart and a calm has to be proven
 again before any scale-in, which errs on the side of capacity.
+
+The reports, the campaign and the decisions share one `EtcdSession`: the router's when given
+(the router closes it, after `stop()`), else the controller's own.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class AutoscalerController:
         executor: RoleExecutor,
         meter: Meter | None = None,
         clock: Callable[[], float] = time.time,
+        session: EtcdSession | None = None,
     ) -> None:
         self.config = config
         self.settings = config.autoscaler
@@ -78,12 +82,14 @@ class AutoscalerController:
         self.membership = membership
         self.executor = executor
         self._clock = clock
+        self._owns_session = session is None
+        self.session = session or EtcdSession(config.etcd)
         self.board = ReportBoard(
-            config.etcd, router_id, lambda: observations.report(router_id), self.settings.report_interval_s, clock
+            config.etcd, router_id, lambda: observations.report(router_id), self.settings.report_interval_s, clock,
+            session=self.session,
         )
-        self.lock = LeaderLock(config.etcd, LEADER_NAME, router_id, self.settings.leader_ttl_s)
+        self.lock = LeaderLock(config.etcd, LEADER_NAME, router_id, self.settings.leader_ttl_s, session=self.session)
         self._decider: Autoscaler | None = None
-        self.session = EtcdSession(config.etcd)
         self._task: asyncio.Task | None = None
         self.decisions: dict[str, ScaleDecision] = {}
         """The latest decision per pool while leader (empty otherwise)."""
@@ -120,7 +126,8 @@ class AutoscalerController:
         await self.lock.stop()
         await self.board.stop()
         await self.executor.close()
-        await self.session.close()
+        if self._owns_session:
+            await self.session.close()
 
     async def _run(self) -> None:
         while True:
@@ -129,8 +136,8 @@ class AutoscalerController:
                     async with asyncio.timeout(max(self.settings.tick_s * 5, self.config.etcd.timeout_s * 3)):
                         await self.tick()
                 except (*ETCD_ERRORS, TimeoutError) as exc:
+                    # The failed (or cut) call dropped its client already: the next tick connects again.
                     log.warning("autoscaler tick failed, retrying next tick: %s", exc)
-                    await self.session.reset()
                 except Exception:  # a bad tick (e.g. the Kubernetes API refusing) must not end the loop
                     log.exception("autoscaler tick failed")
             else:

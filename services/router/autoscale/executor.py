@@ -85,10 +85,13 @@ class RoleExecutor:
 
     kind = "none"
 
-    def __init__(self, etcd: EtcdConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, etcd: EtcdConfig, clock: Callable[[], float] = time.monotonic,
+                 session: EtcdSession | None = None) -> None:
         self.etcd = etcd
         self._clock = clock
-        self.session = EtcdSession(etcd)
+        # The router's session when given (the router closes it), else one of its own.
+        self._owns_session = session is None
+        self.session = session or EtcdSession(etcd)
         # worker id -> (role asked for, when): counted as done until the record agrees.
         self._requested: dict[str, tuple[str, float]] = {}
 
@@ -128,4 +131,5 @@ class RoleExecutor:
         self._requested[worker.id] = (role, self._clock())
 
     async def close(self) -> None:
-        await self.session.close()
+        if self._owns_session:
+            await self.session.close()

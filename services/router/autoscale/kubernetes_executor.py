@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from services.common.config import ConfigError, EtcdConfig
+from services.common.etcd_session import EtcdSession
 from services.common.membership import WorkerRecord
 from services.router.autoscale.decision import ScaleDecision
 from services.router.autoscale.executor import PoolMembers, RoleExecutor, RolePlan
@@ -53,8 +54,9 @@ class KubernetesExecutor(RoleExecutor):
         pools: list[str],
         api: Any | None = None,
         clock: Callable[[], float] = time.monotonic,
+        session: EtcdSession | None = None,
     ) -> None:
-        super().__init__(etcd, clock)
+        super().__init__(etcd, clock, session)
         missing = [pool for pool in pools if pool not in settings.deployments]
         if missing:
             raise ConfigError(

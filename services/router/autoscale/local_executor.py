@@ -21,6 +21,7 @@ from typing import Callable, Mapping
 
 import yaml
 
+from services.common.etcd_session import EtcdSession
 from services.common.membership import WorkerRecord
 from services.common.processes import ManagedProcess
 from services.common.tasks import stop_task
@@ -47,8 +48,9 @@ class LocalWorker:
 class LocalExecutor(RoleExecutor):
     kind = "local"
 
-    def __init__(self, config: BallastConfig, router_id: str, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(config.etcd, clock)
+    def __init__(self, config: BallastConfig, router_id: str, clock: Callable[[], float] = time.monotonic,
+                 session: EtcdSession | None = None) -> None:
+        super().__init__(config.etcd, clock, session)
         self.config = config
         self.settings = config.autoscaler.local
         self.router_id = router_id

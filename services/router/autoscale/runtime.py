@@ -1,6 +1,6 @@
 """Wiring the autoscaler into a router process: the executor it acts through, its observers on
 the request path, and the controller that campaigns and decides. Nothing runs unless
-`autoscaler.enabled` is set.
+`autoscaler.enabled` is set. Everything here reaches etcd through the router's session.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 import socket
 from typing import Any
 
+from services.common.etcd_session import EtcdSession
 from services.common.membership import MembershipWatcher
 from services.common.telemetry import Telemetry
 from services.config import BallastConfig
@@ -22,23 +23,26 @@ def router_identity(port: int) -> str:
     return f"{socket.gethostname()}-{port}-{os.getpid()}"
 
 
-def make_executor(config: BallastConfig, router_id: str) -> RoleExecutor:
+def make_executor(config: BallastConfig, router_id: str, session: EtcdSession | None = None) -> RoleExecutor:
     kind = config.autoscaler.executor
     if kind == "local":
         from services.router.autoscale.local_executor import LocalExecutor
 
-        return LocalExecutor(config, router_id)
+        return LocalExecutor(config, router_id, session=session)
     if kind == "kubernetes":
         from services.router.autoscale.kubernetes_executor import KubernetesExecutor
 
-        return KubernetesExecutor(config.etcd, config.autoscaler.kubernetes, list(config.autoscaler.pools))
-    return RoleExecutor(config.etcd)
+        return KubernetesExecutor(config.etcd, config.autoscaler.kubernetes, list(config.autoscaler.pools),
+                                  session=session)
+    return RoleExecutor(config.etcd, session=session)
 
 
 async def start_autoscaler(
-    config: BallastConfig, membership: MembershipWatcher, servicer: Any, telemetry: Telemetry, router_id: str
+    config: BallastConfig, membership: MembershipWatcher, servicer: Any, telemetry: Telemetry, router_id: str,
+    session: EtcdSession,
 ) -> AutoscalerController | None:
-    """Observes the servicer's request path and starts the controller; None when disabled."""
+    """Observes the servicer's request path and starts the controller over `session` (the
+    router's, which the router closes after stopping the controller); None when disabled."""
     if not config.autoscaler.enabled:
         return None
     observations = RouterObservations(
@@ -47,7 +51,8 @@ async def start_autoscaler(
     servicer.runner.add_observer(observations)
     servicer.metrics.add_queue_wait_listener(observations.queue_wait)
     controller = AutoscalerController(
-        config, router_id, membership, observations, make_executor(config, router_id), telemetry.meter
+        config, router_id, membership, observations, make_executor(config, router_id, session), telemetry.meter,
+        session=session,
     )
     await controller.start()
     return controller

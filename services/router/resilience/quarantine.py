@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import Field
 
 from services.common.config import EtcdConfig, Section
+from services.common.etcd_session import EtcdSession
 from services.common.errors import Quarantined
 from services.common.quarantine import Clock, QuarantineEntry, QuarantineStore, request_fingerprint
 from services.common.quarantine_etcd import QuarantinePublisher, QuarantineWatch
@@ -77,15 +78,17 @@ class RouterQuarantine:
     """The router's quarantine: refuses quarantined requests, counts worker losses, publishes."""
 
     def __init__(self, config: QuarantineConfig, etcd: EtcdConfig | None = None, counter: Any = None,
-                 clock: Clock = time.time, monotonic: Clock = time.monotonic) -> None:
+                 clock: Clock = time.time, monotonic: Clock = time.monotonic,
+                 session: EtcdSession | None = None) -> None:
         self.config = config
         self.store = QuarantineStore(config.max_entries, clock)
         self.tally = LossTally(config.ttl_s, config.max_entries, monotonic)
         self._clock = clock
         # ballast_router_quarantine{event=quarantined|refused}
         self._counter = counter
-        self.watch = QuarantineWatch(etcd, self.store) if etcd is not None else None
-        self.publisher = QuarantinePublisher(etcd, self.store) if etcd is not None else None
+        # Both over the router's etcd session when given (the router closes it).
+        self.watch = QuarantineWatch(etcd, self.store, session) if etcd is not None else None
+        self.publisher = QuarantinePublisher(etcd, self.store, session=session) if etcd is not None else None
 
     async def start(self) -> None:
         if self.publisher is not None:

@@ -6,7 +6,8 @@ or the gate's decision reaches all of them within one watch event. Every router 
 candidate on the requests it saw (canary attempts and mirrored copies), but only the holder
 of the `rollout-gate` leader lock acts on its gate: it writes a promotion or rollback with a
 compare-and-swap on the document's mod revision, so neither a router that lost the lock a
-moment ago nor an operator's simultaneous change can be overwritten.
+moment ago nor an operator's simultaneous change can be overwritten. The watch, the lock and
+the writes share the router's `EtcdSession`, handed over at `start()`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable
 from opentelemetry.metrics import Meter, NoOpMeter
 
 from services.common.config import EtcdConfig
+from services.common.etcd_session import EtcdSession
 from services.common.leader import LeaderLock
 from services.common.membership import ETCD_ERRORS, WorkerRecord
 from services.common.tasks import stop_task
@@ -32,7 +34,7 @@ from services.router.rollout.metrics import RolloutMetrics
 from services.router.rollout.mirror import BusinessScore, Comparison, MirrorHandle, MirrorRunner
 from services.router.rollout.split import Route, choose
 from services.router.rollout.state import Phase, Rollout, RolloutError, load_rollout
-from services.router.rollout.store import RolloutStore, with_store
+from services.router.rollout.store import RolloutStore, store_over
 from services.router.rollout.watch import RolloutWatch
 from services.router.worker_clients import WorkerClients
 
@@ -61,9 +63,13 @@ class RolloutController:
         self._gates: dict[str, SloGate] = {}
         self._deciding: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._watch = (RolloutWatch(etcd, self.replace_all, self.apply) if etcd is not None else None)
-        self.leader = None if etcd is None else LeaderLock(
-            etcd, LEADER_LOCK, f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        # The document watch, the gate's lock and the session under them: built by start(),
+        # over the session it is given (the router's, built by its app).
+        self._watch: RolloutWatch | None = None
+        self.leader: LeaderLock | None = None
+        self.session: EtcdSession | None = None
+        self._owns_session = False
+        self._identity = f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.mirrors = MirrorRunner(
             clients, models, on_comparison=self._compared,
             on_outcome=lambda model, outcome: self.metrics.mirrors.add(1, {"model": model, "outcome": outcome}),
@@ -183,6 +189,10 @@ class RolloutController:
 
     async def _decide(self, seen: Rollout, reading: GateReading) -> None:
         model = seen.model
+        session = self.session
+        if session is None:  # never started: no etcd to write the decision to
+            self._deciding.discard(model)
+            return
         decision = reading.verdict.value
 
         async def write(store: RolloutStore) -> Rollout | None:
@@ -195,7 +205,7 @@ class RolloutController:
             return decided if await store.swap(decided, stored.mod_revision) else None
 
         try:
-            decided = await with_store(self.etcd, write)
+            decided = await write(await store_over(session, self.etcd))
         except ETCD_ERRORS as exc:
             log.warning("could not write the %s of %s's rollout (will retry): %s", decision, model, exc)
             return
@@ -219,9 +229,16 @@ class RolloutController:
 
     # ----- lifecycle ------------------------------------------------------------------
 
-    async def start(self) -> None:
-        if self._watch is None:
+    async def start(self, session: EtcdSession | None = None) -> None:
+        """Follows the documents and campaigns for the gate over `session` (the process's: its
+        owner closes it; None: one of the controller's own, closed by stop()). Without etcd
+        there is nothing to follow."""
+        if self.etcd is None:
             return
+        self._owns_session = session is None
+        self.session = session or EtcdSession(self.etcd)
+        self._watch = RolloutWatch(self.etcd, self.replace_all, self.apply, self.session)
+        self.leader = LeaderLock(self.etcd, LEADER_LOCK, self._identity, session=self.session)
         await self._watch.start()
         await self.leader.start()
         task = asyncio.create_task(self._tick(), name="rollout-gate-tick")
@@ -231,7 +248,11 @@ class RolloutController:
     async def stop(self) -> None:
         if self._watch is not None:
             await self._watch.stop()
+        if self.leader is not None:
             await self.leader.stop()
         tasks = list(self._tasks) + list(self.mirrors.tasks)
         await asyncio.gather(*(stop_task(task) for task in tasks))
+        # Last, once nothing here uses it; a session it was given stays open for its owner.
+        if self._owns_session and self.session is not None:
+            await self.session.close()
 

@@ -66,8 +66,15 @@ class RolloutStore:
         return bool(succeeded)
 
 
+async def store_over(session: EtcdSession, config: EtcdConfig) -> RolloutStore:
+    """A store over `session`, connected first (finding a live member), so that each call's
+    deadline is the call's alone."""
+    await session.client()
+    return RolloutStore(session, config)
+
+
 async def with_store(config: EtcdConfig, action: Callable[[RolloutStore], Awaitable[T]]) -> T:
-    """Runs `action` on a store over a session of its own (rollout writes are rare: none is kept)."""
+    """Runs `action` on a store over a session of its own: for a tool run once (`ballast
+    rollout`); a router's writes go through its own session (`store_over`)."""
     async with EtcdSession(config) as session:
-        await session.client()  # connected first (finding a live member), so each call has its deadline
-        return await action(RolloutStore(session, config))
+        return await action(await store_over(session, config))

@@ -1,7 +1,8 @@
 """Follows every rollout document under `<prefix>rollout/`: a full read, then a prefix watch.
 
 After losing etcd the last documents stay in force; on return the prefix is read again and
-handed over whole, so a document deleted meanwhile is dropped too.
+handed over whole, so a document deleted meanwhile is dropped too. The watch is the router's
+`EtcdSession`'s when given one (the router closes it), else one of its own session's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class RolloutWatch:
         config: EtcdConfig,
         on_snapshot: Callable[[dict[str, bytes]], None],
         on_change: Callable[[str, bytes | None], None],
+        session: EtcdSession | None = None,
     ) -> None:
         self.config = config
         self.key = f"{config.prefix}{ROLLOUT_PREFIX}".encode()
@@ -29,7 +31,8 @@ class RolloutWatch:
         self._on_snapshot = on_snapshot
         # One model's new document, or None when it was deleted.
         self._on_change = on_change
-        self.session = EtcdSession(config)
+        self._owns_session = session is None
+        self.session = session or EtcdSession(config)
         self._watch = self.session.watch_prefix(self.key, self._synced, self._changed, name="rollout-watch")
         self.synced = asyncio.Event()
 
@@ -47,4 +50,6 @@ class RolloutWatch:
         await self._watch.start()
 
     async def stop(self) -> None:
-        await self.session.close()
+        await self._watch.stop()
+        if self._owns_session:
+            await self.session.close()
