@@ -2,7 +2,11 @@
 
 Shutdown order (SIGTERM): health NOT_SERVING and draining published at once, in-flight
 streams finish within the grace period, the lease is revoked, the server stops, the engine
-is released, telemetry stops.
+is released, telemetry stops, and the etcd session closes last.
+
+A worker reaches etcd through one session (its registration, its role watch, a sim worker's
+fault watch): its own, built here, or the one a sim host shares among its workers (the host
+closes that one).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import grpc
 
 from ballast.v1 import worker_pb2, worker_pb2_grpc
 from services.config import BallastConfig
+from services.common.etcd_session import EtcdSession
 from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.membership import WorkerRecord, WorkerRegistration
 from services.common.tls.credentials import server_credentials
@@ -79,6 +84,10 @@ class WorkerApp:
     registration: WorkerRegistration
     health: object
     temperature: TemperatureSource
+    # The etcd session under the registration and the watches; closed last by shutdown() when
+    # the app built it (`owns_etcd`), left to its owner (a sim host) otherwise.
+    etcd: EtcdSession
+    owns_etcd: bool = True
     # Session KV persistence through the cache service (None: worker.cache_address unset).
     session_kv: SessionKV | None = None
     # Warm standby role and its watch (promotion by the autoscaler).
@@ -149,6 +158,8 @@ class WorkerApp:
             self.session_kv = None
         await _bounded("engine stop", self.engine.stop(), 15.0)
         self.telemetry.stop()
+        if self.owns_etcd:
+            await _bounded("etcd session close", self.etcd.close(), 5.0)
 
 
 async def _bounded(what: str, awaitable, timeout_s: float) -> None:
@@ -170,9 +181,11 @@ def _exit_now() -> None:
 
 
 async def create_server(config: BallastConfig, engine: Engine | None = None,
-                        on_crash: Callable[[], None] = _exit_now) -> WorkerApp:
+                        on_crash: Callable[[], None] = _exit_now, etcd: EtcdSession | None = None) -> WorkerApp:
     """Loads the engine, starts serving on the configured port (0 picks one), registers.
-    `on_crash`: what a sim worker's `crash` knob does (by default the process exits)."""
+    `on_crash`: what a sim worker's `crash` knob does (by default the process exits). `etcd`:
+    the process's session when several workers share one (its owner closes it); by default
+    the worker builds its own and closes it at shutdown."""
     engine = engine or make_engine(config)
     await engine.start()
     telemetry = Telemetry("worker", config.telemetry)
@@ -199,12 +212,14 @@ async def create_server(config: BallastConfig, engine: Engine | None = None,
         registration=None,  # type: ignore[arg-type]  # set just below; needs app.record
         health=health,
         temperature=TemperatureSource(config.worker.temperature_file),
+        etcd=etcd or EtcdSession(config.etcd),
+        owns_etcd=etcd is None,
     )
     metrics.observe_temperature(app.temperature.read)
     app.session_kv = await start_session_kv(config.worker, engine, telemetry, health, tls=config.tls)
-    app.registration = WorkerRegistration(config.etcd, app.record, telemetry.dependencies)
+    app.registration = WorkerRegistration(config.etcd, app.record, telemetry.dependencies, app.etcd)
     app.standby = StandbyControl(
-        config.etcd, worker_id, engine, config.worker.standby, app.registration.publish_now
+        config.etcd, worker_id, engine, config.worker.standby, app.registration.publish_now, app.etcd
     )
     await server.start()
     telemetry.start()
@@ -217,7 +232,7 @@ async def create_server(config: BallastConfig, engine: Engine | None = None,
             app.registration.publish_now()
 
         app.sim_faults = SimFaultControl(config.etcd, worker_id, engine, app.temperature, servicer.faults,
-                                         set_health, on_crash)
+                                         set_health, on_crash, app.etcd)
         await app.sim_faults.start()
     await app.registration.start()
     await app.standby.start()

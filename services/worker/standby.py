@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 from services.common.config import EtcdConfig
+from services.common.etcd_session import EtcdSession
 from services.common.etcd_watch import KeyWatcher
 from services.common.tasks import stop_task
 from services.common.worker_roles import SERVING, STANDBY, parse_role, role_key
@@ -27,14 +28,16 @@ class StandbyControl:
     """This worker's role, and the watch of its role key."""
 
     def __init__(
-        self, config: EtcdConfig, worker_id: str, engine: Engine, standby: bool, publish: Callable[[], None]
+        self, config: EtcdConfig, worker_id: str, engine: Engine, standby: bool, publish: Callable[[], None],
+        session: EtcdSession | None = None,
     ) -> None:
         self.standby = standby
         self.promoted_in_s: float | None = None
         """How long the last promotion took, from the role change seen to the record published."""
         self._engine = engine
         self._publish = publish
-        self._watch = KeyWatcher(config, role_key(config, worker_id), self._on_role)
+        # Over the worker's etcd session (None: one of the watch's own).
+        self._watch = KeyWatcher(config, role_key(config, worker_id), self._on_role, session)
         self._switch: asyncio.Task | None = None
 
     async def start(self) -> None:

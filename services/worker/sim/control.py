@@ -15,6 +15,7 @@ import logging
 from typing import Awaitable, Callable
 
 from services.common.config import EtcdConfig
+from services.common.etcd_session import EtcdSession
 from services.common.etcd_watch import KeyWatcher
 from services.worker.servicer import FaultInjector
 from services.worker.sim.engine import SimEngine
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 class SimFaultControl:
     def __init__(self, etcd: EtcdConfig, worker_id: str, engine: SimEngine, temperature: TemperatureSource,
                  refusals: FaultInjector, set_health: Callable[[bool], Awaitable[None]],
-                 on_crash: Callable[[], None]) -> None:
+                 on_crash: Callable[[], None], session: EtcdSession | None = None) -> None:
         self.engine = engine
         self.temperature = temperature
         self.refusals = refusals
@@ -36,7 +37,8 @@ class SimFaultControl:
         engine.on_crash = on_crash  # a query of death (crash_on_marker) ends the worker the same way
         self.faults = engine.faults
         self._initial = engine.faults
-        self._watch = KeyWatcher(etcd, faults_key(etcd.prefix, worker_id), self._on_value)
+        # Over the worker's etcd session (None: one of the watch's own).
+        self._watch = KeyWatcher(etcd, faults_key(etcd.prefix, worker_id), self._on_value, session)
         self._health_task: asyncio.Task | None = None
 
     @property

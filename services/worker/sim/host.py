@@ -9,6 +9,10 @@ A worker told to crash (`{"crash": true}`) dies alone, as a killed process would
 stops at once (streams in flight break) and its lease is left to expire. `--restart-after S`
 brings a crashed worker back (a new incarnation, new lease, same id and port) S seconds
 later, as a keeper would restart a process.
+
+The process holds one etcd session, built here and shared by every worker (their records,
+leases and watches): a crashed worker's lease is left to expire and its watches stop, and the
+others' go on. The host closes the session after every worker stopped.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import socket
 import sys
 
 from services.common.config import ConfigError
+from services.common.etcd_session import EtcdSession
 from services.common.lifecycle import catch_stop_signals, setup_logging
 from services.config import BallastConfig, load_config
 from services.worker.app import WorkerApp, create_server
@@ -40,6 +45,8 @@ class SimHost:
         self._ports: dict[int, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self.crashes = 0
+        # The process's one etcd session: every worker's, closed by shutdown() after them.
+        self.etcd = EtcdSession(config.etcd)
 
     def _config_for(self, index: int) -> BallastConfig:
         worker = self.config.worker.model_copy(update={
@@ -50,7 +57,8 @@ class SimHost:
         return self.config.model_copy(update={"worker": worker})
 
     async def start_worker(self, index: int) -> WorkerApp:
-        app = await create_server(self._config_for(index), on_crash=lambda: self._crash_soon(index))
+        app = await create_server(self._config_for(index), on_crash=lambda: self._crash_soon(index),
+                                  etcd=self.etcd)
         self.apps[index] = app
         self._ports[index] = app.port
         print(f"READY worker {app.address} metrics={app.telemetry.port} id={app.worker_id}", flush=True)
@@ -71,10 +79,13 @@ class SimHost:
             return
         self.crashes += 1
         log.warning("sim fault: worker %s crashes", app.worker_id)
-        # No drain, no goodbye: streams in flight break, the lease is left to expire.
+        # No drain, no goodbye: streams in flight break, the lease is left to expire. Its watches
+        # end as a dead process's would; the session stays, the other workers' go on.
         await app.registration.abandon()
         if app.sim_faults is not None:
             await app.sim_faults.stop()
+        if app.standby is not None:
+            await app.standby.stop()
         await app.server.stop(0)
         await app.engine.stop()
         app.telemetry.stop()
@@ -86,19 +97,19 @@ class SimHost:
     async def _clear_crash_knob(self, app: WorkerApp) -> None:
         # The new incarnation reads the same fault key: a crash knob left there would end it
         # again at once.
-        from services.common.etcd_session import EtcdSession
         from services.worker.sim.faults import faults_key
 
-        async with EtcdSession(self.config.etcd) as session:
-            try:
-                await session.delete(faults_key(self.config.etcd.prefix, app.worker_id).encode())
-            except Exception as exc:  # noqa: BLE001 - etcd away: the incarnation may crash again, said in the log
-                log.warning("could not clear the crash knob of %s: %s", app.worker_id, exc)
+        try:
+            await self.etcd.delete(faults_key(self.config.etcd.prefix, app.worker_id).encode())
+        except Exception as exc:  # noqa: BLE001 - etcd away: the incarnation may crash again, said in the log
+            log.warning("could not clear the crash knob of %s: %s", app.worker_id, exc)
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*(app.shutdown() for app in self.apps.values()), return_exceptions=True)
+        # Last: every worker above deregistered through it.
+        await self.etcd.close()
 
 
 async def serve(config: BallastConfig, count: int, restart_after_s: float | None) -> None:
