@@ -6,7 +6,10 @@ is missing. Without a usable replay target (router address and API key) the serv
 what is stored but consumes nothing: degraded requests wait safely in Kafka.
 
 Shutdown order: NOT_SERVING → server.stop(grace) → consumer (finish or cancel replays, commit,
-leave the group) → producer flush → Redis → probes → telemetry.
+leave the group) → producer flush → Redis → probes → telemetry → the etcd session.
+
+With a replay target, the membership watch (for primary pool returns) and the quarantine watch
+share one etcd session, built here and closed last.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from services.backfill.settings import BackfillSettings, ReplayTargetError, repl
 from services.backfill.store import AnswerStore, ClusterAnswerStore, Notices
 from services.common.auth import Authenticator
 from services.common.config import KafkaConfig, RedisConfig
+from services.common.etcd_session import EtcdSession
 from services.common.grpc_server import add_health_and_reflection, bind, bind_health_port, new_server, set_serving
 from services.common.kafka import AsyncProducer, ensure_topics
 from services.common.membership import MembershipWatcher
@@ -76,6 +80,8 @@ class BackfillApp:
     membership: MembershipWatcher | None = None
     # The routers' quarantine, followed from etcd: poison is parked, never replayed.
     quarantine_watch: QuarantineWatch | None = None
+    # The process's one etcd session, under both watches (None: no replays, no etcd).
+    etcd: EtcdSession | None = None
     _pubsub_redis: AnyRedis | None = None
     _topics_task: asyncio.Task | None = field(default=None, repr=False)
     sweeper: RetentionSweeper | None = None
@@ -108,6 +114,8 @@ class BackfillApp:
         if self._pubsub_redis is not None:
             await self._pubsub_redis.aclose()
         self.telemetry.stop()
+        if self.etcd is not None:
+            await self.etcd.close()  # last: the watches above stopped, and neither closes it
 
 
 def _redis_client(config: RedisConfig, timeout_s: float | None) -> AnyRedis:
@@ -207,9 +215,10 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
             log.error("backfill will not consume degraded requests: %s", exc)
     if replayer is not None:
         app.replayer = replayer
-        app.membership = MembershipWatcher(config.etcd, telemetry.dependencies)
+        app.etcd = EtcdSession(config.etcd)
+        app.membership = MembershipWatcher(config.etcd, telemetry.dependencies, app.etcd)
         await app.membership.start()
-        app.quarantine_watch = QuarantineWatch(config.etcd, QuarantineStore())
+        app.quarantine_watch = QuarantineWatch(config.etcd, QuarantineStore(), app.etcd)
         await app.quarantine_watch.start()
         app.processor = Processor(settings, store, replayer, producer, metrics,
                                   pool_watch=PrimaryPoolWatch(app.membership),
