@@ -24,6 +24,15 @@ def etcd_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def restartable_etcd(tmp_path):
+    """An etcd of the test's own, to stop and start again (the session's `etcd_server` serves
+    every other test)."""
+    server = EtcdServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()

@@ -273,6 +273,13 @@ async def test_busy_or_down_pool_waits_without_spending_attempts(backfill_app):
     assert (await backfill_app.store.get(ticket)).text == "better"
 
 
+async def test_the_membership_and_quarantine_watches_share_the_apps_one_etcd_session(backfill_app):
+    assert backfill_app.etcd is not None and backfill_app.membership is not None
+    assert backfill_app.quarantine_watch is not None
+    assert backfill_app.membership.session is backfill_app.etcd
+    assert backfill_app.quarantine_watch.session is backfill_app.etcd
+
+
 async def test_replay_waiting_for_a_down_pool_wakes_when_etcd_shows_it_back(backfill_app):
     """The pool's return, seen in etcd, ends the wait at once instead of after the backoff."""
     from services.backfill.consumer import Record

@@ -16,7 +16,6 @@ import uuid
 import pytest
 
 from services.cli.etcd_cluster import LocalEtcdCluster
-from services.cli.localservers import EtcdServer
 from services.common.config import EtcdConfig
 from services.common.etcd_session import ETCD_ERRORS, Change, EtcdSession
 
@@ -97,14 +96,8 @@ def config_for(prefix: str, **where) -> EtcdConfig:
     return EtcdConfig(prefix=prefix, timeout_s=1.0, reconnect_backoff_s=INITIAL_BACKOFF_S, **where)
 
 
-@pytest.fixture
-def etcd(tmp_path):
-    server = EtcdServer(tmp_path).start()
-    yield server
-    server.stop()
-
-
-async def test_a_restarted_etcd_is_reconnected_with_backoff_and_the_watch_reports_what_changed(etcd):
+async def test_a_restarted_etcd_is_reconnected_with_backoff_and_the_watch_reports_what_changed(restartable_etcd):
+    etcd = restartable_etcd
     prefix = f"/session-{uuid.uuid4().hex[:8]}/"
     config = config_for(prefix, host=etcd.host, port=etcd.port)
     root = f"{prefix}things/".encode()
