@@ -31,18 +31,7 @@ from services.common import tracing
 from services.common.accepted import was_accepted
 from services.common.grpc_tracing import trace_metadata
 from services.router.settings import RouterConfig
-from services.common.errors import (
-    BallastError,
-    DeadlineExceeded,
-    Fault,
-    InvalidArgument,
-    NoLiveWorker,
-    ResourceExhausted,
-    RetryBudgetExhausted,
-    Unavailable,
-    WorkerLost,
-)
-from services.common.faults import classify
+from services.common.errors import NoLiveWorker, RetryBudgetExhausted, Unavailable, WorkerLost
 from services.common.generation import FinishReason
 from services.common.membership import MembershipWatcher, WorkerRecord
 from services.router.affinity import SessionAffinity
@@ -54,12 +43,23 @@ from services.router.model_registry import ModelRegistry
 from services.router.pools import PoolGates, slot_key, worker_id_of
 from services.router.request_run import RequestRun, StreamState
 from services.router.requests import InferenceRequest
-from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
+from services.router.resilience.breaker import Outcome, Permit
+from services.router.resilience.failover import (
+    DECIDED_ERRORS,
+    Action,
+    AttemptFailure,
+    FailoverDecision,
+    Preempted,
+    StreamEndedEarly,
+    WorkerLeaseLost,
+    decide,
+    worker_died,
+)
 from services.router.resilience.health_view import WorkerHealthView
-from services.router.resilience.quarantine import RouterQuarantine, implicated
+from services.router.resilience.quarantine import RouterQuarantine
 from services.router.resilience.resume import plan_resume
-from services.router.resilience.retry_budget import Refusal, RetryBudget
-from services.router.resilience.stall import StreamStalled, with_stall_timeout
+from services.router.resilience.retry_budget import RetryBudget
+from services.router.resilience.stall import with_stall_timeout
 from services.router.rollout.controller import RolloutController
 from services.router.rollout.mirror import Answer, MirrorHandle
 from services.router.rollout.split import Role, Route
@@ -70,61 +70,9 @@ from services.router.worker_clients import WorkerClients
 log = logging.getLogger(__name__)
 TRACER = tracing.tracer("router")
 
-# Codes after which the same request may succeed on another worker.
-RETRIABLE_CODES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.CANCELLED,  # the worker's server went away under the call
-}
-
-
-class StreamEndedEarly(Unavailable):
-    """The worker closed the stream without a finished event."""
-
-
-class WorkerLeaseLost(Unavailable):
-    """The worker's etcd record disappeared while it was streaming."""
-
-
-class Preempted(Exception):
-    """The scheduler took this stream's slot for a higher tier; it resumes when a slot frees."""
-
-
-def error_from_worker(exc: grpc.aio.AioRpcError, worker_id: str) -> BallastError:
-    code = exc.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(exc.details() or "invalid request")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded("deadline exceeded while generating")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(f"worker {worker_id} is full", retry_after_s=0.5)
-    return Unavailable(f"worker {worker_id} failed: {code.name}: {exc.details()}")
-
 
 def _pool_words(model: str, version: str | None) -> str:
     return f"model {model!r}" + (f" version {version}" if version else "")
-
-
-def worker_gone(error: BaseException) -> bool:
-    """The call failed because its worker is gone (process dead, connection lost, lease
-    expired), not because a live worker answered with an error."""
-    return is_connection_lost(error) or isinstance(error, WorkerLeaseLost)
-
-
-def _resume_reason(error: BaseException) -> str:
-    if isinstance(error, Preempted):
-        return "preempted"
-    if isinstance(error, StreamStalled):
-        return "stalled"
-    if isinstance(error, WorkerLeaseLost):
-        return "lease_lost"
-    failure = classify(error)
-    if failure is not None and failure.fault is Fault.DRAINING:
-        return "drained"
-    return "worker_lost"
 
 
 class AttemptControl:
@@ -305,53 +253,54 @@ class GenerationRunner:
                     self.rollouts.observe(request.model, worker.model_version, True, run.ttft_ms())
                     self.affinity.served(request.tenant, request.session_id, worker.id)
                     return
-                except InvalidArgument:
-                    permit.record(Outcome.IGNORE)
-                    raise
-                except Preempted:
-                    permit.record(Outcome.IGNORE)
-                    await self._pause(grant, state, tier)
-                    if state.sent_ids:
-                        yield self._resumed(state, "preempted")
-                except (grpc.aio.AioRpcError, Unavailable) as error:
-                    outcome = outcome_of(error)
-                    lost = worker_gone(error)
-                    # A worker that is gone is not judged by its breaker: the breaker is per
-                    # worker id and would keep the restarted process (a new lease, back in
-                    # half a second under its keeper) out for a whole cool-down. The dead
-                    # incarnation itself is marked unreachable below.
-                    permit.record(Outcome.IGNORE if lost else outcome)
-                    if lost:
-                        # Gone (or unreachable) for every request, not just this one: no new
-                        # work for it until etcd replaces or drops it.
-                        self.health.mark_unreachable(worker)
-                    if outcome is Outcome.FAULT:
-                        self.rollouts.observe(request.model, worker.model_version, False)
-                    why = _resume_reason(error)
-                    # Did it die taking this request on? Then the request may be why: it costs
-                    # a bounded number of workers (this raises Quarantined at the limit).
-                    died = lost or isinstance(error, StreamStalled)
-                    suspect = implicated(died, len(state.sent_ids) - sent_before,
-                                         died and await was_accepted(control.last_call))
-                    if suspect:
-                        self.quarantine.worker_lost(request, why, worker.id)
-                    self._check_retriable(error, worker, run)
-                    self.metrics.worker_attempts.add(1, {"reason": why})
-                    log.info("request %s (trace %s): worker %s failed (%s) after %d tokens; trying another",
-                             request.request_id, tracing.trace_id(), worker.id, why, len(state.sent_ids))
-                    try:
-                        await self._another_slot(grant, request, self._pinned(version, state))
-                    except NoLiveWorker as gone:
-                        if suspect:
-                            # Not "the pool is down" but "the pool went down under this request".
-                            raise WorkerLost(f"{gone.message}; worker {worker.id} died taking this request on") from None
-                        raise
-                    if state.sent_ids:
-                        state.resumes += 1
-                        self.metrics.resumes.add(1, {"tier": tier, "reason": why})
-                        yield self._resumed(state, why)
+                except DECIDED_ERRORS as error:
+                    decision = decide(AttemptFailure(
+                        error, worker.id, tokens_sent=len(state.sent_ids),
+                        tokens_this_attempt=len(state.sent_ids) - sent_before,
+                        accepted=worker_died(error) and await was_accepted(control.last_call),
+                        deadline_passed=time.monotonic() >= run.deadline,
+                    ), run.attempts.ask)
+                    async for event in self._apply(decision, run, worker, permit, grant, version):
+                        yield event
                 finally:
                     permit.release()
+
+    async def _apply(self, decision: FailoverDecision, run: RequestRun, worker: WorkerRecord, permit: Permit,
+                     grant: Grant, version: str | None) -> AsyncIterator[Event]:
+        """Carries out a failed attempt's decision: the worker's breaker and marks, the
+        request's quarantine tally, then a pause, another worker, or the client's error."""
+        request, state, tier = run.request, run.state, run.tier
+        permit.record(decision.breaker)
+        if decision.mark_unreachable:
+            self.health.mark_unreachable(worker)
+        if decision.rollout_fault:
+            self.rollouts.observe(request.model, worker.model_version, False)
+        if decision.suspect:
+            # Counts against the request: it costs a bounded number of workers (this raises
+            # Quarantined at the limit).
+            self.quarantine.worker_lost(request, decision.reason, worker.id)
+        if decision.action is Action.FAIL:
+            assert decision.error is not None
+            raise decision.error from None
+        if decision.action is Action.PAUSE:
+            await self._pause(grant, state, tier)
+            if state.sent_ids:
+                yield self._resumed(state, decision.reason)
+            return
+        self.metrics.worker_attempts.add(1, {"reason": decision.reason})
+        log.info("request %s (trace %s): worker %s failed (%s) after %d tokens; trying another",
+                 request.request_id, tracing.trace_id(), worker.id, decision.reason, len(state.sent_ids))
+        try:
+            await self._another_slot(grant, request, self._pinned(version, state))
+        except NoLiveWorker as gone:
+            if decision.suspect:
+                # Not "the pool is down" but "the pool went down under this request".
+                raise WorkerLost(f"{gone.message}; worker {worker.id} died taking this request on") from None
+            raise
+        if decision.action is Action.RESUME:
+            state.resumes += 1
+            self.metrics.resumes.add(1, {"tier": tier, "reason": decision.reason})
+            yield self._resumed(state, decision.reason)
 
     @staticmethod
     def _pinned(version: str | None, state: StreamState) -> str | None:
@@ -393,22 +342,6 @@ class GenerationRunner:
         state.model_version = worker.model_version
         return Started(request_id=request.request_id, tier=run.tier, tier_reason=run.reason,
                        model=request.model, model_version=worker.model_version)
-
-    @staticmethod
-    def _check_retriable(error: BaseException, worker: WorkerRecord, run: RequestRun) -> None:
-        """Raises the error the client should get when another attempt is not allowed."""
-        attempts = run.attempts
-        if isinstance(error, grpc.aio.AioRpcError):
-            if time.monotonic() >= run.deadline or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceeded("deadline exceeded while generating") from None
-            if error.code() not in RETRIABLE_CODES:
-                raise error_from_worker(error, worker.id) from None
-        if not attempts.try_again():
-            if attempts.refusal is Refusal.BUDGET:
-                raise RetryBudgetExhausted(f"retry budget spent; worker {worker.id} failed: {error}") from None
-            if isinstance(error, grpc.aio.AioRpcError):
-                raise error_from_worker(error, worker.id) from None
-            raise error
 
     async def _watch_lease(self, worker_id: str, control: AttemptControl) -> None:
         gone = self.membership.gone_event(worker_id)

@@ -10,7 +10,7 @@ from services.common.errors import Draining, Fault, NoLiveWorker, RetryBudgetExh
 from services.common.faults import REASON_KEY, Failure, classify, retry_after_hint, status_trailers
 from services.common.grpc_server import bind, new_server
 from services.router.degrade.ladder import Reason, degrade_reason
-from services.router.generation import _resume_reason
+from services.router.resilience.failover import resume_reason
 from services.router.resilience.breaker import is_connection_lost
 
 S = grpc.StatusCode
@@ -52,7 +52,7 @@ def test_retry_hint_travels_with_overload():
 
 def test_every_consumer_reads_the_same_faults():
     drained, unreachable = answer(Draining("bye")), rpc_error(S.UNAVAILABLE)
-    assert _resume_reason(drained) == "drained" and _resume_reason(answer(Unavailable("x"))) == "worker_lost"
+    assert resume_reason(drained) == "drained" and resume_reason(answer(Unavailable("x"))) == "worker_lost"
     assert is_connection_lost(unreachable) and not is_connection_lost(drained)
     assert degrade_reason(NoLiveWorker("x")) is Reason.NO_WORKER
     assert degrade_reason(RetryBudgetExhausted("x")) is Reason.RETRY_BUDGET

@@ -8,7 +8,7 @@ import pytest
 from services.common.errors import BallastError, Draining, ResourceExhausted, Unavailable
 from services.common.faults import status_trailers
 from services.common.membership import WorkerRecord
-from services.router.generation import WorkerLeaseLost, worker_gone
+from services.router.resilience.failover import WorkerLeaseLost, worker_gone
 from services.router.resilience.breaker import BreakerBoard, BreakerConfig, is_connection_lost
 from services.router.resilience.health_view import Unroutable, WorkerHealthView
 from services.router.resilience.temperature import TemperatureConfig, TemperatureGate

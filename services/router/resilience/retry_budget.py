@@ -108,3 +108,7 @@ class RequestAttempts:
         self.attempts += 1
         self.refusal = None
         return True
+
+    def ask(self) -> Refusal | None:
+        """`try_again` as the failover decision asks it: None when granted, else why not."""
+        return None if self.try_again() else self.refusal

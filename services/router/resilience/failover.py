@@ -1,0 +1,196 @@
+"""What the router does when a worker call ends without an answer, decided in one pure function.
+
+The generation runner describes whatever ended an attempt as an `AttemptFailure` (the error,
+the tokens the request and this attempt had delivered, whether the worker had taken the call
+on) and applies the `FailoverDecision` that `decide` returns: pause (preempted), retry (nothing
+sent yet) or resume (tokens sent) on another worker, or fail with the error the client gets;
+and beside it what the worker's breaker records, whether the worker is marked unreachable,
+whether the loss counts against the request (quarantine) and against its rollout version.
+
+Nothing here touches a breaker, a budget, a slot or a metric: the decision is data, and the
+only state it reads, the request's retry budget, is asked through a callable, so every path
+is unit-tested without servers.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import grpc
+
+from services.common.errors import (
+    BallastError,
+    DeadlineExceeded,
+    Fault,
+    InvalidArgument,
+    ResourceExhausted,
+    RetryBudgetExhausted,
+    Unavailable,
+)
+from services.common.faults import classify
+from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
+from services.router.resilience.quarantine import implicated
+from services.router.resilience.retry_budget import Refusal
+from services.router.resilience.stall import StreamStalled
+
+# Codes after which the same request may succeed on another worker.
+RETRIABLE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,  # the worker's server went away under the call
+})
+
+
+class StreamEndedEarly(Unavailable):
+    """The worker closed the stream without a finished event."""
+
+
+class WorkerLeaseLost(Unavailable):
+    """The worker's etcd record disappeared while it was streaming."""
+
+
+class Preempted(Exception):
+    """The scheduler took this stream's slot for a higher tier; it resumes when a slot frees."""
+
+
+# What ends an attempt that `decide` has a say on; anything else (the client gone, a bug)
+# propagates as it is.
+DECIDED_ERRORS = (Preempted, InvalidArgument, grpc.aio.AioRpcError, Unavailable)
+
+
+class Action(str, enum.Enum):
+    # Preempted: give the slot up, wait for another, continue from what was sent.
+    PAUSE = "pause"
+    # Nothing sent yet: the same request on another worker.
+    RETRY = "retry"
+    # Tokens sent: continue from them on another worker (the client sees a Resumed event).
+    RESUME = "resume"
+    # The client gets `FailoverDecision.error`.
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class AttemptFailure:
+    """How one attempt on a worker ended without its answer."""
+
+    error: BaseException
+    worker_id: str
+    # Tokens the request has delivered in all, and in this attempt.
+    tokens_sent: int
+    tokens_this_attempt: int
+    # The worker had taken the call on (its `ballast-accepted` metadata came) before it was lost.
+    accepted: bool
+    # The client's deadline had passed when the attempt ended.
+    deadline_passed: bool
+
+
+@dataclass(frozen=True)
+class FailoverDecision:
+    action: Action
+    # Why the stream moved ("preempted", "worker_lost", "stalled", "lease_lost", "drained"),
+    # the label of the resume metrics and the Resumed event.
+    reason: str
+    # What the worker's breaker records for this attempt.
+    breaker: Outcome
+    # The worker is gone for every request, not just this one: no new work for it until etcd
+    # replaces or drops it.
+    mark_unreachable: bool = False
+    # The worker died taking this request on: the loss counts against the request.
+    suspect: bool = False
+    # The attempt is a fault of the worker's model version (rollout judgement).
+    rollout_fault: bool = False
+    # For FAIL: what the client gets.
+    error: BaseException | None = None
+
+
+BudgetAsk = Callable[[], Refusal | None]
+"""Asks the request's retry budget for one more attempt: None when granted, else why not."""
+
+
+def worker_gone(error: BaseException) -> bool:
+    """The call failed because its worker is gone (process dead, connection lost, lease
+    expired), not because a live worker answered with an error."""
+    return is_connection_lost(error) or isinstance(error, WorkerLeaseLost)
+
+
+def worker_died(error: BaseException) -> bool:
+    """The worker is gone or stalled: if it had taken the request on, the request may be why."""
+    return worker_gone(error) or isinstance(error, StreamStalled)
+
+
+def resume_reason(error: BaseException) -> str:
+    if isinstance(error, Preempted):
+        return "preempted"
+    if isinstance(error, StreamStalled):
+        return "stalled"
+    if isinstance(error, WorkerLeaseLost):
+        return "lease_lost"
+    failure = classify(error)
+    if failure is not None and failure.fault is Fault.DRAINING:
+        return "drained"
+    return "worker_lost"
+
+
+def error_from_worker(exc: grpc.aio.AioRpcError, worker_id: str) -> BallastError:
+    """The Ballast error a client gets for a worker's gRPC status."""
+    code = exc.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(exc.details() or "invalid request")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded("deadline exceeded while generating")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"worker {worker_id} is full", retry_after_s=0.5)
+    return Unavailable(f"worker {worker_id} failed: {code.name}: {exc.details()}")
+
+
+def decide(failure: AttemptFailure, ask_budget: BudgetAsk) -> FailoverDecision:
+    """What to do after `failure`; `ask_budget` is called only when another attempt is allowed
+    by everything else (it spends the budget when it grants)."""
+    error = failure.error
+    if isinstance(error, Preempted):
+        return FailoverDecision(Action.PAUSE, "preempted", Outcome.IGNORE)
+    if isinstance(error, InvalidArgument):
+        # Bad input: any worker would answer the same, and it says nothing about this one.
+        return FailoverDecision(Action.FAIL, "invalid_argument", Outcome.IGNORE, error=error)
+    reason = resume_reason(error)
+    # A draining worker hands its streams on by plan (a rollout, a scale-in): not a fault.
+    outcome = Outcome.IGNORE if reason == "drained" else outcome_of(error)
+    lost = worker_gone(error)
+    decision = FailoverDecision(
+        Action.RESUME if failure.tokens_sent else Action.RETRY,
+        reason,
+        # A worker that is gone is not judged by its breaker: the breaker is per worker id and
+        # would keep the restarted process (a new lease, back in half a second under its
+        # keeper) out for a whole cool-down. The dead incarnation is marked unreachable instead.
+        breaker=Outcome.IGNORE if lost else outcome,
+        mark_unreachable=lost,
+        suspect=implicated(worker_died(error), failure.tokens_this_attempt, failure.accepted),
+        rollout_fault=outcome is Outcome.FAULT,
+    )
+    refused = _refusal(failure)
+    if refused is None:
+        refusal = ask_budget()
+        if refusal is Refusal.BUDGET:
+            refused = RetryBudgetExhausted(f"retry budget spent; worker {failure.worker_id} failed: {error}")
+        elif refusal is not None:
+            refused = error_from_worker(error, failure.worker_id) if isinstance(error, grpc.aio.AioRpcError) else error
+    if refused is not None:
+        return replace(decision, action=Action.FAIL, error=refused)
+    return decision
+
+
+def _refusal(failure: AttemptFailure) -> BaseException | None:
+    """The error the client gets when the failure itself rules out another attempt."""
+    error = failure.error
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return None
+    if failure.deadline_passed or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded("deadline exceeded while generating")
+    if error.code() not in RETRIABLE_CODES:
+        return error_from_worker(error, failure.worker_id)
+    return None

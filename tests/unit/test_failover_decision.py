@@ -1,0 +1,148 @@
+"""The failover decision on its own: for each way an attempt can end (preempted, bad input, a
+lost or stalled worker, a lease gone, a worker's error answer, a passed deadline, a spent
+budget), what the router does next and what the worker's breaker, marks and the request's
+quarantine tally are told; the retry budget is asked only when nothing else rules a retry out."""
+
+import grpc
+import pytest
+
+from services.common.errors import (
+    BallastError,
+    DeadlineExceeded,
+    Draining,
+    InvalidArgument,
+    RetryBudgetExhausted,
+    Unavailable,
+)
+from services.common.faults import status_trailers
+from services.router.resilience.breaker import Outcome
+from services.router.resilience.failover import (
+    Action,
+    AttemptFailure,
+    Preempted,
+    StreamEndedEarly,
+    WorkerLeaseLost,
+    decide,
+)
+from services.router.resilience.retry_budget import Refusal
+from services.router.resilience.stall import StreamStalled
+
+
+def rpc_error(code: grpc.StatusCode, details: str, trailers: tuple = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details)
+
+
+def worker_answer(error: BallastError) -> grpc.aio.AioRpcError:
+    """The status a live worker sends for `error`, trailers included."""
+    return rpc_error(error.code, error.message, status_trailers(error))
+
+
+CONNECTION_LOST = rpc_error(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
+
+
+class Budget:
+    """A retry budget that answers `refusal` and counts how often it was asked."""
+
+    def __init__(self, refusal: Refusal | None = None) -> None:
+        self.refusal = refusal
+        self.asked = 0
+
+    def __call__(self) -> Refusal | None:
+        self.asked += 1
+        return self.refusal
+
+
+def failure(error: BaseException, *, sent: int = 0, this_attempt: int = 0, accepted: bool = True,
+            deadline_passed: bool = False) -> AttemptFailure:
+    return AttemptFailure(error, "w1", tokens_sent=sent, tokens_this_attempt=this_attempt, accepted=accepted,
+                          deadline_passed=deadline_passed)
+
+
+def test_preemption_pauses_without_judging_the_worker_or_spending_the_budget():
+    budget = Budget()
+    decision = decide(failure(Preempted(), sent=5, this_attempt=5), budget)
+    assert (decision.action, decision.reason, decision.breaker) == (Action.PAUSE, "preempted", Outcome.IGNORE)
+    assert not (decision.mark_unreachable or decision.suspect or decision.rollout_fault)
+    assert budget.asked == 0
+
+
+def test_bad_input_fails_with_its_own_error_and_says_nothing_about_the_worker():
+    budget = Budget()
+    error = InvalidArgument("response_format does not match")
+    decision = decide(failure(error), budget)
+    assert decision.action is Action.FAIL and decision.error is error
+    assert decision.breaker is Outcome.IGNORE and not decision.suspect
+    assert budget.asked == 0
+
+
+@pytest.mark.parametrize("sent, action", [(0, Action.RETRY), (7, Action.RESUME)])
+def test_a_lost_worker_is_marked_unreachable_and_spared_its_breaker(sent, action):
+    budget = Budget()
+    decision = decide(failure(CONNECTION_LOST, sent=sent, this_attempt=sent), budget)
+    assert (decision.action, decision.reason) == (action, "worker_lost")
+    assert decision.mark_unreachable and decision.breaker is Outcome.IGNORE
+    assert budget.asked == 1
+
+
+@pytest.mark.parametrize("error", [CONNECTION_LOST, StreamStalled(2.0, 0), WorkerLeaseLost("gone")])
+def test_a_worker_lost_taking_the_request_on_implicates_the_request(error):
+    assert decide(failure(error, sent=4, this_attempt=0, accepted=True), Budget()).suspect
+    # Not before it took the call on, nor once it relayed tokens of this attempt.
+    assert not decide(failure(error, sent=4, this_attempt=0, accepted=False), Budget()).suspect
+    assert not decide(failure(error, sent=4, this_attempt=3, accepted=True), Budget()).suspect
+
+
+def test_a_stalled_worker_counts_against_its_breaker_but_stays_reachable():
+    decision = decide(failure(StreamStalled(2.0, 3), sent=3, this_attempt=3), Budget())
+    assert (decision.action, decision.reason) == (Action.RESUME, "stalled")
+    assert decision.breaker is Outcome.FAULT and decision.rollout_fault
+    assert not decision.mark_unreachable
+
+
+def test_a_lost_lease_moves_the_stream_and_marks_the_worker():
+    decision = decide(failure(WorkerLeaseLost("lease gone"), sent=2, this_attempt=2), Budget())
+    assert (decision.action, decision.reason) == (Action.RESUME, "lease_lost")
+    assert decision.mark_unreachable and decision.breaker is Outcome.IGNORE
+
+
+def test_a_draining_worker_hands_the_stream_on_without_a_fault():
+    decision = decide(failure(worker_answer(Draining("draining")), sent=6, this_attempt=6), Budget())
+    assert (decision.action, decision.reason) == (Action.RESUME, "drained")
+    assert decision.breaker is Outcome.IGNORE and not decision.rollout_fault and not decision.mark_unreachable
+
+
+def test_a_stream_that_ended_early_is_a_worker_fault():
+    decision = decide(failure(StreamEndedEarly("no finished event"), sent=1, this_attempt=1), Budget())
+    assert decision.action is Action.RESUME and decision.breaker is Outcome.FAULT
+
+
+def test_a_passed_deadline_fails_at_once_without_asking_the_budget():
+    budget = Budget()
+    decision = decide(failure(CONNECTION_LOST, sent=3, deadline_passed=True), budget)
+    assert decision.action is Action.FAIL and isinstance(decision.error, DeadlineExceeded)
+    assert decision.mark_unreachable  # the worker is still gone for everyone else
+    assert budget.asked == 0
+    decision = decide(failure(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "late")), budget)
+    assert isinstance(decision.error, DeadlineExceeded) and budget.asked == 0
+
+
+def test_a_status_no_other_worker_would_change_fails_with_the_workers_answer():
+    budget = Budget()
+    decision = decide(failure(rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "no")), budget)
+    assert decision.action is Action.FAIL and isinstance(decision.error, Unavailable)
+    assert budget.asked == 0
+
+
+def test_a_spent_budget_fails_with_retry_budget_exhausted():
+    decision = decide(failure(CONNECTION_LOST, sent=2), Budget(Refusal.BUDGET))
+    assert decision.action is Action.FAIL and isinstance(decision.error, RetryBudgetExhausted)
+    # The loss is still the worker's: it is marked whatever the client gets.
+    assert decision.mark_unreachable
+
+
+def test_the_last_allowed_attempt_fails_with_what_the_worker_said():
+    decision = decide(failure(worker_answer(Draining("draining")), sent=2), Budget(Refusal.MAX_ATTEMPTS))
+    assert decision.action is Action.FAIL and isinstance(decision.error, Unavailable)
+    stalled = StreamStalled(2.0, 2)
+    decision = decide(failure(stalled, sent=2), Budget(Refusal.MAX_ATTEMPTS))
+    assert decision.action is Action.FAIL and decision.error is stalled
