@@ -52,8 +52,12 @@ from pathlib import Path
 from bench.bare_relay import start_bare_relay
 from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
+from services.router.settings import RouterConfig
 
+# Tokens per stream (--tokens): what the router's per-request work is spread over.
 TOKENS = 32
+# What a router holds a stream's tokens back for by default (router.stream_interval_ms).
+STREAM_INTERVAL_MS = RouterConfig.model_fields["stream_interval_ms"].default
 # Past one worker heartbeat (1 s): the in-flight counts the routers read are this load's.
 HEARTBEAT_SETTLE_S = 2.0
 # Before each measured load the cores must be this idle (busy share over half a second), or
@@ -75,7 +79,7 @@ GOALS = (
 
 
 async def _stream_load(kind: str, targets: list[str], streams: int, seconds: float, prompt_ids: list[int],
-                       api_key: str) -> dict:
+                       api_key: str, tokens_per_stream: int = TOKENS) -> dict:
     """`streams` closed-loop clients for `seconds`; TTFTs of streams started in the window."""
     import grpc
 
@@ -87,7 +91,7 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
         stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
     else:
         stubs = [inference_pb2_grpc.InferenceStub(c) for c in channels]
-    sampling = common_pb2.SamplingParams(max_tokens=TOKENS, temperature=0.0)
+    sampling = common_pb2.SamplingParams(max_tokens=tokens_per_stream, temperature=0.0)
     metadata = (("x-api-key", api_key),)
     ttfts: list[float] = []
     tokens = 0
@@ -100,8 +104,10 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
     def call(i: int):
         stub = stubs[i % len(stubs)]
         if kind == "direct":
+            # The router's default stream interval, so that every path sends the same messages.
             request = worker_pb2.WorkerGenerateRequest(request_id=f"scale-{i}", tenant="local",
-                                                       prompt_ids=prompt_ids, sampling=sampling)
+                                                       prompt_ids=prompt_ids, sampling=sampling,
+                                                       flush_interval_ms=STREAM_INTERVAL_MS)
             return stub.Generate(request, timeout=60)
         request = inference_pb2.GenerateRequest(request_id=f"scale-{i}", model="tiny", sampling=sampling,
                                                 prompt=PROMPT,
@@ -141,11 +147,11 @@ def _load_process(args: tuple, results) -> None:
 
 
 def run_load(kind: str, targets: list[str], streams: int, seconds: float, prompt_ids: list[int],
-             api_key: str) -> dict:
+             api_key: str, tokens_per_stream: int = TOKENS) -> dict:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     process = context.Process(target=_load_process,
-                              args=((kind, targets, streams, seconds, prompt_ids, api_key), results), daemon=True)
+                              args=((kind, targets, streams, seconds, prompt_ids, api_key, tokens_per_stream), results), daemon=True)
     process.start()
     try:
         return results.get(timeout=seconds + 180)
@@ -245,7 +251,7 @@ async def _membership_change_s(mesh, worker_id: str, routers, reps: int = 3) -> 
 
 
 def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[int], router_steps: list[int],
-                  out: Path, repeats: int = 3) -> int:
+                  out: Path, repeats: int = 3, tokens: int = TOKENS) -> int:
     from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 
     model_dir = model_dir_for("tiny")
@@ -278,11 +284,12 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                                                         Path(state) / "logs" / f"bare-relay-{target}.log")
                 for streams in stream_steps:
                     settle()
-                    direct = run_load("direct", [w.address for w in workers], streams, seconds, prompt_ids, LOCAL_API_KEY)
+                    direct = run_load("direct", [w.address for w in workers], streams, seconds, prompt_ids, LOCAL_API_KEY,
+                                      tokens)
                     assert relay.pid is not None
                     relay_cpu_before = cpu_seconds(relay.pid)
                     settle()
-                    bare = run_load("direct", [relay_address], streams, seconds, prompt_ids, LOCAL_API_KEY)
+                    bare = run_load("direct", [relay_address], streams, seconds, prompt_ids, LOCAL_API_KEY, tokens)
                     bare["cpu_s"] = cpu_seconds(relay.pid) - relay_cpu_before
                     for count in router_steps:
                         chosen = routers[:count]
@@ -295,7 +302,7 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                             cpu_before = [cpu_seconds(r.pid) for r in chosen]
                             busy_before = machine_busy()
                             routed = run_load("router", [r.address for r in chosen], streams, seconds, prompt_ids,
-                                              LOCAL_API_KEY)
+                                              LOCAL_API_KEY, tokens)
                             busy_after = machine_busy()
                             cpu = sum(cpu_seconds(r.pid) - b for r, b in zip(chosen, cpu_before))
                             run = _row(target, streams, count, direct, routed, cpu, busy_before, busy_after, bare)
@@ -313,7 +320,7 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
             if relay is not None:
                 relay.stop()
             mesh.stop()
-    return _report(rows, membership, seconds, out)
+    return _report(rows, membership, seconds, out, tokens)
 
 
 # The numbers the goals judge: a point measured more than once reports the median of each.
@@ -367,7 +374,7 @@ def _pick(rows: list[dict], **match) -> list[dict]:
     return [r for r in rows if all(r[k] == v for k, v in match.items())]
 
 
-def _report(rows: list[dict], membership: dict[int, float], seconds: float, out: Path) -> int:
+def _report(rows: list[dict], membership: dict[int, float], seconds: float, out: Path, tokens: int) -> int:
     print_table(["workers", "streams", "routers", "added p50 ms", "added p99 ms", "bare p50 ms", "bare p99 ms",
                  "CPU s/1k tok", "tok/msg", "bare CPU", "tok/s", "bare tok/s", "tok/s/router", "busy", "errors"],
                 [[r["workers"], r["streams"], r["routers"], r["added_ttft_p50_ms"], r["added_ttft_p99_ms"],
@@ -401,7 +408,7 @@ def _report(rows: list[dict], membership: dict[int, float], seconds: float, out:
     one_router = sorted(_pick(rows, workers=top_w, routers=1), key=lambda r: r["streams"])
     saturation = max(one_router, key=lambda r: r["tokens_per_s"]) if one_router else None
     result = {"rows": rows, "membership_change_s": {str(k): v for k, v in membership.items()}, "seconds": seconds,
-              "engine": "sim", "tokens_per_stream": TOKENS, **measured, **floor,
+              "engine": "sim", "tokens_per_stream": tokens, **measured, **floor,
               "one_router_peak": saturation, **judge(GOALS, measured)}
     # Not mesh_scale.png: bench.report draws that one (the goals).
     _plot(rows, out.with_name(out.stem + "_cost.png"))
@@ -453,11 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="loads per one-router point up to 100 streams (the goals' points); each judged "
                              "number is the median")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per stream")
     parser.add_argument("--out", type=Path, default=Path("bench/results/mesh_scale.json"))
     args = parser.parse_args(argv)
     stop_on_sigterm()
     return run_benchmark(args.seconds, sorted(args.workers), sorted(args.streams), sorted(args.routers), args.out,
-                         max(1, args.repeats))
+                         max(1, args.repeats), args.tokens)
 
 
 if __name__ == "__main__":
