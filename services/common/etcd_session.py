@@ -16,9 +16,9 @@ On top of it:
 One session per process: a service's app builds it and hands it to every part that reaches etcd
 (its watches, leases and calls share the one client), and the app alone closes it, after those
 parts stopped. A part given a session never closes it: stopping a watch cancels only that watch,
-revoking a kept lease only that lease. A failed call (any part's) drops the shared client; every
-watch then reads its prefix again and every kept lease is refreshed on the next client, so one
-part's failure costs the others a resync, never a lost view or lease.
+revoking a kept lease only that lease. A failed or cut-short call (any part's) drops the shared
+client; every watch then reads its prefix again and every kept lease is refreshed on the next
+client, so one part's failure costs the others a resync, never a lost view or lease.
 
 `close()` is idempotent and stops the session's watches; the session can be used again after it
 (a later call connects again).
