@@ -1,7 +1,8 @@
 """The events of one request's stream, as plain Python values.
 
-The generation runner yields these; the gRPC edge (`events_pb`) turns them into
-`ballast.v1.GenerateEvent` messages. One event per message: `Started` once a worker (and
+The generation runner yields these, the degradation ladder relays and marks them, and the
+request path's edge (`InferenceServicer.generate`, through `events_pb`) turns each into a
+`ballast.v1.GenerateEvent` message once. One event per message: `Started` once a worker (and
 with it the model version) is chosen, `Tokens` as they arrive, `Resumed` when the stream
 continues after a pause or on another worker, `Finished` at the end. `WorkerFinished` is
 what a worker says at its end, before the router completes it into `Finished`.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.degraded.codec import Level
 from services.common.generation import FinishReason
 from services.router.structured.repair import StructuredResult
 
@@ -49,6 +51,10 @@ class Finished:
     dropped_messages: tuple[int, ...] = ()
     # Set for a request with a JSON Schema: the answer validated (and repaired).
     structured: StructuredResult | None = None
+    # Set for a degraded answer: the rung it came from, and the ticket of the better answer the
+    # backfill will deliver ("" when the hand-off was refused).
+    degradation: Level | None = None
+    backfill_ticket: str = ""
 
 
 @dataclass(frozen=True)

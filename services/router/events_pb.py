@@ -1,17 +1,15 @@
 """The generation runner at the protobuf edge.
 
 Client side: `event_to_pb` turns a plain event (`services.router.events`) into the
-`ballast.v1.GenerateEvent` the client receives; `events_to_pb` does so for a whole stream.
+`ballast.v1.GenerateEvent` the client receives, once, at the edge of the request path.
 Worker side: `worker_request_pb` builds the call a worker gets, and `worker_event_from_pb`
 reads the worker's events back as plain values.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import AsyncIterator
-
 from ballast.v1 import common_pb2, inference_pb2, worker_pb2
+from services.common.degraded.codec import LEVEL_TO_PB
 from services.common.sampling_pb import FINISH_TO_PB, sampling_to_pb
 from services.common.tier_pb import TIER_TO_PB
 from services.router.events import Event, Finished, Resumed, Started, Tokens, WorkerFinished
@@ -53,6 +51,9 @@ def _finished_pb(event: Finished) -> inference_pb2.Finished:
     )
     if event.structured is not None:
         set_structured(finished, event.structured)
+    if event.degradation is not None:
+        finished.degradation = LEVEL_TO_PB[event.degradation]
+        finished.backfill_ticket = event.backfill_ticket
     return finished
 
 
@@ -62,13 +63,6 @@ def set_structured(finished: inference_pb2.Finished, result: StructuredResult) -
     finished.structured_repairs.extend(result.messages)
     finished.structured_output = result.text
     finished.structured_errors.extend(result.errors)
-
-
-async def events_to_pb(events: AsyncIterator[Event]) -> AsyncIterator[inference_pb2.GenerateEvent]:
-    """The stream as the client receives it; closing it closes `events` at once."""
-    async with contextlib.aclosing(events):
-        async for event in events:
-            yield event_to_pb(event)
 
 
 def worker_request_pb(

@@ -1,7 +1,7 @@
 """`ballast.v1.Inference`: authenticate, validate, classify, then hand the request to the runner.
 
-The runner yields plain events; here, at the gRPC edge, they become `GenerateEvent` messages
-(`events_pb`) before the degradation ladder and the client see them. `generate` is that whole
+The runner yields plain events and the degradation ladder relays and marks them; here, at the
+edge, each becomes a `GenerateEvent` message once (`events_pb`), for the client. `generate` is that whole
 request path; the gRPC `Generate` and the OpenAI-compatible HTTP front (`router.openai`) both
 call it, so authentication, validation, tiers, admission, failover and degradation are one code.
 
@@ -22,7 +22,7 @@ from typing import AsyncIterator, Iterable, Protocol
 import grpc
 from opentelemetry import trace
 
-from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from ballast.v1 import inference_pb2, inference_pb2_grpc
 from services.common.auth import Authenticator, Caller
 from services.common.entitlements import cap_tier
 from services.common.errors import BallastError, NotFound, QuotaExceeded, Unavailable
@@ -32,7 +32,8 @@ from services.router.backfill_proxy import BackfillProxy
 from services.router.context.guard import ContextGuard
 from services.router.context.live_eval import publish_retention
 from services.router.degrade.degrader import Degrader
-from services.router.events_pb import events_to_pb
+from services.router.events import Event, Finished, Started, Tokens
+from services.router.events_pb import event_to_pb
 from services.router.generation import GenerationRunner
 from services.router.metrics import RouterMetrics, SchedulerMetrics
 from services.router.model_registry import ModelRegistry
@@ -48,6 +49,7 @@ from services.router.rollout.controller import RolloutController
 from services.router.routing_view import RoutingViewPublisher
 from services.router.scheduling.tagging import RuleError, TagInput, TierClassifier, default_rules, load_rules
 from services.router.scheduling.tiers import TierPolicy
+from services.router.structured.repair import Status
 from services.router.turns import classify_turn
 from services.router.worker_clients import WorkerClients
 
@@ -185,12 +187,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.metrics.tier_capped.add(1, {"asked": tier, "tier": granted, "reason": why})
         return granted, why, weight
 
-    def _used_tokens(self, reservation: Reservation, finished: inference_pb2.Finished | None,
+    def _used_tokens(self, reservation: Reservation, finished: Finished | None,
                      generated: int, reached_worker: bool) -> int:
         """What a stream cost its tenant: the answer's usage when it finished; else (cancelled,
         failed) the prompt's estimate and the tokens relayed, or nothing if no worker saw it."""
         if finished is not None:
-            return finished.usage.prompt_tokens + finished.usage.completion_tokens
+            return finished.prompt_tokens + finished.completion_tokens
         if not reached_worker and not generated:
             return 0
         return reservation.prompt_estimate + generated
@@ -214,7 +216,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         outcome = "ok"
         model = ""
         failure: BaseException | None = None
-        finished: inference_pb2.Finished | None = None
+        finished: Finished | None = None
         reservation: Reservation | None = None
         generated = 0
         reached_worker = False
@@ -238,23 +240,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             )
             deadline = self._deadline(call)
 
-            def pool_stream(request: InferenceRequest) -> AsyncIterator[inference_pb2.GenerateEvent]:
-                return events_to_pb(self.runner.run(RequestRun(request, tier, reason, weight, deadline, started)))
+            def pool_stream(request: InferenceRequest) -> AsyncIterator[Event]:
+                return self.runner.run(RequestRun(request, tier, reason, weight, deadline, started))
 
             # The ladder runs the primary pool first; on admission refusal, no live worker,
             # a spent retry budget or a deadline it cannot meet, it degrades (if allowed).
             async for event in self.degrader.run(
                 pool_stream, inference, tier=tier, tier_reason=reason, deadline=deadline, started=started
             ):
-                kind = event.WhichOneof("event")
-                if kind == "tokens":
+                if isinstance(event, Tokens):
                     # Counted here, so a stream that ends without a Finished event is still charged.
-                    generated += len(event.tokens.token_ids)
-                elif kind == "started":
+                    generated += len(event.token_ids)
+                elif isinstance(event, Started):
                     reached_worker = True
-                elif kind == "finished":
-                    finished = event.finished
-                yield event
+                elif isinstance(event, Finished):
+                    finished = event
+                yield event_to_pb(event)
         except BaseException as error:
             outcome = _outcome(error)
             failure = error
@@ -267,7 +268,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             remaining = call.time_remaining()
             self.metrics.turns.record(classify_turn(
                 failure, finished is not None,
-                finished is not None and finished.structured_status == common_pb2.STRUCTURED_FAILED,
+                finished is not None and finished.structured is not None
+                and finished.structured.status is Status.FAILED,
                 deadline_passed=remaining is not None and remaining <= 0,
             ), model)
             if outcome == "ok":

@@ -12,17 +12,19 @@ from dataclasses import replace
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from ballast.v1 import common_pb2, inference_pb2
+from ballast.v1 import common_pb2
 from services.common.degraded.codec import decode_degraded, make_ticket
 from services.common.degraded.codec import Level
 from services.common.errors import InvalidArgument, NoLiveWorker, ResourceExhausted, RetryBudgetExhausted, Unavailable
-from services.common.generation import Sampling
+from services.common.generation import FinishReason, Sampling
 from services.cli.localservers import KafkaBroker
 from services.router.degrade.config import DegradeConfig
 from services.router.degrade.degrader import Degrader
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.ladder import Reason
 from services.router.degrade.outbox import OutboxFull
+from services.router.events import Finished, Started, Tokens
+from services.router.events_pb import event_to_pb
 from services.router.requests import InferenceRequest, Message
 from services.router.structured import check_schema
 from tests.polling import poll
@@ -82,11 +84,11 @@ class FakePools:
 
 
 def model_events(model: str, text: str, ids: list[int]):
+    """What the runner yields for a served request (plain events, as the ladder relays them)."""
     return [
-        inference_pb2.GenerateEvent(started=inference_pb2.Started(model=model, model_version="v1")),
-        inference_pb2.GenerateEvent(tokens=common_pb2.Tokens(text=text, token_ids=ids, first_index=0)),
-        inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
-            reason=common_pb2.FINISH_REASON_STOP, usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=len(ids)))),
+        Started(request_id="", tier="A", tier_reason="default", model=model, model_version="v1"),
+        Tokens(text=text, token_ids=ids, first_index=0),
+        Finished(FinishReason.STOP, prompt_tokens=3, completion_tokens=len(ids), resumes=0),
     ]
 
 
@@ -94,7 +96,7 @@ async def run_all(degrader: Degrader, pools: FakePools, request: InferenceReques
     events = []
     async for event in degrader.run(pools.stream, request, tier="A", tier_reason="default",
                                     deadline=time.monotonic() + 30, started=time.perf_counter()):
-        events.append(event)
+        events.append(event_to_pb(event))  # as the client receives it
     return events
 
 

@@ -35,6 +35,9 @@ LIMITS = {
     "BALLAST__ROUTER__HTTP_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
     "BALLAST__ROUTER__HTTP_STALLED_CLIENT_S": str(STALLED_S),
     "BALLAST__ROUTER__HTTP_STREAM_BUFFER_BYTES": str(BUFFER_BYTES),
+    # Every token its own event: the never-reading client's stream must outgrow the socket's
+    # buffers and the front's, which an answer of few, larger events may not.
+    "BALLAST__ROUTER__STREAM_INTERVAL_MS": "0",
 }
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Is the red charger in stock?"}],
         "max_tokens": 4, "temperature": 0}

@@ -1,14 +1,13 @@
-"""The runner's plain events become, at the gRPC edge, the very bytes a hand-built
+"""The runner's and the ladder's plain events become, at the edge, the very bytes a hand-built
 `GenerateEvent` has; the worker's events read back as plain values."""
-
-import asyncio
 
 import pytest
 
 from ballast.v1 import common_pb2, inference_pb2, worker_pb2
+from services.common.degraded.codec import Level
 from services.common.generation import FinishReason, Sampling
 from services.router.events import Finished, Resumed, Started, Tokens, WorkerFinished
-from services.router.events_pb import event_to_pb, events_to_pb, worker_event_from_pb, worker_request_pb
+from services.router.events_pb import event_to_pb, worker_event_from_pb, worker_request_pb
 from services.router.requests import InferenceRequest
 from services.router.resilience.resume import plan_resume
 from services.router.structured.repair import Repair, RepairKind, Status, StructuredResult
@@ -53,24 +52,13 @@ def test_anything_else_is_not_an_event():
         event_to_pb(WorkerFinished(FinishReason.STOP, 1))
 
 
-def test_closing_the_protobuf_stream_closes_the_runner_stream():
-    closed = []
-
-    async def runner_events():
-        try:
-            yield Tokens("a", [1], 0)
-            yield Tokens("b", [2], 1)
-        finally:
-            closed.append(True)
-
-    async def first_only():
-        stream = events_to_pb(runner_events())
-        first = await stream.__anext__()
-        await stream.aclose()
-        return first
-
-    assert asyncio.run(first_only()).tokens.token_ids == [1]
-    assert closed == [True]
+def test_a_degraded_finished_carries_its_rung_and_ticket():
+    degraded = Finished(FinishReason.STOP, 0, 4, resumes=0, degradation=Level.RULES, backfill_ticket="t-1")
+    same_bytes(degraded, inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
+        reason=common_pb2.FINISH_REASON_STOP, usage=common_pb2.Usage(completion_tokens=4),
+        degradation=common_pb2.DEGRADATION_RULES, backfill_ticket="t-1")))
+    light = Finished(FinishReason.LENGTH, 3, 2, resumes=0, degradation=Level.LIGHT_MODEL)
+    assert event_to_pb(light).finished.degradation == common_pb2.DEGRADATION_LIGHT_MODEL
 
 
 def test_worker_events_read_back_as_plain_values():

@@ -4,7 +4,7 @@
 cannot serve it (admission refused, no routable worker, retry budget spent, workers failed,
 deadline unreachable) before any token went out, it walks the ladder: the light-model pool
 (the same runner, another logical model), then the rule engine. A degraded stream ends with
-`Finished.degradation` set and a `backfill_ticket` that is valid only once the request is
+its Finished event's `degradation` set and a `backfill_ticket` that is valid only once the request is
 committed to the durable outbox, from where it reaches Kafka and the backfill service.
 
 The decision itself (`Degrader.decide`) is pure: error + request + position → next rung.
@@ -24,23 +24,22 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from ballast.v1 import common_pb2, inference_pb2
-from services.common.degraded.codec import LEVEL_TO_PB, Level, degraded_request_pb, kafka_key, make_ticket
+from services.common.degraded.codec import Level, degraded_request_pb, kafka_key, make_ticket
 from services.common.errors import BallastError
-from services.common.tier_pb import TIER_TO_PB
+from services.common.generation import FinishReason
 from services.router.degrade.config import DegradeConfig
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.ladder import RULES, Decision, Ladder, Rung, decide
 from services.router.degrade.outbox import OutboxDepth, OutboxError
 from services.router.degrade.rules import RuleEngine, stream_text
-from services.router.events_pb import set_structured
+from services.router.events import Event, Finished, Started, Tokens
 from services.router.structured.repair import placeholder_answer
 
 log = logging.getLogger(__name__)
 
-# Produces a request's events on its pool: the router's GenerationRunner.run, bound to tier etc.,
-# its events as protobuf (see servicer.py).
-PoolStream = Callable[[Any], AsyncIterator[inference_pb2.GenerateEvent]]
+# Produces a request's events on its pool: the router's GenerationRunner.run, bound to tier etc.
+# (see servicer.py). The ladder relays and marks plain events; the edge makes them protobuf.
+PoolStream = Callable[[Any], AsyncIterator[Event]]
 # A logical model's tokenizer (tokenizers.Tokenizer: .encode(text) → .ids, .offsets), or None.
 EncoderLookup = Callable[[str], Any]
 FallbackHook = Callable[[dict[str, str]], None]
@@ -50,7 +49,7 @@ FallbackHook = Callable[[dict[str, str]], None]
 class _Relay:
     """What one attempt on a pool has sent the client so far."""
 
-    started: inference_pb2.GenerateEvent | None = None
+    started: Started | None = None
     started_sent: bool = False
     tokens_sent: bool = False
     text: list[str] = dataclasses.field(default_factory=list)
@@ -170,7 +169,7 @@ class Degrader:
         tier_reason: str,
         deadline: float,
         started: float,
-    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+    ) -> AsyncIterator[Event]:
         """Streams the request on its primary pool, degrading down the ladder when it must.
 
         `pool_stream(request)` runs a request on the pool of `request.model` (the router's
@@ -196,7 +195,7 @@ class Degrader:
                 async with contextlib.aclosing(pool_stream(current)) as events:
                     async for event in events:
                         for out in self._relay(event, relay):
-                            if out.HasField("finished") and rung is not None:
+                            if isinstance(out, Finished) and rung is not None:
                                 out = await self._mark(out, request, tier, first, rung, "".join(relay.text), received_at)
                             yield out
                 return
@@ -219,57 +218,45 @@ class Degrader:
                 current = dataclasses.replace(request, model=decision.rung.model)
 
     @staticmethod
-    def _relay(event: inference_pb2.GenerateEvent, relay: _Relay) -> Iterable[inference_pb2.GenerateEvent]:
-        kind = event.WhichOneof("event")
-        if kind == "started":
+    def _relay(event: Event, relay: _Relay) -> Iterable[Event]:
+        if isinstance(event, Tokens):  # by far the most frequent: first
+            relay.tokens_sent = True
+            relay.text.append(event.text)
+            if relay.started is None or relay.started_sent:
+                return (event,)
+        elif isinstance(event, Started):
             relay.started = event
             return ()
-        out = []
-        if relay.started is not None and not relay.started_sent and kind in ("tokens", "finished"):
-            relay.started_sent = True
-            out.append(relay.started)
-        if kind == "tokens":
-            relay.tokens_sent = True
-            relay.text.append(event.tokens.text)
-        out.append(event)
-        return out
+        elif not isinstance(event, Finished):
+            return (event,)
+        if relay.started is None or relay.started_sent:
+            return (event,)
+        relay.started_sent = True
+        return (relay.started, event)
 
-    async def _mark(self, event: inference_pb2.GenerateEvent, request: Any, tier: str, first: Decision,
-                    rung: Rung, text: str, received_at: float) -> inference_pb2.GenerateEvent:
+    async def _mark(self, event: Finished, request: Any, tier: str, first: Decision,
+                    rung: Rung, text: str, received_at: float) -> Finished:
         ticket = await self._hand_off(request, tier, first, rung, text, received_at)
-        marked = inference_pb2.GenerateEvent()
-        marked.CopyFrom(event)
-        marked.finished.degradation = LEVEL_TO_PB[rung.level]
-        marked.finished.backfill_ticket = ticket
-        return marked
+        return dataclasses.replace(event, degradation=rung.level, backfill_ticket=ticket)
 
     async def _rules(self, request: Any, tier: str, tier_reason: str, first: Decision,
-                     received_at: float) -> AsyncIterator[inference_pb2.GenerateEvent]:
+                     received_at: float) -> AsyncIterator[Event]:
         text = self.rules.answer_request(request).text
         # A JSON request gets a document of its schema, not the rule's sentence: the client's
         # parser must not break because the big model is down.
         structured = placeholder_answer(request.schema) if request.schema is not None else None
         if structured is not None:
             text = structured.text
-        yield inference_pb2.GenerateEvent(started=inference_pb2.Started(
-            request_id=request.request_id, tier=TIER_TO_PB.get(tier, common_pb2.TIER_AUTO),
-            tier_reason=tier_reason, model=RULES, model_version=self.rules.version,
-        ))
+        yield Started(request_id=request.request_id, tier=tier, tier_reason=tier_reason, model=RULES,
+                      model_version=self.rules.version)
         encoder = self.encoder_for(request.model) if self.encoder_for is not None else None
         sent = 0
         for piece_text, ids in _pieces(text, self.config.rules_piece_chars, encoder):
-            yield inference_pb2.GenerateEvent(tokens=common_pb2.Tokens(text=piece_text, token_ids=ids, first_index=sent))
+            yield Tokens(text=piece_text, token_ids=ids, first_index=sent)
             sent += len(ids)
         ticket = await self._hand_off(request, tier, first, Rung(Level.RULES), text, received_at)
-        finished = inference_pb2.Finished(
-            reason=common_pb2.FINISH_REASON_STOP,
-            usage=common_pb2.Usage(prompt_tokens=0, completion_tokens=sent),
-            degradation=common_pb2.DEGRADATION_RULES,
-            backfill_ticket=ticket,
-        )
-        if structured is not None:
-            set_structured(finished, structured)
-        yield inference_pb2.GenerateEvent(finished=finished)
+        yield Finished(reason=FinishReason.STOP, prompt_tokens=0, completion_tokens=sent, resumes=0,
+                       structured=structured, degradation=Level.RULES, backfill_ticket=ticket)
 
     async def _hand_off(self, request: Any, tier: str, first: Decision, rung: Rung, text: str,
                         received_at: float) -> str:
