@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from services.common.config import TIER_ORDER, AuthConfig
+from services.common.config import AuthConfig
 from services.common.entitlements import allowed_tiers
 from services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from services.common.tier import TIER_ORDER, Tier
 
 API_KEY_HEADER = "x-api-key"
 ON_BEHALF_HEADER = "x-ballast-on-behalf-of"
@@ -52,7 +53,7 @@ class Caller:
     # Whose request it is: its quota, its share of the pool, its grant.
     tenant: str
     # The tiers it may claim, most urgent first.
-    tiers: tuple[str, ...]
+    tiers: tuple[Tier, ...]
     # The tenant of the key itself: differs from `tenant` when acting on another's behalf.
     key_tenant: str
 

@@ -15,10 +15,12 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from services.common.tier import Tier, parse_tier
 
 ENV_PREFIX = "BALLAST__"
 CONFIG_PATH_ENV = "BALLAST_CONFIG"
@@ -187,9 +189,9 @@ class KafkaConfig(Section):
         return properties
 
 
-# Tiers from the most urgent down; a grant or a ceiling names some of them.
-TIER_ORDER = ("S", "A", "B")
-TierName = Literal["S", "A", "B"]
+# A tier a grant or a ceiling names: S, A or B (`TIER_ORDER`), as text in the file; anything
+# else (AUTO included) is refused, the message naming the field.
+TierName = Annotated[Tier, BeforeValidator(lambda raw: parse_tier(raw, "a tier"))]
 
 
 class ApiKey(Section):
@@ -207,7 +209,7 @@ class TenantGrant(Section):
     """What a tenant may claim."""
 
     tiers: list[TierName] = Field(
-        default_factory=lambda: ["A", "B"], min_length=1,
+        default_factory=lambda: [Tier.A, Tier.B], min_length=1,
         description="Tiers its requests may ask for (or be tagged with); a higher one is capped to the highest "
                     "of these, never refused.")
 

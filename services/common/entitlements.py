@@ -8,14 +8,16 @@ tier it got and why travel in its Started event. Pure; no I/O.
 
 from __future__ import annotations
 
-from services.common.config import TIER_ORDER
+from collections.abc import Sequence
+
+from services.common.tier import TIER_ORDER, Tier
 
 # Tier reasons this module gives (beside a rule's name or "explicit").
 CAPPED_BY_GRANT = "capped_by_grant"
 RAISED_TO_GRANT = "raised_to_grant"
 
 
-def allowed_tiers(granted: list[str] | tuple[str, ...], max_tier: str | None = None) -> tuple[str, ...]:
+def allowed_tiers(granted: Sequence[Tier], max_tier: Tier | None = None) -> tuple[Tier, ...]:
     """The granted tiers no more urgent than the key's ceiling, most urgent first. A ceiling
     below every granted tier leaves the least urgent granted one: a key is never locked out."""
     ordered = tuple(t for t in TIER_ORDER if t in granted)
@@ -26,7 +28,7 @@ def allowed_tiers(granted: list[str] | tuple[str, ...], max_tier: str | None = N
     return kept or ordered[-1:]
 
 
-def cap_tier(tier: str, allowed: tuple[str, ...]) -> tuple[str, str | None]:
+def cap_tier(tier: Tier, allowed: tuple[Tier, ...]) -> tuple[Tier, str | None]:
     """(tier the request runs at, why it differs from `tier` or None when it does not).
 
     Above what it may have: the most urgent allowed tier below the one asked for. A grant with
