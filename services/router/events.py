@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 from services.common.degraded.codec import Level
 from services.common.generation import FinishReason
+from services.common.tier import Tier
 from services.router.structured.repair import StructuredResult
 
 
 @dataclass(frozen=True)
 class Started:
     request_id: str
-    tier: str
+    tier: Tier
     tier_reason: str
     model: str
     model_version: str

@@ -11,7 +11,8 @@ from __future__ import annotations
 from ballast.v1 import common_pb2, inference_pb2, worker_pb2
 from services.common.degraded.codec import LEVEL_TO_PB
 from services.common.sampling_pb import FINISH_TO_PB, sampling_to_pb
-from services.common.tier_pb import TIER_TO_PB
+from services.common.tier import Tier
+from services.common.tier_pb import tier_to_pb
 from services.router.events import Event, Finished, Resumed, Started, Tokens, WorkerFinished
 from services.router.requests import InferenceRequest
 from services.router.resilience.resume import ResumePlan
@@ -31,7 +32,7 @@ def event_to_pb(event: Event) -> inference_pb2.GenerateEvent:
             text=event.text, token_ids=event.token_ids, first_index=event.first_index))
     if isinstance(event, Started):
         return inference_pb2.GenerateEvent(started=inference_pb2.Started(
-            request_id=event.request_id, tier=TIER_TO_PB[event.tier], tier_reason=event.tier_reason,
+            request_id=event.request_id, tier=tier_to_pb(event.tier), tier_reason=event.tier_reason,
             model=event.model, model_version=event.model_version,
         ))
     if isinstance(event, Resumed):
@@ -66,7 +67,7 @@ def set_structured(finished: inference_pb2.Finished, result: StructuredResult) -
 
 
 def worker_request_pb(
-    request: InferenceRequest, plan: ResumePlan, tier: str, flush_interval_ms: int
+    request: InferenceRequest, plan: ResumePlan, tier: Tier, flush_interval_ms: int
 ) -> worker_pb2.WorkerGenerateRequest:
     """The worker's part of `request`: the prompt and tokens of `plan`, continued from there."""
     return worker_pb2.WorkerGenerateRequest(
@@ -77,7 +78,7 @@ def worker_request_pb(
         generated_ids=plan.generated_ids,
         sampling=sampling_to_pb(plan.sampling),
         response_format=request.response_format,
-        tier=TIER_TO_PB[tier],
+        tier=tier_to_pb(tier),
         flush_interval_ms=flush_interval_ms,
     )
 

@@ -34,6 +34,7 @@ from services.router.settings import RouterConfig
 from services.common.errors import NoLiveWorker, RetryBudgetExhausted, Unavailable, WorkerLost
 from services.common.generation import FinishReason
 from services.common.membership import MembershipWatcher, WorkerRecord
+from services.common.tier import Tier
 from services.router.affinity import SessionAffinity
 from services.router.context.window import fit_request_async
 from services.router.events import Event, Finished, Resumed, Started, Tokens, WorkerFinished
@@ -316,7 +317,7 @@ class GenerationRunner:
         with TRACER.start_as_current_span("router.admission", attributes={"ballast.admission": "retry"}):
             await grant.retry_elsewhere()
 
-    async def _pause(self, grant: Grant, state: StreamState, tier: str) -> None:
+    async def _pause(self, grant: Grant, state: StreamState, tier: Tier) -> None:
         """Gives the slot up after preemption and waits for a new one (the client sees a pause)."""
         self.metrics.preemptions.add(1, {"tier": tier})
         with TRACER.start_as_current_span("router.admission", attributes={"ballast.admission": "preempted"}):

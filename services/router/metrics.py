@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Mapping
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from services.common.telemetry import Telemetry
+from services.common.tier import Tier
 from services.router.context.metrics import ContextMetrics
 from services.router.scheduling.scheduler import SchedulerObserver
 from services.router.structured.metrics import StructuredMetrics
@@ -88,7 +89,7 @@ class RouterMetrics:
         """Calls `listener(pool, ms)` with every queue wait recorded from now on."""
         self._queue_wait_listeners.append(listener)
 
-    def record_queue_wait(self, pool: str, tier: str, ms: float) -> None:
+    def record_queue_wait(self, pool: str, tier: Tier, ms: float) -> None:
         self.queue_wait.record(ms, {"pool": pool, "tier": tier})
         for listener in self._queue_wait_listeners:
             listener(pool, ms)
@@ -155,14 +156,14 @@ class SchedulerMetrics(SchedulerObserver):
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics
 
-    def queue_wait(self, pool: str, tier: str, seconds: float) -> None:
+    def queue_wait(self, pool: str, tier: Tier, seconds: float) -> None:
         self.metrics.record_queue_wait(pool, tier, seconds * 1000)
 
-    def refused(self, pool: str, tier: str, reason: str) -> None:
+    def refused(self, pool: str, tier: Tier, reason: str) -> None:
         self.metrics.refusals.add(1, {"pool": pool, "tier": tier, "reason": reason})
 
-    def expired(self, pool: str, tier: str) -> None:
+    def expired(self, pool: str, tier: Tier) -> None:
         self.metrics.expired.add(1, {"pool": pool, "tier": tier})
 
-    def preempted(self, pool: str, tier: str) -> None:
+    def preempted(self, pool: str, tier: Tier) -> None:
         pass  # counted by the runner, which sees the pause itself

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.tier import Tier
 from services.router.requests import InferenceRequest
 from services.router.resilience.retry_budget import RequestAttempts
 
@@ -32,7 +33,7 @@ class RequestRun:
     is a run of its own); the runner keeps the attempt state in it."""
 
     request: InferenceRequest
-    tier: str
+    tier: Tier
     # Why this tier: the auto-tagging rule that decided it, or "explicit".
     reason: str
     # The scheduling weight within the tier.

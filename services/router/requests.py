@@ -12,7 +12,8 @@ from services.common.errors import InvalidArgument
 from services.common.generation import Sampling
 from services.common.sampling_pb import sampling_from_pb
 from services.common.streams import MAX_FLUSH_INTERVAL_MS
-from services.common.tier_pb import TIER_NAMES
+from services.common.tier import parse_tier
+from services.common.tier_pb import TIER_NAMES, tier_from_pb
 from services.router.context.window import ContextPolicy
 from services.router.settings import RouterConfig
 from services.router.structured.limits import check_message_count, check_message_sizes
@@ -47,6 +48,8 @@ class InferenceRequest:
     tenant: str
     model: str
     sampling: Sampling
+    # A Tier, AUTO until the auto-tagging rules give it one. Typed as its text because requests
+    # built by hand (benchmarks) name it so; __post_init__ makes it a Tier (ValueError otherwise).
     tier: str
     messages: tuple[Message, ...] = ()
     prompt: str | None = None
@@ -59,6 +62,9 @@ class InferenceRequest:
     max_turns: int | None = None
     # Longest the answer's tokens may be held back to go out together (0: the tier's default).
     flush_interval_ms: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tier", parse_tier(self.tier, "tier", auto=True))
 
     @property
     def prompt_chars(self) -> int:
@@ -141,7 +147,7 @@ def request_from_pb(request: inference_pb2.GenerateRequest, tenant: str, config:
         tenant=tenant,
         model=request.model,
         sampling=sampling,
-        tier=TIER_NAMES[request.tier],
+        tier=tier_from_pb(request.tier),
         messages=messages,
         prompt=prompt,
         signals=Signals(request.signals.platform, request.signals.regenerate, request.signals.business_tag),

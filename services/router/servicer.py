@@ -27,6 +27,7 @@ from services.common.auth import Authenticator, Caller
 from services.common.entitlements import cap_tier
 from services.common.errors import BallastError, NotFound, QuotaExceeded, Unavailable
 from services.common.membership import MembershipWatcher
+from services.common.tier import Tier
 from services.config import BallastConfig
 from services.router.backfill_proxy import BackfillProxy
 from services.router.context.guard import ContextGuard
@@ -172,15 +173,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             budget = min(budget, remaining)
         return time.monotonic() + budget
 
-    def _tier(self, request: InferenceRequest, caller: Caller) -> tuple[str, str, float]:
+    def _tier(self, request: InferenceRequest, caller: Caller) -> tuple[Tier, str, float]:
         """Tier, the reason for it (rule name, "explicit", or why the caller's grant changed it)
         and the scheduling weight. The grant is applied last: neither the client nor a tagging
         rule lifts a request above what its tenant may claim."""
-        if request.tier == "AUTO":
+        asked = Tier(request.tier)
+        if asked is Tier.AUTO:
             decided = self.classifier.classify(TagInput.from_request(request))
             tier, reason, weight = decided.tier, decided.rule, decided.weight
         else:
-            tier, reason, weight = request.tier, "explicit", 1.0
+            tier, reason, weight = asked, "explicit", 1.0
         granted, why = cap_tier(tier, caller.tiers)
         if why is None:
             return tier, reason, weight
@@ -212,7 +214,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         caller's metadata and remaining time; `protocol` labels the request metrics.
         Closing the stream cancels the request on its worker at once."""
         started = time.perf_counter()
-        tier = "unknown"
+        # The tier label of the request metrics, "unknown" until the request has one.
+        tier_label = "unknown"
         outcome = "ok"
         model = ""
         failure: BaseException | None = None
@@ -234,6 +237,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             # After validation, so a malformed request costs the tenant nothing.
             reservation = self.quotas.admit(tenant, inference.prompt_chars, inference.sampling.max_tokens)
             tier, reason, weight = self._tier(inference, caller)
+            tier_label = tier
             # The Started event has no field for it: the trace is found by request id instead.
             trace.get_current_span().set_attributes(
                 {"ballast.request_id": inference.request_id, "ballast.tier": tier, "ballast.model": model}
@@ -264,7 +268,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if reservation is not None:
                 self.quotas.settle(reservation, self._used_tokens(reservation, finished, generated, reached_worker))
             self.metrics.in_flight.add(-1)
-            self.metrics.requests.add(1, {"tier": tier, "outcome": outcome, "protocol": protocol})
+            self.metrics.requests.add(1, {"tier": tier_label, "outcome": outcome, "protocol": protocol})
             remaining = call.time_remaining()
             self.metrics.turns.record(classify_turn(
                 failure, finished is not None,
@@ -273,7 +277,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 deadline_passed=remaining is not None and remaining <= 0,
             ), model)
             if outcome == "ok":
-                self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"tier": tier})
+                self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"tier": tier_label})
 
     async def Subscribe(self, request, context: grpc.aio.ServicerContext):
         async for answer in self._backfill().subscribe(request, context):

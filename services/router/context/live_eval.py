@@ -12,6 +12,7 @@ import logging
 from dataclasses import replace
 
 from services.common.generation import Sampling
+from services.common.tier import Tier
 from services.router.context.evaluation import retention_rate, synthetic_cases
 from services.router.context.metrics import ContextMetrics
 from services.router.context.window import ContextPolicy
@@ -25,7 +26,7 @@ EVALUATION_CASES = 12
 def _evaluate(tokenizer: ModelTokenizer, metrics: ContextMetrics) -> None:
     template = InferenceRequest(
         request_id="retention-eval", session_id="", tenant="", model="", sampling=Sampling(max_tokens=64),
-        tier="A", messages=(Message("user", "x"),),
+        tier=Tier.A, messages=(Message("user", "x"),),
     )
 
     def encode(messages) -> list[int]:

@@ -27,6 +27,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from services.common.degraded.codec import Level, degraded_request_pb, kafka_key, make_ticket
 from services.common.errors import BallastError
 from services.common.generation import FinishReason
+from services.common.tier import Tier
 from services.router.degrade.config import DegradeConfig
 from services.router.degrade.handoff import HandOff, HandOffSettings
 from services.router.degrade.ladder import RULES, Decision, Ladder, Rung, decide
@@ -165,7 +166,7 @@ class Degrader:
         pool_stream: PoolStream,
         request: Any,
         *,
-        tier: str,
+        tier: Tier,
         tier_reason: str,
         deadline: float,
         started: float,
@@ -234,12 +235,12 @@ class Degrader:
         relay.started_sent = True
         return (relay.started, event)
 
-    async def _mark(self, event: Finished, request: Any, tier: str, first: Decision,
+    async def _mark(self, event: Finished, request: Any, tier: Tier, first: Decision,
                     rung: Rung, text: str, received_at: float) -> Finished:
         ticket = await self._hand_off(request, tier, first, rung, text, received_at)
         return dataclasses.replace(event, degradation=rung.level, backfill_ticket=ticket)
 
-    async def _rules(self, request: Any, tier: str, tier_reason: str, first: Decision,
+    async def _rules(self, request: Any, tier: Tier, tier_reason: str, first: Decision,
                      received_at: float) -> AsyncIterator[Event]:
         text = self.rules.answer_request(request).text
         # A JSON request gets a document of its schema, not the rule's sentence: the client's
@@ -258,7 +259,7 @@ class Degrader:
         yield Finished(reason=FinishReason.STOP, prompt_tokens=0, completion_tokens=sent, resumes=0,
                        structured=structured, degradation=Level.RULES, backfill_ticket=ticket)
 
-    async def _hand_off(self, request: Any, tier: str, first: Decision, rung: Rung, text: str,
+    async def _hand_off(self, request: Any, tier: Tier, first: Decision, rung: Rung, text: str,
                         received_at: float) -> str:
         """Commits the degraded request to the outbox; returns its ticket, or "" if refused."""
         if self.handoff is None:

@@ -21,16 +21,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ballast.v1 import common_pb2, inference_pb2
+from ballast.v1 import inference_pb2
+from services.common.tier import Tier
+from services.common.tier_pb import tier_to_pb
 from services.router.openai.errors import InvalidField, NotJson, UnsupportedField
 
 MAX_JSON_DEPTH = 64
 TIER_HEADER = "x-ballast-tier"
 SESSION_HEADER = "x-ballast-session-id"
 ALLOW_DEGRADED_HEADER = "x-ballast-allow-degraded"
-SERVICE_TIERS = {"auto": common_pb2.TIER_AUTO, "default": common_pb2.TIER_AUTO,
-                 "priority": common_pb2.TIER_S, "flex": common_pb2.TIER_B}
-HEADER_TIERS = {"auto": common_pb2.TIER_AUTO, "s": common_pb2.TIER_S, "a": common_pb2.TIER_A, "b": common_pb2.TIER_B}
+SERVICE_TIERS = {"auto": Tier.AUTO, "default": Tier.AUTO, "priority": Tier.S, "flex": Tier.B}
+HEADER_TIERS = {"auto": Tier.AUTO, "s": Tier.S, "a": Tier.A, "b": Tier.B}
 # Fields refused unless they hold their neutral value (absent, null, or the value listed).
 UNSUPPORTED_UNLESS = {
     "n": (1,), "best_of": (1,), "tools": ((),), "tool_choice": ("none",), "functions": ((),),
@@ -249,7 +250,7 @@ def response_schema(value: Any) -> str:
     raise InvalidField("response_format.type", f"unknown response_format type {kind!r}")
 
 
-def _tier(body: Mapping, headers: Mapping[str, str]) -> int:
+def _tier(body: Mapping, headers: Mapping[str, str]) -> Tier:
     header = headers.get(TIER_HEADER)
     if header is not None:
         tier = HEADER_TIERS.get(header.strip().lower())
@@ -258,7 +259,7 @@ def _tier(body: Mapping, headers: Mapping[str, str]) -> int:
         return tier
     service_tier = body.get("service_tier")
     if service_tier is None:
-        return common_pb2.TIER_AUTO
+        return Tier.AUTO
     if not isinstance(service_tier, str) or service_tier not in SERVICE_TIERS:
         raise InvalidField("service_tier", f"service_tier must be one of {sorted(SERVICE_TIERS)}")
     return SERVICE_TIERS[service_tier]
@@ -291,7 +292,7 @@ def to_generate_request(body: Any, headers: Mapping[str, str], *, chat: bool) ->
         raise InvalidField("stream_options", "stream_options must be an object, and only with stream")
     include_usage = _bool(options or {}, "include_usage")
     request = inference_pb2.GenerateRequest(
-        model=model, tier=_tier(body, headers), response_format=response_schema(body.get("response_format")),
+        model=model, tier=tier_to_pb(_tier(body, headers)), response_format=response_schema(body.get("response_format")),
         session_id=headers.get(SESSION_HEADER, ""),
     )
     if chat:

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from services.common.config import Section
 from services.common.errors import Unavailable
+from services.common.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +28,13 @@ class StallConfig(Section):
     a_timeout_s: float = Field(5.0, gt=0, description="Longest silence between tokens of a tier-A stream.")
     b_timeout_s: float = Field(15.0, gt=0, description="Longest silence between tokens of a tier-B stream.")
 
-    def timeout_for(self, tier: str) -> float:
-        """The stall timeout of tier "S", "A" or "B"."""
-        timeouts = {"S": self.s_timeout_s, "A": self.a_timeout_s, "B": self.b_timeout_s}
+    def timeout_for(self, tier: Tier) -> float:
+        """The stall timeout of tier S, A or B (ValueError for AUTO: it is never scheduled)."""
+        timeouts = {Tier.S: self.s_timeout_s, Tier.A: self.a_timeout_s, Tier.B: self.b_timeout_s}
         try:
             return timeouts[tier]
         except KeyError:
-            raise ValueError(f"unknown tier {tier!r}; expected one of {sorted(timeouts)}") from None
+            raise ValueError(f"unknown tier {str(tier)!r}; expected one of {sorted(t.value for t in timeouts)}") from None
 
 
 class StreamStalled(Unavailable):

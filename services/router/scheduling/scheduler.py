@@ -36,6 +36,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol
 
+from services.common.tier import Tier
 from services.router.scheduling.tiers import TIERS, TierPolicy
 
 # Share of its free slots a worker that just joined gets at first (slow start).
@@ -58,7 +59,7 @@ class Ticket:
 
     request_id: str
     tenant: str
-    tier: str
+    tier: Tier
     arrival: float
     # Earliest-deadline-first key: arrival + budget / weight (capped by the client's deadline).
     deadline: float
@@ -123,7 +124,7 @@ class DispatchPlan:
     expired: list[Ticket]
 
 
-def _per_tier() -> dict[str, int]:
+def _per_tier() -> dict[Tier, int]:
     return {tier: 0 for tier in TIERS}
 
 
@@ -131,27 +132,27 @@ def _per_tier() -> dict[str, int]:
 class SchedulerCounters:
     """Monotonic counts since start, by tier; `refused` is keyed by (tier, reason)."""
 
-    submitted: dict[str, int] = field(default_factory=_per_tier)
-    dispatched: dict[str, int] = field(default_factory=_per_tier)
-    finished: dict[str, int] = field(default_factory=_per_tier)
-    cancelled: dict[str, int] = field(default_factory=_per_tier)
-    expired: dict[str, int] = field(default_factory=_per_tier)
-    preempted: dict[str, int] = field(default_factory=_per_tier)
-    requeued: dict[str, int] = field(default_factory=_per_tier)
-    refused: dict[tuple[str, str], int] = field(default_factory=dict)
-    wait_s_total: dict[str, float] = field(default_factory=lambda: {tier: 0.0 for tier in TIERS})
+    submitted: dict[Tier, int] = field(default_factory=_per_tier)
+    dispatched: dict[Tier, int] = field(default_factory=_per_tier)
+    finished: dict[Tier, int] = field(default_factory=_per_tier)
+    cancelled: dict[Tier, int] = field(default_factory=_per_tier)
+    expired: dict[Tier, int] = field(default_factory=_per_tier)
+    preempted: dict[Tier, int] = field(default_factory=_per_tier)
+    requeued: dict[Tier, int] = field(default_factory=_per_tier)
+    refused: dict[tuple[Tier, str], int] = field(default_factory=dict)
+    wait_s_total: dict[Tier, float] = field(default_factory=lambda: {tier: 0.0 for tier in TIERS})
 
 
 class SchedulerObserver:
     """Metric hooks; the default does nothing. Subclass it to feed OpenTelemetry."""
 
-    def queue_wait(self, pool: str, tier: str, seconds: float) -> None: ...
+    def queue_wait(self, pool: str, tier: Tier, seconds: float) -> None: ...
 
-    def refused(self, pool: str, tier: str, reason: str) -> None: ...
+    def refused(self, pool: str, tier: Tier, reason: str) -> None: ...
 
-    def expired(self, pool: str, tier: str) -> None: ...
+    def expired(self, pool: str, tier: Tier) -> None: ...
 
-    def preempted(self, pool: str, tier: str) -> None: ...
+    def preempted(self, pool: str, tier: Tier) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class TierSnapshot:
 class PoolSnapshot:
     pool: str
     mode: str
-    tiers: dict[str, TierSnapshot]
+    tiers: dict[Tier, TierSnapshot]
     capacity: int
     free_slots: int
     load: float
@@ -301,7 +302,7 @@ class PoolScheduler:
         self.observer = observer or SchedulerObserver()
         self.counters = SchedulerCounters()
         self._tiered = policy.mode == "tiered"
-        self._queues: dict[str, _TierQueue] = {tier: _TierQueue() for tier in TIERS}
+        self._queues: dict[Tier, _TierQueue] = {tier: _TierQueue() for tier in TIERS}
         self._fifo = _FifoQueue()
         self._running: dict[Ticket, None] = {}
         self._local: dict[str, int] = {}
@@ -319,7 +320,7 @@ class PoolScheduler:
         self._local_at_publish: dict[str, int] = {}
         # Expiry times of queued tickets; stale entries are skipped and periodically compacted.
         self._expiry: list[Entry] = []
-        self._credits = {"A": 0.0, "B": 0.0}
+        self._credits = {Tier.A: 0.0, Tier.B: 0.0}
         self._hold = _Ewma(policy.ewma_alpha, policy.initial_hold_s)
         self._first_token = _Ewma(policy.ewma_alpha, policy.initial_first_token_s)
         self._seq = itertools.count(1)
@@ -330,7 +331,7 @@ class PoolScheduler:
         self,
         request_id: str,
         tenant: str,
-        tier: str,
+        tier: Tier,
         *,
         weight: float = 1.0,
         client_deadline: float | None = None,
@@ -350,7 +351,7 @@ class PoolScheduler:
         return Ticket(
             request_id=request_id,
             tenant=tenant,
-            tier=tier,
+            tier=Tier(tier),
             arrival=now,
             deadline=deadline,
             expires_at=expires_at,
@@ -412,7 +413,7 @@ class PoolScheduler:
         busy = sum(self._busy(wid) for wid in self._workers)
         return (busy + self.queued()) / capacity
 
-    def queued(self, tier: str | None = None) -> int:
+    def queued(self, tier: Tier | None = None) -> int:
         if not self._tiered:
             if tier is None:
                 return len(self._fifo)
@@ -421,12 +422,12 @@ class PoolScheduler:
             return sum(len(q) for q in self._queues.values())
         return len(self._queues[tier])
 
-    def running(self, tier: str | None = None) -> int:
+    def running(self, tier: Tier | None = None) -> int:
         if tier is None:
             return len(self._running)
         return sum(1 for t in self._running if t.tier == tier)
 
-    def _queue_for(self, tier: str) -> _TierQueue | _FifoQueue:
+    def _queue_for(self, tier: Tier) -> _TierQueue | _FifoQueue:
         return self._queues[tier] if self._tiered else self._fifo
 
     # ----- admission ----------------------------------------------------------------------
@@ -493,17 +494,17 @@ class PoolScheduler:
         # A floor: streams that finish within the same clock tick must not divide by zero.
         return self.capacity / max(self._hold.value, 1e-3)
 
-    def _share(self, tier: str) -> float:
+    def _share(self, tier: Tier) -> float:
         """Fraction of the non-S slot releases this tier gets now."""
-        if tier == "S" or not self._tiered:
+        if tier == Tier.S or not self._tiered:
             return 1.0
-        other = "B" if tier == "A" else "A"
+        other = Tier.B if tier == Tier.A else Tier.A
         if not self._queues[other]:
             return 1.0
         a_share = self.policy.shares.a_share(self.load())
-        return a_share if tier == "A" else 1.0 - a_share
+        return a_share if tier == Tier.A else 1.0 - a_share
 
-    def _tier_rate(self, tier: str) -> float:
+    def _tier_rate(self, tier: Tier) -> float:
         rate = self._rate()
         return rate * self._share(tier) if rate > 0 else 1.0 / self.policy.max_retry_after_s
 
@@ -513,13 +514,13 @@ class PoolScheduler:
         return [
             t
             for t in self._running
-            if t.tier == "B"
+            if t.tier == Tier.B
             and not t.preempting
             and t.preemptions < self.policy.max_preemptions
             and t.worker_id not in avoid
         ]
 
-    def estimated_wait(self, tier: str, tenant: str | None = None) -> float:
+    def estimated_wait(self, tier: Tier, tenant: str | None = None) -> float:
         """Seconds a new ticket of `tier` (and `tenant`) would wait for a slot; inf: no workers."""
         self.policy.spec(tier)
         rate = self._rate()
@@ -529,8 +530,8 @@ class PoolScheduler:
         if not self._tiered:
             releases = len(self._fifo) + 1 - free
             return max(0, releases) / rate
-        s_ahead = self._queues["S"].ahead_for(tenant if tier == "S" else None)
-        if tier == "S":
+        s_ahead = self._queues[Tier.S].ahead_for(tenant if tier == Tier.S else None)
+        if tier == Tier.S:
             # A waiting S takes a B stream's slot instead of waiting for a release.
             releases = s_ahead + 1 - free - len(self._preemptible())
             return max(0, releases) / rate
@@ -586,18 +587,18 @@ class PoolScheduler:
     def _pop_next(self, a_share: float) -> Ticket:
         if not self._tiered:
             return self._fifo.pop()
-        if self._queues["S"]:
-            return self._queues["S"].pop()
-        a, b = self._queues["A"], self._queues["B"]
+        if self._queues[Tier.S]:
+            return self._queues[Tier.S].pop()
+        a, b = self._queues[Tier.A], self._queues[Tier.B]
         if a and b:
             # Smooth weighted round robin: shares hold over any window, without bursts.
-            self._credits["A"] += a_share
-            self._credits["B"] += 1.0 - a_share
-            pick = "A" if self._credits["A"] >= self._credits["B"] else "B"
+            self._credits[Tier.A] += a_share
+            self._credits[Tier.B] += 1.0 - a_share
+            pick = Tier.A if self._credits[Tier.A] >= self._credits[Tier.B] else Tier.B
             self._credits[pick] -= 1.0
             return self._queues[pick].pop()
         # A tier that is alone banks no credit for later.
-        self._credits = {"A": 0.0, "B": 0.0}
+        self._credits = {Tier.A: 0.0, Tier.B: 0.0}
         return (a or b).pop()
 
     def _choose_worker(self, ticket: Ticket, free: dict[str, int]) -> str | None:
@@ -687,7 +688,7 @@ class PoolScheduler:
 
     def preempt_candidate_for(self, ticket: Ticket) -> Ticket | None:
         """The running stream an S ticket may take the slot of: the youngest B one, if any."""
-        if not self._tiered or ticket.tier != "S":
+        if not self._tiered or ticket.tier != Tier.S:
             return None
         candidates = self._preemptible(ticket.avoid)
         if not candidates:
@@ -701,10 +702,10 @@ class PoolScheduler:
         Preemptions already under way count against the waiting S tickets, so calling this
         after every event never asks more streams to yield than S needs.
         """
-        if not self._tiered or not self._queues["S"]:
+        if not self._tiered or not self._queues[Tier.S]:
             return []
         free = self._free_slots()
-        waiting = sorted(self._queues["S"].tickets(), key=lambda t: (t.deadline, t.seq))
+        waiting = sorted(self._queues[Tier.S].tickets(), key=lambda t: (t.deadline, t.seq))
         unserved: list[Ticket] = []
         for ticket in waiting:
             worker = self._choose_worker(ticket, free)
@@ -769,7 +770,7 @@ class PoolScheduler:
 
     def snapshot(self) -> PoolSnapshot:
         now = self.clock()
-        tiers: dict[str, TierSnapshot] = {}
+        tiers: dict[Tier, TierSnapshot] = {}
         for tier in TIERS:
             queued = [t for t in self._queue_for(tier).tickets() if t.tier == tier]
             oldest = max((now - t.enqueued_at for t in queued), default=0.0)

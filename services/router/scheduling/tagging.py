@@ -36,6 +36,7 @@ from typing import Any, Callable, TYPE_CHECKING
 
 import yaml
 
+from services.common.tier import Tier
 from services.router.scheduling.tiers import TIERS
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class Condition:
 class Rule:
     name: str
     when: Condition
-    tier: str | None = None
+    tier: Tier | None = None
     weight_multiplier: float = 1.0
     sticky_s: float = 0.0
 
@@ -87,7 +88,7 @@ class Rule:
 @dataclass(frozen=True)
 class RuleSet:
     rules: tuple[Rule, ...] = ()
-    default_tier: str = "A"
+    default_tier: Tier = Tier.A
     default_weight: float = 1.0
     # Regenerates older than this no longer count towards a session's total.
     regenerate_window_s: float = 600.0
@@ -127,7 +128,7 @@ class TagInput:
 
 @dataclass(frozen=True)
 class Classification:
-    tier: str
+    tier: Tier
     weight: float
     # The rule that decided the tier ("default" when none did).
     rule: str
@@ -171,10 +172,10 @@ def _mapping(raw: Any, where: str) -> dict:
     return raw
 
 
-def _tier(raw: Any, where: str, field_name: str) -> str:
-    if raw not in TIERS:
+def _tier(raw: Any, where: str, field_name: str) -> Tier:
+    if not isinstance(raw, str) or raw not in TIERS:
         raise _fail(where, field_name, f"must be one of {', '.join(TIERS)} (got {raw!r})")
-    return raw
+    return Tier(raw)
 
 
 def _number(raw: Any, where: str, field_name: str, *, minimum: float = 0.0, allow_zero: bool = False) -> float:
@@ -372,7 +373,7 @@ class TierClassifier:
                 session.regenerates.popleft()
             regenerates = len(session.regenerates)
             session.lifts = {name: until for name, until in session.lifts.items() if until > now}
-        tier: str | None = None
+        tier: Tier | None = None
         decided = DEFAULT_RULE
         weight = rules.default_weight
         weight_rules: list[str] = []

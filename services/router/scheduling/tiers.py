@@ -11,7 +11,10 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
-TIERS: tuple[str, ...] = ("S", "A", "B")
+from services.common.tier import TIER_ORDER, Tier
+
+# The scheduled tiers, the most urgent first.
+TIERS: tuple[Tier, ...] = TIER_ORDER
 Mode = Literal["tiered", "fifo"]
 
 
@@ -87,11 +90,11 @@ class AdaptiveShares:
         return self.a_share_low + position * (self.a_share_high - self.a_share_low)
 
 
-def _default_tiers() -> dict[str, TierSpec]:
+def _default_tiers() -> dict[Tier, TierSpec]:
     return {
-        "S": TierSpec(budget_s=0.8, max_queue=64),
-        "A": TierSpec(budget_s=2.0, max_queue=256),
-        "B": TierSpec(budget_s=15.0, max_queue=512, max_wait_s=15.0),
+        Tier.S: TierSpec(budget_s=0.8, max_queue=64),
+        Tier.A: TierSpec(budget_s=2.0, max_queue=256),
+        Tier.B: TierSpec(budget_s=15.0, max_queue=512, max_wait_s=15.0),
     }
 
 
@@ -102,7 +105,7 @@ class TierPolicy:
     # "fifo" turns scheduling off (one FIFO queue, no preemption, only the queue bound):
     # the baseline the benchmark compares against.
     mode: Mode = "tiered"
-    tiers: Mapping[str, TierSpec] = field(default_factory=_default_tiers)
+    tiers: Mapping[Tier, TierSpec] = field(default_factory=_default_tiers)
     shares: AdaptiveShares = field(default_factory=AdaptiveShares)
     # Times one request may be preempted; after that it runs to the end.
     max_preemptions: int = 2
@@ -125,12 +128,12 @@ class TierPolicy:
     def __post_init__(self) -> None:
         if self.mode not in ("tiered", "fifo"):
             raise ValueError(f"mode must be 'tiered' or 'fifo' (got {self.mode!r})")
-        missing = [tier for tier in TIERS if tier not in self.tiers]
+        missing = [tier.value for tier in TIERS if tier not in self.tiers]
         unknown = [tier for tier in self.tiers if tier not in TIERS]
         if missing or unknown:
             raise ValueError(f"tiers must name exactly S, A and B (missing {missing}, unknown {unknown})")
-        # A read-only copy: a policy shared by every pool must not change under them.
-        object.__setattr__(self, "tiers", MappingProxyType(dict(self.tiers)))
+        # A read-only copy, keyed by Tier: a policy shared by every pool must not change under them.
+        object.__setattr__(self, "tiers", MappingProxyType({Tier(tier): spec for tier, spec in self.tiers.items()}))
         for tier in TIERS:
             self.tiers[tier].validate(f"tiers.{tier}")
         self.shares.validate("shares")
@@ -146,11 +149,11 @@ class TierPolicy:
         if self.max_retry_after_s < self.min_retry_after_s:
             raise ValueError("max_retry_after_s must be >= min_retry_after_s")
 
-    def spec(self, tier: str) -> TierSpec:
+    def spec(self, tier: Tier) -> TierSpec:
         try:
             return self.tiers[tier]
         except KeyError:
-            raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}") from None
+            raise ValueError(f"unknown tier {str(tier)!r}; expected one of {', '.join(TIERS)}") from None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "TierPolicy":
@@ -171,7 +174,8 @@ class TierPolicy:
             for name, raw in raw_tiers.items():
                 if name not in TIERS:
                     raise ValueError(f"tiers.{name}: unknown tier; expected one of {', '.join(TIERS)}")
-                tiers[name] = _build(TierSpec, raw, f"tiers.{name}", base=tiers[name])
+                tier = Tier(name)
+                tiers[tier] = _build(TierSpec, raw, f"tiers.{name}", base=tiers[tier])
             values["tiers"] = tiers
         if "shares" in values:
             values["shares"] = _build(AdaptiveShares, values["shares"], "shares", base=AdaptiveShares())
