@@ -215,15 +215,18 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None,
-               tls: TLSConfig | None = None, plaintext_services: frozenset[str] = HEALTH_ONLY) -> grpc.aio.Server:
+               tls: TLSConfig | None = None, plaintext_services: frozenset[str] = HEALTH_ONLY,
+               reuse_port: bool = False) -> grpc.aio.Server:
     """A server with the shared interceptors; with `tls` enabled, calls are checked
     against the peer's role (services.common.tls.roles), and a call that came without TLS
-    reaches only `plaintext_services`."""
+    reaches only `plaintext_services`. `reuse_port`: other processes of the same service may
+    listen on its ports (SO_REUSEPORT); off, a port taken by anyone else fails to bind."""
     # Tracing outermost: its span covers the error mapping and sees the final status code.
     shared: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor(), DomainErrorInterceptor()]
     if tls is not None and tls.enabled:
         shared.append(PeerRoleInterceptor(plaintext_services))
-    return grpc.aio.server(interceptors=[*shared, *(interceptors or [])], options=SERVER_OPTIONS)
+    options = [(key, int(reuse_port) if key == "grpc.so_reuseport" else value) for key, value in SERVER_OPTIONS]
+    return grpc.aio.server(interceptors=[*shared, *(interceptors or [])], options=options)
 
 
 def add_health_and_reflection(

@@ -18,7 +18,8 @@ A backfill replay runs as the tenant whose request degraded (`x-ballast-on-behal
 key with `acts_for_tenants`), so it is charged here like any of that tenant's requests.
 
 Buckets live in each router's memory: with N routers a tenant gets up to N times its limit
-(documented; a shared store would cost a round trip per request).
+(documented; a shared store would cost a round trip per request). The processes of one router
+(`router.processes`) share its limits instead: each holds 1/N of them.
 
 `router.quotas` in ballast.yaml: a default for every tenant and overrides by tenant; 0 means
 no limit. Pure: the clock is a parameter.
@@ -46,6 +47,16 @@ class TenantLimits(Section):
         0, ge=0, description="Prompt + completion tokens a tenant may use per minute; 0: no limit.")
     max_concurrent: int = Field(0, ge=0, description="Streams a tenant may have open at once; 0: no limit.")
 
+    def shared_by(self, processes: int) -> "TenantLimits":
+        """One of `processes` equal shares of these limits (rounded up: a limit never becomes
+        0, which would mean none)."""
+        def share(limit: int) -> int:
+            return math.ceil(limit / processes) if limit else 0
+
+        return TenantLimits(requests_per_minute=share(self.requests_per_minute),
+                            tokens_per_minute=share(self.tokens_per_minute),
+                            max_concurrent=share(self.max_concurrent))
+
 
 class QuotaConfig(Section):
     default: TenantLimits = Field(default_factory=TenantLimits, description="Limits of every tenant.")
@@ -58,6 +69,14 @@ class QuotaConfig(Section):
 
     def limits(self, tenant: str) -> TenantLimits:
         return self.tenants.get(tenant, self.default)
+
+    def shared_by(self, processes: int) -> "QuotaConfig":
+        """What one of `processes` router processes on one port admits: a share of every limit,
+        so that together they admit what one process would (router.processes)."""
+        return self.model_copy(update={
+            "default": self.default.shared_by(processes),
+            "tenants": {tenant: limits.shared_by(processes) for tenant, limits in self.tenants.items()},
+        })
 
 
 @dataclass

@@ -74,6 +74,13 @@ class RouterConfig(Section):
                     "sends that incarnation no new work, unless etcd replaces or drops it sooner.",
     )
     shutdown_grace_s: float = Field(10.0, ge=0, description="Time streams get to finish on stop.")
+    processes: int = Field(
+        1, ge=1, le=64,
+        description="Router processes serving the same ports (SO_REUSEPORT: the kernel spreads client "
+                    "connections over them), so one router uses that many cores. Each holds 1/N of every "
+                    "per-tenant quota, has its own outbox file and serves /metrics on telemetry.metrics_port "
+                    "+ its index. Needs fixed ports (router.port, router.http_port not 0).",
+    )
     stream_interval_ms: int = Field(
         50, ge=0, le=MAX_FLUSH_INTERVAL_MS,
         description="Longest a worker may hold a stream's tokens after the first (always sent at once) to "
@@ -119,4 +126,12 @@ class RouterConfig(Section):
     def _default_within_limit(self) -> "RouterConfig":
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_ports_are_fixed(self) -> "RouterConfig":
+        # Processes can share a port only if they all bind the same one: "any free port" would
+        # give each its own.
+        if self.processes > 1 and (self.port == 0 or self.http_port == 0):
+            raise ValueError("processes > 1 needs a fixed port and http_port (not 0)")
         return self

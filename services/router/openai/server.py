@@ -114,7 +114,9 @@ class OpenAIFront:
                                      shutdown_timeout=self.config.shutdown_grace_s,
                                      keepalive_timeout=self.config.http_header_timeout_s, lingering_time=LINGER_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context)
+        # The processes of one router (router.processes) listen on the same port.
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context,
+                           reuse_port=self.config.processes > 1 or None)
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self.port
