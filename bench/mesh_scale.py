@@ -22,17 +22,26 @@ the sim hosts: at the largest points the machine (not a router) saturates, and t
 says so (`cpu_busy`, from /proc/stat, next to each point). Each load starts once the cores
 are quiet again after the one before (`settle_s`: how long that took, at most 10 s).
 
+Every path asks for the router's default stream interval (router.stream_interval_ms: the
+first token at once, later ones together at most 50 ms after they were made), so all send the
+same messages; each row reports the tokens per message the clients got beside the CPU. Last,
+one router of two processes on one port (router.processes) and a one-process router get the
+same load over 8 connections, alternating: each process's CPU per token (its CPU over the
+tokens its own metrics say it relayed) over the single router's.
+
 Goals, judged in code: added TTFT <= 1 ms p50 and <= 3 ms p99 up to 100 streams (one
-router); router CPU per 1000 tokens within 20 % from 4 to 64 workers (100 streams, one
-router); two routers relay >= 1.8 x what one does (64 workers, the most streams). The
-one-router points up to 100 streams, which those goals judge, are loaded `--repeats` times
-(3) and report the median of each judged number: on two shared cores one load of a few
-seconds varies by a third from run to run.
+router); router CPU per relayed token <= 0.05 ms at 100 streams and <= 0.1 ms at 10 (one
+router, its most costly worker count); router CPU per 1000 tokens within 20 % from 4 to 64
+workers (100 streams, one router); two routers relay >= 1.8 x what one does (64 workers, the
+most streams); each of two router processes on one port within 10 % of one router's CPU per
+token, both relaying. The one-router points up to 100 streams, which those goals judge, are
+loaded `--repeats` times (3) and report the median of each judged number: on two shared cores
+one load of a few seconds varies by a third from run to run.
 Writes bench/results/mesh_scale.json (a row per point) and mesh_scale_cost.png; exits 1 when a
 goal is missed.
 
     python -m bench.mesh_scale [--seconds 4] [--workers 1,4,16,64] [--streams 10,100,1000] [--routers 1,2,4]
-        [--repeats 3]
+        [--repeats 3] [--tokens 32]
 """
 
 from __future__ import annotations
@@ -50,7 +59,15 @@ import time
 from pathlib import Path
 
 from bench.bare_relay import start_bare_relay
-from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
+from bench.common import (
+    metric_sum,
+    model_dir_for,
+    percentile,
+    print_table,
+    sim_worker_settings,
+    stop_on_sigterm,
+    write_result,
+)
 from bench.goals import HIGHER, LOWER, Goal, judge, print_goals
 from services.router.settings import RouterConfig
 
@@ -72,7 +89,17 @@ GOALS = (
     Goal("added TTFT p99 up to 100 streams (1 router)", "added_ttft_p99_ms_upto_100", 3.0, LOWER, " ms"),
     Goal("router CPU per 1k tokens, 64 over 4 workers (spread)", "cpu_per_token_spread", 0.2, LOWER),
     Goal("2 routers' relayed tokens/s over 1 router's", "two_router_scaling", 1.8, HIGHER, "x"),
+    Goal("router CPU per relayed token at 100 streams (1 router, most costly worker count)",
+         "cpu_ms_per_token_100", 0.05, LOWER, " ms"),
+    Goal("router CPU per relayed token at 10 streams (1 router, most costly worker count)",
+         "cpu_ms_per_token_10", 0.1, LOWER, " ms"),
+    Goal("each of 2 router processes on one port: CPU per token over one router's", "process_cpu_per_token_ratio",
+         1.1, LOWER, "x"),
+    Goal("router processes relaying through one address", "processes_serving", 2, HIGHER),
 )
+# Router processes on one port (router.processes) and the connections the clients spread over them.
+PROCESSES = 2
+PROCESS_CONNECTIONS = 8
 
 
 # -- load (runs in a process of its own) -------------------------------------------------------
@@ -85,7 +112,10 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
 
     from ballast.v1 import common_pb2, inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-    channels = [grpc.aio.insecure_channel(t, options=[("grpc.max_receive_message_length", 64 << 20)])
+    # A connection per channel (no subchannel shared between channels to one address): a
+    # target named twice is two connections, which router processes on one port share.
+    channels = [grpc.aio.insecure_channel(t, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                      ("grpc.use_local_subchannel_pool", 1)])
                 for t in targets]
     if kind == "direct":
         stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
@@ -316,11 +346,66 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                               f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok "
                               f"at {row['tokens_per_message']:.1f} tok/msg, "
                               f"machine busy {row['cpu_busy']:.0%} (settled in {settled:.1f} s)", flush=True)
+            processes = _processes_point(mesh, routers[0], workers, min(100, max(stream_steps)), seconds, prompt_ids,
+                                         tokens, repeats)
         finally:
             if relay is not None:
                 relay.stop()
             mesh.stop()
-    return _report(rows, membership, seconds, out, tokens)
+    return _report(rows, membership, seconds, out, tokens, processes)
+
+
+def _processes_point(mesh, single, workers: list, streams: int, seconds: float, prompt_ids: list[int], tokens: int,
+                     repeats: int) -> dict:
+    """One router of PROCESSES processes on one port beside a one-process router, the same
+    load on each (clients spread over PROCESS_CONNECTIONS connections), alternating `repeats`
+    times: each process's CPU per relayed token (its own CPU over the tokens its metrics say it
+    relayed) over the single router's."""
+    from services.cli.mesh import LOCAL_API_KEY
+
+    group = mesh.start_router(processes=PROCESSES)
+    try:
+        time.sleep(HEARTBEAT_SETTLE_S)  # its membership watch has every worker
+        children = _process_lines(group.process.log_path)
+        single_runs, group_runs = [], []
+        for _ in range(repeats):
+            settle()
+            before = cpu_seconds(single.pid)
+            load = run_load("router", [single.address] * PROCESS_CONNECTIONS, streams, seconds, prompt_ids,
+                            LOCAL_API_KEY, tokens)
+            single_runs.append((cpu_seconds(single.pid) - before) / max(1, load["tokens"]) * 1000)
+            settle()
+            cpu = {pid: cpu_seconds(pid) for pid, _ in children}
+            relayed = {pid: metric_sum(port, ["ballast_router_streamed_tokens_total"]) or 0.0 for pid, port in children}
+            load = run_load("router", [group.address] * PROCESS_CONNECTIONS, streams, seconds, prompt_ids,
+                            LOCAL_API_KEY, tokens)
+            group_runs.append([
+                {"pid": pid, "cpu_s": cpu_seconds(pid) - cpu[pid],
+                 "tokens": (metric_sum(port, ["ballast_router_streamed_tokens_total"]) or 0.0) - relayed[pid]}
+                for pid, port in children])
+    finally:
+        group.process.stop()
+    single_ms = statistics.median(single_runs)
+    per_process = [statistics.median(run[i]["cpu_s"] / run[i]["tokens"] * 1000 if run[i]["tokens"] else math.nan
+                                     for run in group_runs) for i in range(len(children))]
+    shares = [statistics.median(run[i]["tokens"] / max(1.0, sum(p["tokens"] for p in run)) for run in group_runs)
+              for i in range(len(children))]
+    print(f"{PROCESSES} router processes on one port, {streams} streams over {PROCESS_CONNECTIONS} connections: "
+          f"CPU per token {', '.join(f'{v:.4f}' for v in per_process)} ms (one router: {single_ms:.4f} ms), "
+          f"token shares {', '.join(f'{v:.0%}' for v in shares)}", flush=True)
+    return {"streams": streams, "connections": PROCESS_CONNECTIONS, "single_cpu_ms_per_token": single_ms,
+            "single_runs": single_runs, "process_cpu_ms_per_token": per_process, "process_token_shares": shares,
+            "group_runs": group_runs}
+
+
+def _process_lines(log_path: Path) -> list[tuple[int, int]]:
+    """(pid, metrics port) of each process of a router group, from its PROCESS lines."""
+    latest: dict[str, tuple[int, int]] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) == 5 and parts[:2] == ["PROCESS", "router"]:
+            latest[parts[2]] = (int(parts[3].split("=")[1]), int(parts[4].split("=")[1]))
+    return [latest[slot] for slot in sorted(latest)]
 
 
 # The numbers the goals judge: a point measured more than once reports the median of each.
@@ -374,7 +459,8 @@ def _pick(rows: list[dict], **match) -> list[dict]:
     return [r for r in rows if all(r[k] == v for k, v in match.items())]
 
 
-def _report(rows: list[dict], membership: dict[int, float], seconds: float, out: Path, tokens: int) -> int:
+def _report(rows: list[dict], membership: dict[int, float], seconds: float, out: Path, tokens: int,
+            processes: dict) -> int:
     print_table(["workers", "streams", "routers", "added p50 ms", "added p99 ms", "bare p50 ms", "bare p99 ms",
                  "CPU s/1k tok", "tok/msg", "bare CPU", "tok/s", "bare tok/s", "tok/s/router", "busy", "errors"],
                 [[r["workers"], r["streams"], r["routers"], r["added_ttft_p50_ms"], r["added_ttft_p99_ms"],
@@ -397,6 +483,11 @@ def _report(rows: list[dict], membership: dict[int, float], seconds: float, out:
         "added_ttft_p99_ms_upto_100": max((r["added_ttft_p99_ms"] for r in small), default=math.nan),
         "cpu_per_token_spread": (max(spread_points) / min(spread_points) - 1) if len(spread_points) > 1 else math.nan,
         "two_router_scaling": (two[0]["tokens_per_s"] / one[0]["tokens_per_s"]) if one and two else math.nan,
+        "cpu_ms_per_token_100": _worst_cpu_per_token(rows, 100),
+        "cpu_ms_per_token_10": _worst_cpu_per_token(rows, 10),
+        "process_cpu_per_token_ratio": (max(processes["process_cpu_ms_per_token"]) / processes["single_cpu_ms_per_token"]
+                                        if processes["process_cpu_ms_per_token"] else math.nan),
+        "processes_serving": sum(1 for share in processes["process_token_shares"] if share > 0),
     }
     # Context for the goals, not goals: what one bare Python gRPC hop costs on this machine.
     floor = {
@@ -408,6 +499,7 @@ def _report(rows: list[dict], membership: dict[int, float], seconds: float, out:
     one_router = sorted(_pick(rows, workers=top_w, routers=1), key=lambda r: r["streams"])
     saturation = max(one_router, key=lambda r: r["tokens_per_s"]) if one_router else None
     result = {"rows": rows, "membership_change_s": {str(k): v for k, v in membership.items()}, "seconds": seconds,
+              "processes": processes, "stream_interval_ms": STREAM_INTERVAL_MS,
               "engine": "sim", "tokens_per_stream": tokens, **measured, **floor,
               "one_router_peak": saturation, **judge(GOALS, measured)}
     # Not mesh_scale.png: bench.report draws that one (the goals).
@@ -417,6 +509,12 @@ def _report(rows: list[dict], membership: dict[int, float], seconds: float, out:
     print_goals(result)
     print(f"wrote {write_result(out, result)}")
     return 0 if result["met"] else 1
+
+
+def _worst_cpu_per_token(rows: list[dict], streams: int) -> float:
+    """One router's CPU ms per relayed token at `streams` streams, at its most costly worker count."""
+    values = [r["router_cpu_s_per_1k_tokens"] for r in rows if r["streams"] == streams and r["routers"] == 1]
+    return max(values) if values else math.nan
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -434,12 +434,13 @@ class Mesh:
         self._launch_all([(service, "worker")], timeout or self.spec.start_timeout_s)
         return service
 
-    def _new_router(self, port: int | None = None) -> ServiceProcess:
+    def _new_router(self, port: int | None = None, processes: int = 1) -> ServiceProcess:
         self._router_seq += 1
         name = f"router-{self._router_seq}"
         # Each router replica keeps its own degraded-request outbox (a file one process holds).
         env = {"BALLAST__ROUTER__PORT": str(port or free_ports(1)[0]), "BALLAST__ROUTER__HTTP_PORT": "null",
-               "BALLAST__DEGRADE__OUTBOX_PATH": f"outbox/{name}.sqlite"}
+               "BALLAST__DEGRADE__OUTBOX_PATH": f"outbox/{name}.sqlite",
+               "BALLAST__ROUTER__PROCESSES": str(processes)}
         return self._service_process(name, "services.router", env)
 
     def _extra_router_ports(self) -> list[int | None]:
@@ -449,10 +450,11 @@ class Mesh:
             return [self.spec.router_port + i for i in range(1, count + 1)]
         return [None] * count
 
-    def start_router(self, timeout: float | None = None) -> ServiceProcess:
+    def start_router(self, timeout: float | None = None, processes: int = 1) -> ServiceProcess:
         """Another router on the same etcd, cache and backfill, on a port of its own and
-        without the HTTP front: several routers share the clients (bench.mesh_scale)."""
-        service = self._new_router()
+        without the HTTP front: several routers share the clients (bench.mesh_scale). With
+        `processes` > 1, one router of that many processes (router.processes)."""
+        service = self._new_router(processes=processes)
         self._launch_all([(service, "router")], timeout or self.spec.start_timeout_s)
         return service
 

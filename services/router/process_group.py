@@ -133,8 +133,8 @@ async def run_group(config: BallastConfig, argv: list[str]) -> None:
     waits: set[asyncio.Future] = {stop, ready}
     await asyncio.wait(waits, timeout=CHILD_START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
     if ready.done():
-        # The first child's line: its address is every child's; its metrics port is the base.
-        print(f"{ready.result()[0]} processes={count}", flush=True)
+        # The first child's line, as it is: its address is every child's, its metrics port the base.
+        print(ready.result()[0], flush=True)
     elif not stop.done():
         log.error("not every router process got ready within %.0f s", CHILD_START_TIMEOUT_S)
     watchers = {asyncio.create_task(_keep(child, stop)) for child in children}
