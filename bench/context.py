@@ -30,6 +30,7 @@ from bench.goals import HIGHER, Goal, judge, print_goals
 from services.common.generation import Sampling
 from services.router.context import ContextPolicy, fit_conversation, retention_rate
 from services.router.context.evaluation import RetentionCase, Turn
+from services.common.tier import Tier
 from services.router.requests import InferenceRequest
 from services.router.tokenization import ModelTokenizer
 from services.worker.model_files import describe_model
@@ -69,7 +70,7 @@ def _encoder(model_dir: Path):
     tokenizer = ModelTokenizer.from_model_info(SimpleNamespace(
         model_version=model.version, max_context=model.max_context, tokenizer_json=model.tokenizer_json,
         chat_template=model.chat_template, bos_token=model.bos_token, eos_token=model.eos_token))
-    base = InferenceRequest("bench", "", "bench", "tiny", Sampling(MAX_TOKENS), "A")
+    base = InferenceRequest("bench", "", "bench", "tiny", Sampling(MAX_TOKENS), Tier.A)
     return lambda messages: tokenizer.encode(replace(base, messages=tuple(messages)))
 
 

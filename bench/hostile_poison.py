@@ -147,15 +147,16 @@ async def _hand_off_degraded(mesh, poison, tenant: str) -> None:
     """A degraded copy of the poison on the degraded topic, as a router would have written it."""
     from services.common.degraded.codec import Level, degraded_request_pb, kafka_key, make_ticket
     from services.router.degrade.handoff import HandOff, HandOffSettings
+    from services.common.tier import Tier
     from services.router.requests import InferenceRequest, Message
     from services.common.generation import Sampling
 
     request = InferenceRequest(
         request_id=poison.request_id, session_id="", tenant=tenant, model=poison.model,
-        sampling=Sampling(max_tokens=poison.sampling.max_tokens, temperature=0.0), tier="A",
+        sampling=Sampling(max_tokens=poison.sampling.max_tokens, temperature=0.0), tier=Tier.A,
         messages=tuple(Message(m.role, m.content) for m in poison.conversation.messages))
     ticket = make_ticket(tenant, poison.request_id + "-degraded")
-    record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="no_worker",
+    record = degraded_request_pb(request, ticket=ticket, tier=Tier.A, level=Level.RULES, reason="no_worker",
                                  degraded_text="(rules)", degraded_by="rules", received_at=time.time())
     with tempfile.TemporaryDirectory() as folder:
         handoff = HandOff(HandOffSettings(outbox_path=Path(folder) / "outbox.sqlite", bootstrap=mesh.kafka.bootstrap,

@@ -12,7 +12,7 @@ from services.common.errors import InvalidArgument
 from services.common.generation import Sampling
 from services.common.sampling_pb import sampling_from_pb
 from services.common.streams import MAX_FLUSH_INTERVAL_MS
-from services.common.tier import parse_tier
+from services.common.tier import Tier, parse_tier
 from services.common.tier_pb import TIER_NAMES, tier_from_pb
 from services.router.context.window import ContextPolicy
 from services.router.settings import RouterConfig
@@ -48,9 +48,9 @@ class InferenceRequest:
     tenant: str
     model: str
     sampling: Sampling
-    # A Tier, AUTO until the auto-tagging rules give it one. Typed as its text because requests
-    # built by hand (benchmarks) name it so; __post_init__ makes it a Tier (ValueError otherwise).
-    tier: str
+    # AUTO until the auto-tagging rules give it one. A request built by hand with the tier's
+    # text (a test) gets the Tier from __post_init__ (ValueError for an unknown one).
+    tier: Tier
     messages: tuple[Message, ...] = ()
     prompt: str | None = None
     signals: Signals = field(default_factory=Signals)

@@ -19,6 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ballast.v1 import backfill_pb2, common_pb2, inference_pb2
 from services.common.sampling_pb import sampling_to_pb
+from services.common.tier import Tier
 from services.common.tier_pb import TIER_TO_PB
 
 
@@ -92,7 +93,7 @@ def degraded_request_pb(
     request: Any,
     *,
     ticket: str,
-    tier: str,
+    tier: Tier,
     level: Level,
     reason: str,
     degraded_text: str,
