@@ -25,11 +25,9 @@ import time
 from typing import AsyncIterator, Protocol
 
 import grpc
-from opentelemetry import trace
 
 from services.common import tracing
 from services.common.accepted import was_accepted
-from services.common.grpc_tracing import trace_metadata
 from services.router.settings import RouterConfig
 from services.common.errors import NoLiveWorker, RetryBudgetExhausted, Unavailable, WorkerLost
 from services.common.generation import FinishReason
@@ -38,7 +36,7 @@ from services.common.tier import Tier
 from services.router.affinity import SessionAffinity
 from services.router.context.window import fit_request_async
 from services.router.events import Event, Finished, Resumed, Started, Tokens, WorkerFinished
-from services.router.events_pb import worker_event_from_pb, worker_request_pb
+from services.router.events_pb import worker_request_pb
 from services.router.metrics import RouterMetrics
 from services.router.model_registry import ModelRegistry
 from services.router.pools import PoolGates, slot_key, worker_id_of
@@ -60,12 +58,12 @@ from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.quarantine import RouterQuarantine
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import RetryBudget
-from services.router.resilience.stall import with_stall_timeout
 from services.router.rollout.controller import RolloutController
 from services.router.rollout.mirror import Answer, MirrorHandle
 from services.router.rollout.split import Role, Route
 from services.router.scheduling.async_gate import Grant
 from services.router.structured.repair import repair
+from services.router.worker_call import WorkerCall
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
@@ -370,18 +368,13 @@ class GenerationRunner:
             "ballast.worker": worker.id, "ballast.worker.address": worker.address,
             "ballast.resume_from": len(plan.generated_ids), "ballast.resumes": state.resumes})
         finished = False
-        with self.clients.in_use(worker.address) as stub:
-            # Current only while the call is made: the worker's span becomes this attempt's child.
-            with trace.use_span(attempt):
-                call = stub.Generate(worker_request, timeout=max(0.001, run.deadline - time.monotonic()),
-                                     metadata=trace_metadata())
-            control.call = control.last_call = call
+        with WorkerCall(self.clients, worker.address, worker_request, run.deadline, span=attempt) as worker_call:
+            control.call = control.last_call = worker_call.call
             # A worker whose lease is gone is dead or cut off: do not wait for a stall.
             lease_watch = asyncio.create_task(self._watch_lease(worker.id, control))
             first_wait = max(stall_s, self.config.first_token_timeout_s)
             try:
-                async for message in with_stall_timeout(call, stall_s, first_timeout_s=first_wait):
-                    event = worker_event_from_pb(message)
+                async for event in worker_call.events(stall_s, first_wait):
                     if isinstance(event, Tokens):
                         ids = event.token_ids
                         if state.first_token_at is None:

@@ -11,6 +11,7 @@ an optional business score) goes to the metrics and to the candidate's SLO gate.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,15 +19,17 @@ from typing import Callable
 
 import grpc
 
-from ballast.v1 import common_pb2, worker_pb2
 from services.common.errors import BallastError
-from services.common.grpc_tracing import trace_metadata
 from services.common.membership import WorkerRecord
-from services.common.sampling_pb import sampling_to_pb
+from services.common.tier import Tier
 from services.router.context.window import fit_request_async
+from services.router.events import Tokens, WorkerFinished
+from services.router.events_pb import worker_request_pb
 from services.router.model_registry import ModelRegistry
 from services.router.requests import InferenceRequest
 from services.router.resilience.breaker import Outcome, outcome_of
+from services.router.resilience.resume import plan_resume
+from services.router.worker_call import WorkerCall
 from services.router.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
@@ -162,26 +165,19 @@ class MirrorRunner:
             tokenizer = await self._models.tokenizer_for(worker, deadline - time.monotonic())
             _, fit = await fit_request_async(request, tokenizer, policy=request.context_policy,
                                              max_turns=request.max_turns)
-            call_request = worker_pb2.WorkerGenerateRequest(
-                # Its own id and no session: the copy must not touch the session's saved KV.
-                request_id=f"{request.request_id}:mirror",
-                tenant=request.tenant,
-                prompt_ids=list(fit.prompt_ids),
-                sampling=sampling_to_pb(request.sampling),
-                response_format=request.response_format,
-                # Shadow traffic: the candidate's live requests go first.
-                tier=common_pb2.TIER_B,
-            )
-            with self._clients.in_use(worker.address) as stub:
-                call = stub.Generate(call_request, timeout=max(0.001, deadline - time.monotonic()),
-                                     metadata=trace_metadata())
-                async for event in call:
-                    if event.HasField("tokens"):
+            plan = plan_resume(list(fit.prompt_ids), request.sampling, [])
+            # Its own id and no session: the copy must not touch the session's saved KV.
+            copy = dataclasses.replace(request, request_id=f"{request.request_id}:mirror", session_id="")
+            # Shadow traffic: the candidate's live requests go first.
+            call_request = worker_request_pb(copy, plan, Tier.B, 0)
+            with WorkerCall(self._clients, worker.address, call_request, deadline) as call:
+                async for event in call.events():
+                    if isinstance(event, Tokens):
                         if answer.ttft_ms is None:
                             answer.ttft_ms = (time.perf_counter() - started) * 1000
-                        answer.token_ids.extend(event.tokens.token_ids)
-                        answer.text += event.tokens.text
-                    elif event.HasField("finished"):
+                        answer.token_ids.extend(event.token_ids)
+                        answer.text += event.text
+                    elif isinstance(event, WorkerFinished):
                         return answer
             answer.error = "stream ended without finishing"
             answer.fault = True
