@@ -129,13 +129,19 @@ async def test_a_client_dropped_by_one_part_makes_every_watch_resync_on_the_next
     await session.close()
 
 
-async def test_a_leader_keeps_its_term_when_another_part_drops_the_client(fake_etcd):
+async def following_leader(fake_etcd):
+    """A leader of "autoscaler" on its own session, watching its key: (session, lock, lost, follower)."""
     session = EtcdSession(CONFIG)
     lock = LeaderLock(CONFIG, "autoscaler", "router-a", session=session)
     fake_etcd.put(lock.key, b"router-a")
     lost = asyncio.Event()
     follower = asyncio.create_task(lock._follow_key(fake_etcd.revision, lost))
     await until(lambda: len(fake_etcd.open_clients) == 1 and fake_etcd.open_clients[0].watches)
+    return session, lock, lost, follower
+
+
+async def test_a_leader_keeps_its_term_when_another_part_drops_the_client(fake_etcd):
+    session, lock, lost, follower = await following_leader(fake_etcd)
 
     await session.reset()  # another part's call failed
     await until(lambda: len(fake_etcd.open_clients) == 1 and fake_etcd.open_clients[0].watches)
@@ -148,12 +154,7 @@ async def test_a_leader_keeps_its_term_when_another_part_drops_the_client(fake_e
 
 
 async def test_a_leader_whose_key_went_while_it_was_not_watching_steps_down(fake_etcd):
-    session = EtcdSession(CONFIG)
-    lock = LeaderLock(CONFIG, "autoscaler", "router-a", session=session)
-    fake_etcd.put(lock.key, b"router-a")
-    lost = asyncio.Event()
-    follower = asyncio.create_task(lock._follow_key(fake_etcd.revision, lost))
-    await until(lambda: len(fake_etcd.open_clients) == 1 and fake_etcd.open_clients[0].watches)
+    session, lock, lost, follower = await following_leader(fake_etcd)
 
     client = fake_etcd.open_clients[0]
     await client.close()  # the stream ends; the key is deleted before the next watch opens
