@@ -44,6 +44,7 @@ from services.router.request_run import RequestRun, StreamState
 from services.router.requests import InferenceRequest
 from services.router.resilience.breaker import Outcome, Permit
 from services.router.resilience.failover import (
+    WorkerProgress,
     DECIDED_ERRORS,
     Action,
     AttemptFailure,
@@ -131,6 +132,8 @@ class GenerationRunner:
         # Without etcd (a runner built on its own) no rollout is ever seen: plain routing.
         self.rollouts = rollouts or RolloutController(None, clients, models)
         self._observers: list[RunObserver] = []
+        # When each worker last relayed a token, for telling a wedged worker from a slow one.
+        self.progress = WorkerProgress()
         # Without etcd (a runner built on its own) the quarantine is this router's alone.
         self.quarantine = quarantine or RouterQuarantine(config.quarantine, counter=metrics.quarantine)
 
@@ -253,11 +256,13 @@ class GenerationRunner:
                     self.affinity.served(request.tenant, request.session_id, worker.id)
                     return
                 except DECIDED_ERRORS as error:
+                    silent = self.progress.silent(worker.id, error)
                     decision = decide(AttemptFailure(
                         error, worker.id, tokens_sent=len(state.sent_ids),
                         tokens_this_attempt=len(state.sent_ids) - sent_before,
-                        accepted=worker_died(error) and await was_accepted(control.last_call),
+                        accepted=worker_died(error, silent) and await was_accepted(control.last_call),
                         deadline_passed=time.monotonic() >= run.deadline,
+                        worker_silent=silent,
                     ), run.attempts.ask)
                     async for event in self._apply(decision, run, worker, permit, grant, version):
                         yield event
@@ -376,6 +381,7 @@ class GenerationRunner:
             try:
                 async for event in worker_call.events(stall_s, first_wait):
                     if isinstance(event, Tokens):
+                        self.progress.streamed(worker.id)
                         ids = event.token_ids
                         if state.first_token_at is None:
                             state.first_token_at = time.perf_counter()

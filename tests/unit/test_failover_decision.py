@@ -3,6 +3,8 @@ lost or stalled worker, a lease gone, a worker's error answer, a passed deadline
 budget), what the router does next and what the worker's breaker, marks and the request's
 quarantine tally are told; the retry budget is asked only when nothing else rules a retry out."""
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -22,8 +24,10 @@ from services.router.resilience.failover import (
     Preempted,
     StreamEndedEarly,
     WorkerLeaseLost,
+    WorkerProgress,
     decide,
 )
+from tests.unit.fake_clock import FakeClock
 from services.router.resilience.retry_budget import Refusal
 from services.router.resilience.stall import StreamStalled
 
@@ -146,3 +150,30 @@ def test_the_last_allowed_attempt_fails_with_what_the_worker_said():
     stalled = StreamStalled(2.0, 2)
     decision = decide(failure(stalled, sent=2), Budget(Refusal.MAX_ATTEMPTS))
     assert decision.action is Action.FAIL and decision.error is stalled
+
+
+def test_a_stall_on_a_worker_that_kept_streaming_to_others_does_not_implicate_the_request():
+    """Overloaded, not wedged: a long queue keeps this request waiting for its first token
+    while the worker streams to others. The stream still moves; the request is not suspect."""
+    stalled = StreamStalled(10.0, 0)
+    busy = dataclasses.replace(failure(stalled, sent=0, this_attempt=0, accepted=True), worker_silent=False)
+    decision = decide(busy, Budget())
+    assert decision.action is Action.RETRY and not decision.suspect
+    assert decide(failure(stalled, sent=0, this_attempt=0, accepted=True), Budget()).suspect
+
+
+def test_worker_progress_tells_a_silent_worker_from_a_busy_one():
+    clock = FakeClock(100.0)
+    progress = WorkerProgress(max_workers=2, clock=clock)
+    stalled = StreamStalled(10.0, 0)
+    assert progress.silent("w1", stalled)  # never heard from
+    progress.streamed("w1")
+    clock.advance(9.0)
+    assert not progress.silent("w1", stalled)  # streamed to someone within the window
+    clock.advance(2.0)
+    assert progress.silent("w1", stalled)
+    assert progress.silent("w1", CONNECTION_LOST)  # only a stall needs telling apart
+    progress.streamed("w2")
+    progress.streamed("w3")  # over max_workers: the stalest (w1) is forgotten
+    assert progress.silent("w1", StreamStalled(1000.0, 0))
+    assert not progress.silent("w3", stalled)

@@ -15,6 +15,7 @@ is unit-tested without servers.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -87,6 +88,10 @@ class AttemptFailure:
     accepted: bool
     # The client's deadline had passed when the attempt ended.
     deadline_passed: bool
+    # The worker relayed no token for any stream during this attempt's stall window. A worker
+    # that kept streaming to others while this stream waited is slow (overloaded, a long queue),
+    # not wedged: its stall says nothing against the request.
+    worker_silent: bool = True
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,33 @@ class FailoverDecision:
     error: BaseException | None = None
 
 
+class WorkerProgress:
+    """When each worker last relayed a token to this router (any stream), so that a stalled
+    stream can tell a wedged worker (silent for everyone) from a slow one. One entry per worker
+    id seen, forgotten past `max_workers` (the stalest first). `clock`: monotonic seconds."""
+
+    def __init__(self, max_workers: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+        self._last: dict[str, float] = {}
+        self._max = max_workers
+        self._clock = clock
+
+    def streamed(self, worker_id: str) -> None:
+        """A token message came from `worker_id` (called per message: kept to a dict write)."""
+        last = self._last
+        last.pop(worker_id, None)  # re-inserted last: insertion order is staleness order
+        last[worker_id] = self._clock()
+        if len(last) > self._max:
+            del last[next(iter(last))]
+
+    def silent(self, worker_id: str, error: BaseException) -> bool:
+        """Whether `worker_id` relayed nothing during the stall window of `error` (True for any
+        other error: only a stall needs telling apart)."""
+        if not isinstance(error, StreamStalled):
+            return True
+        last = self._last.get(worker_id)
+        return last is None or last < self._clock() - error.timeout_s
+
+
 BudgetAsk = Callable[[], Refusal | None]
 """Asks the request's retry budget for one more attempt: None when granted, else why not."""
 
@@ -118,9 +150,10 @@ def worker_gone(error: BaseException) -> bool:
     return is_connection_lost(error) or isinstance(error, WorkerLeaseLost)
 
 
-def worker_died(error: BaseException) -> bool:
-    """The worker is gone or stalled: if it had taken the request on, the request may be why."""
-    return worker_gone(error) or isinstance(error, StreamStalled)
+def worker_died(error: BaseException, silent: bool = True) -> bool:
+    """The worker is gone, or stalled for every stream (`silent`): if it had taken the request
+    on, the request may be why."""
+    return worker_gone(error) or (isinstance(error, StreamStalled) and silent)
 
 
 def resume_reason(error: BaseException) -> str:
@@ -169,7 +202,7 @@ def decide(failure: AttemptFailure, ask_budget: BudgetAsk) -> FailoverDecision:
         # keeper) out for a whole cool-down. The dead incarnation is marked unreachable instead.
         breaker=Outcome.IGNORE if lost else outcome,
         mark_unreachable=lost,
-        suspect=implicated(worker_died(error), failure.tokens_this_attempt, failure.accepted),
+        suspect=implicated(worker_died(error, failure.worker_silent), failure.tokens_this_attempt, failure.accepted),
         rollout_fault=outcome is Outcome.FAULT,
     )
     refused = _refusal(failure)
