@@ -116,7 +116,7 @@ class FailoverDecision:
 class WorkerProgress:
     """When each worker last relayed a token to this router (any stream), so that a stalled
     stream can tell a wedged worker (silent for everyone) from a slow one. One entry per worker
-    id seen, forgotten past `max_workers` (the stalest first). `clock`: monotonic seconds."""
+    id seen, the stalest forgotten past `max_workers`. `clock`: monotonic seconds."""
 
     def __init__(self, max_workers: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
         self._last: dict[str, float] = {}
@@ -126,10 +126,9 @@ class WorkerProgress:
     def streamed(self, worker_id: str) -> None:
         """A token message came from `worker_id` (called per message: kept to a dict write)."""
         last = self._last
-        last.pop(worker_id, None)  # re-inserted last: insertion order is staleness order
         last[worker_id] = self._clock()
-        if len(last) > self._max:
-            del last[next(iter(last))]
+        if len(last) > self._max:  # rare: only past max_workers ids
+            del last[min(last, key=last.__getitem__)]
 
     def silent(self, worker_id: str, error: BaseException) -> bool:
         """Whether `worker_id` relayed nothing during the stall window of `error` (True for any
