@@ -96,7 +96,11 @@ async def test_a_killed_process_comes_back_and_the_port_keeps_serving(mesh):
     killed_pid = children[1][0]
     os.kill(killed_pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while alive(killed_pid):
+    # Gone means reaped by its parent, not a zombie: a killed thread-group leader shows as a
+    # zombie while its other threads are still exiting, and until the last of them has, the
+    # process's files (its listening socket among them) stay open, so a connection the kernel
+    # hands that socket meanwhile is reset when it closes.
+    while psutil.pid_exists(killed_pid):
         assert time.monotonic() < deadline, "the killed router process is still there"
         await asyncio.sleep(0.05)
     # Its listening socket went with it: the other process holds the port meanwhile.
