@@ -18,7 +18,9 @@ One session per process: a service's app builds it and hands it to every part th
 parts stopped. A part given a session never closes it: stopping a watch cancels only that watch,
 revoking a kept lease only that lease. A failed or cut-short call (any part's) drops the shared
 client; every watch then reads its prefix again and every kept lease is refreshed on the next
-client, so one part's failure costs the others a resync, never a lost view or lease.
+client, so one part's failure costs the others a resync, never a lost view or lease. The calls
+still on the dropped client fail with `EtcdCallCut` (an etcd error like any other), never with
+the bare cancellation gRPC gives them, which would end the loop that made them.
 
 `close()` is idempotent and stops the session's watches; the session can be used again after it
 (a later call connects again).
@@ -44,6 +46,20 @@ log = logging.getLogger(__name__)
 
 # What a lost or refused etcd connection raises through aetcd (and a call past its deadline).
 ETCD_ERRORS = (aetcd.exceptions.ClientError, OSError, asyncio.TimeoutError)
+
+class EtcdCallCut(ConnectionError):
+    """A call cut short because its client was closed under it: another part's failure dropped
+    the shared client, and closing a gRPC channel cancels the calls still on it. gRPC reports
+    those as a cancellation, which must not pass for the caller's own: an `asyncio.CancelledError`
+    that nobody asked of the task would end a watch's or a lease's loop for good."""
+
+
+def cancelled_from_outside() -> bool:
+    """True when the running task itself was asked to stop (a caller's deadline, a shutdown),
+    False when a cancellation came from a call cut under it."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
 
 # The longest wait between two reconnect attempts: etcd back after an outage is seen within it.
 MAX_BACKOFF_S = 5.0
@@ -160,11 +176,18 @@ class EtcdSession:
             async with asyncio.timeout(self.call_timeout_s):
                 client = await self.client()
                 return await operation(client)
-        except (*ETCD_ERRORS, asyncio.CancelledError):
-            # Cancelled too: a caller's own deadline cut the call short, and a client whose call
-            # hung is no better than a broken one.
-            await self.reset(client)
+        except ETCD_ERRORS:
+            if client is not None:
+                await self.reset(client)
             raise
+        except asyncio.CancelledError:
+            if client is not None:
+                # A caller's own deadline cut the call short: a client whose call hung is no
+                # better than a broken one. (Cut under us, the client is closed already.)
+                await self.reset(client)
+            if cancelled_from_outside():
+                raise
+            raise EtcdCallCut("the etcd client was closed while the call was on it") from None
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -384,6 +407,12 @@ class PrefixWatch:
                 if self.synced.is_set():
                     log.debug("%s lost, resyncing: %s", self.name, exc)
                 await _call(self._on_lost, exc)
+            except asyncio.CancelledError:
+                if cancelled_from_outside():
+                    raise
+                # A call of this watch's own cut by its client's close (the watch stream's, not
+                # made through `_run`): the watch is lost like any other way.
+                await _call(self._on_lost, EtcdCallCut("the etcd client was closed under the watch"))
             except Exception:  # a consumer's bug must not end the watch for good; read again later
                 log.exception("%s: a handler failed, resyncing", self.name)
             if self.synced.is_set():

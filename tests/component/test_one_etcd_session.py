@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import uuid
 
@@ -22,7 +24,8 @@ import pytest
 
 from services.common import etcd_session
 from services.common.etcd_client import make_client as raw_client
-from services.common.etcd_session import ETCD_ERRORS, EtcdSession
+from services.common.config import EtcdConfig
+from services.common.etcd_session import ETCD_ERRORS, EtcdCallCut, EtcdSession
 from services.common.errors import Quarantined
 from services.common.membership import WorkerRecord, worker_key
 from services.common.quarantine import QuarantineEntry, quarantine_key, request_fingerprint
@@ -72,7 +75,11 @@ class Census:
 
 async def in_etcd(config, action):
     """Runs `action(client)` on a client of the test's own (not the router's, not counted)."""
-    client = raw_client(config.etcd)
+    return await in_etcd_of(config.etcd, action)
+
+
+async def in_etcd_of(etcd: EtcdConfig, action):
+    client = raw_client(etcd)
     await client.connect()
     try:
         return await action(client)
@@ -267,3 +274,49 @@ async def test_a_sim_host_shares_one_session_and_a_crash_ends_only_that_workers_
     finally:
         await host.shutdown()
     assert census.open_clients() == [] and host.etcd._watches == set()
+
+
+async def test_calls_cut_by_another_parts_reset_fail_as_etcd_errors_and_every_watch_goes_on(restartable_etcd):
+    """Calls in flight on the shared client when another part drops it (etcd stopped with
+    SIGSTOP, so they wait on it) fail as etcd errors: the watches that made them resync once
+    etcd answers again, and a plain call raises `EtcdCallCut`, not a bare cancellation."""
+    prefix = f"/cut-{uuid.uuid4().hex[:8]}/"
+    # A long call deadline: the calls must still be waiting when the client is dropped.
+    config = EtcdConfig(host=restartable_etcd.host, port=restartable_etcd.port, prefix=prefix,
+                        timeout_s=20.0, reconnect_backoff_s=0.05)
+    session = EtcdSession(config)
+    seen: dict[str, list[bytes]] = {"a": [], "b": []}
+    watches = {name: session.watch_prefix(f"{prefix}{name}/".encode(),
+                                          on_change=lambda change, name=name: seen[name].append(change.key))
+               for name in seen}
+    pid = restartable_etcd.pid
+    assert pid is not None
+    try:
+        for watch in watches.values():
+            await watch.start()
+        assert await poll(lambda: all(w.synced.is_set() for w in watches.values()), 15)
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # One part's failure: every watch reads its prefix again, on a new client, and those
+            # reads wait on the stopped etcd; a plain call waits beside them.
+            connects = session.connects
+            await session.reset()
+            assert await poll(lambda: session.connects > connects and not any(w.synced.is_set() for w in watches.values()), 15)
+            call = asyncio.create_task(session.get(f"{prefix}x".encode()))
+            await asyncio.sleep(0.2)  # the loop starts the calls; each then waits on etcd
+            assert not call.done()
+            # Another part's failure drops that client with every call still on it.
+            await session.reset()
+            with pytest.raises(EtcdCallCut):
+                await call
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        assert await poll(lambda: all(w.synced.is_set() for w in watches.values()), 20), "a watch ended for good"
+        for name in seen:
+            await in_etcd_of(config, lambda c, name=name: c.put(f"{prefix}{name}/k".encode(), b"v"))
+        assert await poll(lambda: all(seen[name] == [f"{prefix}{name}/k".encode()] for name in seen), 15)
+    finally:
+        await session.close()
+
