@@ -33,7 +33,10 @@ def test_the_report_lists_every_goal_with_its_verdict_and_commit(tmp_path):
     results = {
         "overhead": {**judged, "commit": {"sha": "abc123def4567", "dirty": True}, "written_at": "2026-12-01T00:00:00Z"},
         "context": {"commit": {"sha": "0123456789ab", "dirty": False}},
+        "tiers": {**judged, "commit": {"sha": "feedfacecafe", "dirty": False}, "written_at": "2026-12-02T00:00:00Z"},
     }
-    text = render(results, tmp_path)
-    assert "| overhead | added TTFT p99 | 4 ms (2..5, 3 runs) | <= 3 ms | **missed** | abc123def4+dirty |" in text
-    assert "`context` (0123456789)" in text
+    older = {"0123456789ab"}
+    text = render(results, tmp_path, changed_since=lambda sha: sha in older)
+    assert "| overhead | added TTFT p99 | 4 ms (2..5, 3 runs) | <= 3 ms | **missed** | abc123def4+dirty | uncommitted |" in text
+    assert "| tiers | added TTFT p99 | 4 ms (2..5, 3 runs) | <= 3 ms | **missed** | feedfaceca | current |" in text
+    assert "`context` (0123456789, **older code**)" in text
