@@ -59,32 +59,18 @@ def machine() -> dict:
             "load_avg_1m": os.getloadavg()[0]}
 
 
-# The code a benchmark measures: results written since, and the report drawn from them, are not.
-MEASURED_CODE = ("services", "bench", "protos", ":!bench/results", ":!bench/report.py")
-
-
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def commit() -> dict:
     """The commit the benchmark ran on, and whether the tree had uncommitted changes to it."""
-    return {"sha": _git("rev-parse", "HEAD") or "unknown",
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", *MEASURED_CODE))}
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
 
-
-def measured_code_changed_since(sha: str) -> bool | None:
-    """Whether the measured code of the checkout differs from commit `sha` (None: unknown).
-
-    A later commit that only adds results or docs leaves a result current; one that changes
-    services/, protos/ or a benchmark makes it a result of older code."""
-    if not sha or sha == "unknown" or _git("cat-file", "-e", f"{sha}^{{commit}}") is None:
-        return None
-    changed = _git("diff", "--name-only", sha, "--", *MEASURED_CODE)
-    return None if changed is None else bool(changed)
+    return {"sha": git("rev-parse", "HEAD") or "unknown",
+            # Results written since do not count: only the code the benchmark ran.
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "services", "bench",
+                              "protos", ":!bench/results"))}
 
 
 def metric_total(text: str, name: str, **labels: str) -> float:

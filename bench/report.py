@@ -18,7 +18,31 @@ from pathlib import Path
 
 from typing import Callable
 
-from bench.common import RESULTS_DIR, commit, measured_code_changed_since
+import subprocess
+
+from bench.common import RESULTS_DIR, commit
+
+# The code a benchmark measures (as bench.common.commit() judges a dirty tree); results written
+# since, and this report drawn from them, are not part of it.
+MEASURED_CODE = ("services", "bench", "protos", ":!bench/results", ":!bench/report.py")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def measured_code_changed_since(sha: str) -> bool | None:
+    """Whether the checkout's measured code differs from commit `sha` (None: unknown).
+
+    A later commit that only adds results or docs leaves a result current; one that changes
+    services/, protos/ or a benchmark makes it a result of older code."""
+    if not sha or sha == "unknown" or _git("cat-file", "-e", f"{sha}^{{commit}}") is None:
+        return None
+    changed = _git("diff", "--name-only", sha, "--", *MEASURED_CODE)
+    return None if changed is None else bool(changed)
 
 REPORT = "REPORT.md"
 
