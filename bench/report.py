@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
-
 from typing import Callable
-
-import subprocess
 
 from bench.common import RESULTS_DIR, commit
 
-# The code a benchmark measures (as bench.common.commit() judges a dirty tree); results written
-# since, and this report drawn from them, are not part of it.
+# The code a benchmark measures (the paths bench.common.commit() judges a dirty tree by); results
+# written since, and this report drawn from them, are not part of it. The check lives here rather
+# than in bench/common.py because that module is itself measured code: changing it would mark every
+# result as older.
 MEASURED_CODE = ("services", "bench", "protos", ":!bench/results", ":!bench/report.py")
 
 
@@ -39,10 +39,12 @@ def measured_code_changed_since(sha: str) -> bool | None:
 
     A later commit that only adds results or docs leaves a result current; one that changes
     services/, protos/ or a benchmark makes it a result of older code."""
-    if not sha or sha == "unknown" or _git("cat-file", "-e", f"{sha}^{{commit}}") is None:
+    if not sha or sha == "unknown":
         return None
+    # An unknown commit makes git fail, which reads as unknown too.
     changed = _git("diff", "--name-only", sha, "--", *MEASURED_CODE)
     return None if changed is None else bool(changed)
+
 
 REPORT = "REPORT.md"
 
