@@ -11,6 +11,7 @@ it is installed): each goal's value and range against its target.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import subprocess
@@ -34,16 +35,57 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def _python_meaning(source: str) -> str | None:
+    """The parsed form of a Python module, docstrings with their whitespace collapsed: equal for
+    two sources that differ only in layout, comments or docstring wrapping (what a formatter
+    changes), different for any change in what runs. None where it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                first.value.value = " ".join(first.value.value.split())
+    return ast.dump(tree)
+
+
+def _same_python(sha: str, top: str, path: str) -> bool:
+    """Whether `path` (a .py file, relative to the work tree's top `top`) means the same at
+    commit `sha` and in the checkout."""
+    old = _git("show", f"{sha}:{path}")
+    try:
+        new = Path(top, path).read_text()
+    except OSError:
+        return False
+    if old is None:
+        return False
+    old_meaning = _python_meaning(old)
+    return old_meaning is not None and old_meaning == _python_meaning(new)
+
+
 def measured_code_changed_since(sha: str) -> bool | None:
     """Whether the checkout's measured code differs from commit `sha` (None: unknown).
 
-    A later commit that only adds results or docs leaves a result current; one that changes
-    services/, protos/ or a benchmark makes it a result of older code."""
+    A later commit that only adds results or docs leaves a result current, and so does one that
+    only reformats Python (same parsed code); one that changes what services/, protos/ or a
+    benchmark runs makes it a result of older code."""
     if not sha or sha == "unknown":
         return None
     # An unknown commit makes git fail, which reads as unknown too.
     changed = _git("diff", "--name-only", sha, "--", *MEASURED_CODE)
-    return None if changed is None else bool(changed)
+    if changed is None:
+        return None
+    # Paths from git are relative to the top of the work tree.
+    top = _git("rev-parse", "--show-toplevel")
+    return any(
+        not (path.endswith(".py") and top is not None and _same_python(sha, top, path)) for path in changed.splitlines()
+    )
 
 
 REPORT = "REPORT.md"
@@ -89,8 +131,10 @@ def _goal_row(name: str, result: dict, goal: dict, code: str) -> str:
         value += f" ({_number(goal['min'])}..{_number(goal['max'])}, {goal['runs']} runs)"
     sign = "<=" if goal["better"] == "lower" else ">="
     verdict = "met" if goal["met"] else "**missed**"
-    return (f"| {name} | {goal['name']} | {value} | {sign} {_number(goal['target'], goal.get('unit', ''))} | "
-            f"{verdict} | {_stamp(result)} | {code} | {result.get('written_at', 'unknown')} |")
+    return (
+        f"| {name} | {goal['name']} | {value} | {sign} {_number(goal['target'], goal.get('unit', ''))} | "
+        f"{verdict} | {_stamp(result)} | {code} | {result.get('written_at', 'unknown')} |"
+    )
 
 
 def _chart(name: str, goals: list[dict], out_dir: Path) -> str | None:
@@ -111,8 +155,10 @@ def _chart(name: str, goals: list[dict], out_dir: Path) -> str | None:
         ax.barh([0], [goal["value"]], xerr=[[low], [high]], color="tab:green" if goal["met"] else "tab:red")
         ax.axvline(goal["target"], color="black", linestyle="--", label="target")
         ax.set_yticks([])
-        ax.set_title(f"{goal['name']}: {goal['value']:.4g}{goal.get('unit', '')} "
-                     f"({'met' if goal['met'] else 'missed'})", fontsize=8)
+        ax.set_title(
+            f"{goal['name']}: {goal['value']:.4g}{goal.get('unit', '')} ({'met' if goal['met'] else 'missed'})",
+            fontsize=8,
+        )
         right = max(goal["max"], goal["target"]) * 1.15 if max(goal["max"], goal["target"]) > 0 else 1
         ax.set_xlim(min(0, goal["min"]), right)
         ax.tick_params(labelsize=7)
@@ -131,8 +177,9 @@ def _have_matplotlib() -> bool:
     return True
 
 
-def render(results: dict[str, dict], out_dir: Path,
-           changed_since: Callable[[str], bool | None] = measured_code_changed_since) -> str:
+def render(
+    results: dict[str, dict], out_dir: Path, changed_since: Callable[[str], bool | None] = measured_code_changed_since
+) -> str:
     head = commit()
     lines = [
         "# Benchmark report",
@@ -155,9 +202,13 @@ def render(results: dict[str, dict], out_dir: Path,
         code = _code(result, changed_since)
         lines.extend(_goal_row(name, result, goal, code) for goal in goals)
     if unjudged:
-        lines += ["", "Results without goals judged in code (older format, or a benchmark that "
-                  "measures without a goal): " + ", ".join(
-                      f"`{n}` ({_stamp(results[n])}, {_code(results[n], changed_since)})" for n in unjudged) + "."]
+        lines += [
+            "",
+            "Results without goals judged in code (older format, or a benchmark that "
+            "measures without a goal): "
+            + ", ".join(f"`{n}` ({_stamp(results[n])}, {_code(results[n], changed_since)})" for n in unjudged)
+            + ".",
+        ]
     charts = []
     for name, result in results.items():
         goals = result.get("goals")
@@ -166,8 +217,13 @@ def render(results: dict[str, dict], out_dir: Path,
             if chart:
                 charts.append((name, chart))
     if charts:
-        lines += ["", "## Charts", "", "Each bar is the value (the median of repeated runs, the whisker its "
-                  "range); the dashed line is the target."]
+        lines += [
+            "",
+            "## Charts",
+            "",
+            "Each bar is the value (the median of repeated runs, the whisker its "
+            "range); the dashed line is the target.",
+        ]
         for name, chart in charts:
             lines += ["", f"### {name}", "", f"![{name}]({chart})"]
     elif not _have_matplotlib():
