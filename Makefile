@@ -70,6 +70,7 @@ models: install
 # that on a fresh clone.
 lint: install
 	$(VENV)/bin/ruff check services bench tests scripts
+	$(VENV)/bin/ruff format --check services bench tests scripts
 	$(VENV)/bin/mypy
 
 test: install lint tls-servers models

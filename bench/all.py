@@ -34,11 +34,19 @@ class Benchmark:
 BENCHMARKS = (
     Benchmark("overhead", quick=("--requests", "60", "--reps", "3")),
     Benchmark("tiers", quick=("--seconds", "8", "--reps", "3")),
-    Benchmark("tiers_sim", module="tiers", full=("--engine", "sim"),
-              quick=("--engine", "sim", "--seconds", "10", "--reps", "1")),
+    Benchmark(
+        "tiers_sim",
+        module="tiers",
+        full=("--engine", "sim"),
+        quick=("--engine", "sim", "--seconds", "10", "--reps", "1"),
+    ),
     Benchmark("failover", quick=("--kills", "12", "--interval", "2.0")),
-    Benchmark("failover_sim", module="failover", full=("--engine", "sim"),
-              quick=("--engine", "sim", "--kills", "12", "--reps", "1")),
+    Benchmark(
+        "failover_sim",
+        module="failover",
+        full=("--engine", "sim"),
+        quick=("--engine", "sim", "--kills", "12", "--reps", "1"),
+    ),
     Benchmark("mesh_scale", quick=("--seconds", "2", "--workers", "1,16", "--streams", "10,100", "--routers", "1,2")),
     Benchmark("scale", quick=("--reps", "1")),
     Benchmark("kv_restore", quick=("--contexts", "256,1024", "--reps", "3")),
@@ -108,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         extra = bench.quick if args.quick else bench.full
         print(f"\n=== bench.{bench.name} {' '.join(extra)}", flush=True)
         started = time.monotonic()
-        code = run_bounded([sys.executable, "-m", f"bench.{bench.module or bench.name}", *extra],
-                           QUICK_LIMIT_S if args.quick else FULL_LIMIT_S)
+        code = run_bounded(
+            [sys.executable, "-m", f"bench.{bench.module or bench.name}", *extra],
+            QUICK_LIMIT_S if args.quick else FULL_LIMIT_S,
+        )
         outcomes.append((bench.name, code, time.monotonic() - started))
     print("\nbenchmark         exit  minutes")
     for name, code, seconds in outcomes:

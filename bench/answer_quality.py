@@ -48,8 +48,14 @@ QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 RUNGS = ("rules", "light", "backfilled")
 GOALS = tuple(
-    Goal(f"backfilled answers at least match the {rung} rung on {judge_name}", f"margin_{judge_name}_over_{rung}", 0.0, HIGHER)
-    for rung in ("rules", "light") for judge_name in ("entities", "likelihood")
+    Goal(
+        f"backfilled answers at least match the {rung} rung on {judge_name}",
+        f"margin_{judge_name}_over_{rung}",
+        0.0,
+        HIGHER,
+    )
+    for rung in ("rules", "light")
+    for judge_name in ("entities", "likelihood")
 )
 
 
@@ -70,17 +76,25 @@ async def _engine_answers(model_dir: Path, name: str, max_tokens: int) -> list[s
     from services.worker.torch.engine import TorchEngine
 
     described = describe_model(model_dir, name)
-    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True) \
-        .from_string(described.chat_template)
+    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        described.chat_template
+    )
     tokenizer = Tokenizer.from_str(described.tokenizer_json.decode())
     engine = TorchEngine(model_dir, name, max_concurrency=4, device="cpu")
     await engine.start()
     try:
+
         async def one(question: str) -> str:
-            text = template.render(messages=[{"role": "user", "content": question}], add_generation_prompt=True,
-                                   bos_token=described.bos_token, eos_token=described.eos_token)
+            text = template.render(
+                messages=[{"role": "user", "content": question}],
+                add_generation_prompt=True,
+                bos_token=described.bos_token,
+                eos_token=described.eos_token,
+            )
             ids = tuple(tokenizer.encode(text, add_special_tokens=False).ids)
-            request = EngineRequest(f"quality-{hash(question)}", ids, (), Sampling(temperature=0.0, max_tokens=max_tokens))
+            request = EngineRequest(
+                f"quality-{hash(question)}", ids, (), Sampling(temperature=0.0, max_tokens=max_tokens)
+            )
             return "".join([delta.text async for delta in engine.generate(request)])
 
         return list(await asyncio.gather(*(one(q) for q, _ in QUESTIONS)))
@@ -109,16 +123,19 @@ class Likelihood:
 
     def __call__(self, question: str, answer: str) -> float:
         torch = self.torch
-        prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                    chat_template=self.template, tokenize=False,
-                                                    add_generation_prompt=True)
+        prompt = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}],
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         prompt_ids = self.tokenizer(prompt).input_ids
         answer_ids = self.tokenizer(answer).input_ids
         if not answer_ids:
             return float("-inf")
         ids = torch.tensor([prompt_ids + answer_ids])
         with torch.inference_mode():
-            logits = self.model(ids).logits[0, len(prompt_ids) - 1:-1]
+            logits = self.model(ids).logits[0, len(prompt_ids) - 1 : -1]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         picked = logprobs.gather(1, torch.tensor(answer_ids).unsqueeze(1))
         return float(picked.mean())
@@ -140,20 +157,35 @@ def run_benchmark(max_tokens: int, out: Path) -> int:
     for i, (question, entities) in enumerate(QUESTIONS):
         row: dict = {"question": question, "entities": list(entities)}
         for rung in RUNGS:
-            row[rung] = {"answer": answers[rung][i], "entities": entity_share(answers[rung][i], entities),
-                         "likelihood": likelihood(question, answers[rung][i])}
+            row[rung] = {
+                "answer": answers[rung][i],
+                "entities": entity_share(answers[rung][i], entities),
+                "likelihood": likelihood(question, answers[rung][i]),
+            }
         rows.append(row)
-    means = {rung: {judge_name: statistics.fmean(r[rung][judge_name] for r in rows)
-                    for judge_name in ("entities", "likelihood")} for rung in RUNGS}
-    result: dict = {"model": "smollm2 (backfilled) vs tiny (light) vs rules", "engine": "torch (in process)",
-                    "max_tokens": max_tokens, "questions": len(QUESTIONS), "means": means, "rows": rows}
+    means = {
+        rung: {
+            judge_name: statistics.fmean(r[rung][judge_name] for r in rows) for judge_name in ("entities", "likelihood")
+        }
+        for rung in RUNGS
+    }
+    result: dict = {
+        "model": "smollm2 (backfilled) vs tiny (light) vs rules",
+        "engine": "torch (in process)",
+        "max_tokens": max_tokens,
+        "questions": len(QUESTIONS),
+        "means": means,
+        "rows": rows,
+    }
     for rung in ("rules", "light"):
         for judge_name in ("entities", "likelihood"):
             result[f"margin_{judge_name}_over_{rung}"] = means["backfilled"][judge_name] - means[rung][judge_name]
     result["seconds"] = time.perf_counter() - started
     print(f"\n{len(QUESTIONS)} questions; each answer judged by entity mentions and SmolLM2's likelihood")
-    print_table(["rung", "entities (share named)", "likelihood (mean log-prob/token)"],
-                [[rung, means[rung]["entities"], means[rung]["likelihood"]] for rung in RUNGS])
+    print_table(
+        ["rung", "entities (share named)", "likelihood (mean log-prob/token)"],
+        [[rung, means[rung]["entities"], means[rung]["likelihood"]] for rung in RUNGS],
+    )
     print("\nfirst question:", QUESTIONS[0][0])
     for rung in RUNGS:
         print(f"  {rung:>10}: {answers[rung][0]!r}")

@@ -93,9 +93,13 @@ async def _timed(stub, requests, concurrency: int) -> tuple[list[float], list]:
     return latencies, results
 
 
-async def _degrade(stub, first: int, count: int, sessions: list[str], concurrency: int) -> tuple[list[float], list[str]]:
-    requests = [chat_request(_question(i), max_tokens=MAX_TOKENS, session_id=sessions[i % len(sessions)])
-                for i in range(first, first + count)]
+async def _degrade(
+    stub, first: int, count: int, sessions: list[str], concurrency: int
+) -> tuple[list[float], list[str]]:
+    requests = [
+        chat_request(_question(i), max_tokens=MAX_TOKENS, session_id=sessions[i % len(sessions)])
+        for i in range(first, first + count)
+    ]
     latencies, results = await _timed(stub, requests, concurrency)
     tickets = []
     for result in results:
@@ -145,8 +149,9 @@ class Listener:
 
     async def _follow(self, session: str) -> None:
         while True:
-            call = self.stub.Subscribe(backfill_pb2.SubscribeRequest(session_id=session), metadata=METADATA,
-                                       timeout=3600)
+            call = self.stub.Subscribe(
+                backfill_pb2.SubscribeRequest(session_id=session), metadata=METADATA, timeout=3600
+            )
             try:
                 async for answer in call:
                     self.pushed.append((answer.ticket, time.time(), answer.completed_at.ToNanoseconds() / 1e9))
@@ -186,8 +191,9 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
     backfill_port = _service(mesh, "backfill").metrics_port
     async with open_channel(mesh.router_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        baseline, _ = await _timed(stub, [chat_request(_question(i), max_tokens=MAX_TOKENS) for i in range(200)],
-                                   concurrency)
+        baseline, _ = await _timed(
+            stub, [chat_request(_question(i), max_tokens=MAX_TOKENS) for i in range(200)], concurrency
+        )
 
         workers = await _stop_workers(mesh)
         await asyncio.to_thread(mesh.kafka.stop)
@@ -230,7 +236,9 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
     # Lag = how soon replays start + how fast they go: reported apart, they tell which one moved.
     span_s = max(push_lag, default=0.0) - min(push_lag, default=0.0)
     return {
-        "requests": requests, "sessions": sessions_n, "concurrency": concurrency,
+        "requests": requests,
+        "sessions": sessions_n,
+        "concurrency": concurrency,
         "degraded": len(expected),
         "replayed_once": once,
         "duplicates": sum(max(0, pushes[t] - 1) for t in expected),
@@ -242,11 +250,13 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
         "backfill_replays_busy": metric_total(metrics, "ballast_backfill_replays_total", result="busy"),
         "backfill_replays_unhealthy": metric_total(metrics, "ballast_backfill_replays_total", result="unhealthy"),
         "subscription_errors": dict(listener.errors),
-        "lag_p50_s": percentile(push_lag, 50), "lag_p99_s": percentile(push_lag, 99),
+        "lag_p50_s": percentile(push_lag, 50),
+        "lag_p99_s": percentile(push_lag, 99),
         "lag_max_s": max(push_lag, default=float("nan")),
         "first_push_s": min(push_lag, default=float("nan")),
         "replays_per_s": (len(push_lag) - 1) / span_s if span_s > 0 else float("nan"),
-        "ready_lag_p50_s": percentile(ready_lag, 50), "ready_lag_p99_s": percentile(ready_lag, 99),
+        "ready_lag_p50_s": percentile(ready_lag, 50),
+        "ready_lag_p99_s": percentile(ready_lag, 99),
         "outbox_drain_s": drain_s,
         "latency_ms": {
             "primary_baseline": {"p50": percentile(baseline, 50), "p99": percentile(baseline, 99)},
@@ -256,12 +266,19 @@ async def _measure(mesh: Mesh, requests: int, sessions_n: int, concurrency: int,
     }
 
 
-def _one_run(requests: int, sessions: int, replay_concurrency: int, concurrency: int, timeout_s: float,
-             worker_capacity: int) -> dict:
+def _one_run(
+    requests: int, sessions: int, replay_concurrency: int, concurrency: int, timeout_s: float, worker_capacity: int
+) -> dict:
     model_dir = model_dir_for("tiny")
     with tempfile.TemporaryDirectory(prefix="bench-backfill-") as state:
-        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=2, lease_ttl_s=3, worker_capacity=worker_capacity,
-                        overrides={"backfill": {"replay_concurrency": replay_concurrency}})
+        spec = MeshSpec(
+            state_dir=Path(state),
+            model_dir=model_dir,
+            workers=2,
+            lease_ttl_s=3,
+            worker_capacity=worker_capacity,
+            overrides={"backfill": {"replay_concurrency": replay_concurrency}},
+        )
         mesh = Mesh(spec).start()
         try:
             return asyncio.run(_measure(mesh, requests, sessions, concurrency, timeout_s))
@@ -285,9 +302,16 @@ def _combined(runs: list[dict]) -> dict:
     return result
 
 
-def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency: int = 32, concurrency: int = 8,
-                  timeout_s: float = 600.0, out: str = "bench/results/backfill.json", worker_capacity: int = 16,
-                  reps: int = 3) -> int:
+def run_benchmark(
+    requests: int = 1000,
+    sessions: int = 100,
+    replay_concurrency: int = 32,
+    concurrency: int = 8,
+    timeout_s: float = 600.0,
+    out: str = "bench/results/backfill.json",
+    worker_capacity: int = 16,
+    reps: int = 3,
+) -> int:
     runs = []
     for rep in range(reps):
         print(f"\n-- repetition {rep + 1} of {reps}", flush=True)
@@ -300,25 +324,32 @@ def run_benchmark(requests: int = 1000, sessions: int = 100, replay_concurrency:
     result.update(judge(GOALS, {**result, "lag_p99_s": result["lag_p99_per_run_s"]}))
     latency = result["latency_ms"]
     base = latency["primary_baseline"]["p50"]
-    print_table(["request path", "p50 ms", "p99 ms", "p50 x baseline"], [
-        [name.replace("_", " "), row["p50"], row["p99"], row["p50"] / base] for name, row in latency.items()
-    ])
+    print_table(
+        ["request path", "p50 ms", "p99 ms", "p50 x baseline"],
+        [[name.replace("_", " "), row["p50"], row["p99"], row["p50"] / base] for name, row in latency.items()],
+    )
     print()
-    print_table(["backfill after recovery", "value"], [
-        ["degraded (tickets)", result["degraded"]],
-        ["pushed exactly once", result["replayed_once"]],
-        ["duplicates", result["duplicates"]],
-        ["lost", result["lost"]],
-        ["stored (GetBackfill finds)", result["stored"]],
-        ["replays ok (backfill metric)", result["backfill_replays_ok"]],
-        ["replays refused busy / unhealthy", f'{result["backfill_replays_busy"]:.0f} / {result["backfill_replays_unhealthy"]:.0f}'],
-        ["push lag p50 (s)", result["lag_p50_s"]],
-        ["push lag p99 (s)", result["lag_p99_s"]],
-        ["first push after recovery (s)", result["first_push_s"]],
-        ["replays pushed per second", result["replays_per_s"]],
-        ["ready lag p99 (s)", result["ready_lag_p99_s"]],
-        ["outbox drain after broker back (s)", result["outbox_drain_s"]],
-    ])
+    print_table(
+        ["backfill after recovery", "value"],
+        [
+            ["degraded (tickets)", result["degraded"]],
+            ["pushed exactly once", result["replayed_once"]],
+            ["duplicates", result["duplicates"]],
+            ["lost", result["lost"]],
+            ["stored (GetBackfill finds)", result["stored"]],
+            ["replays ok (backfill metric)", result["backfill_replays_ok"]],
+            [
+                "replays refused busy / unhealthy",
+                f"{result['backfill_replays_busy']:.0f} / {result['backfill_replays_unhealthy']:.0f}",
+            ],
+            ["push lag p50 (s)", result["lag_p50_s"]],
+            ["push lag p99 (s)", result["lag_p99_s"]],
+            ["first push after recovery (s)", result["first_push_s"]],
+            ["replays pushed per second", result["replays_per_s"]],
+            ["ready lag p99 (s)", result["ready_lag_p99_s"]],
+            ["outbox drain after broker back (s)", result["outbox_drain_s"]],
+        ],
+    )
     print_goals(result)
     path = write_result(Path(out), result)
     print(f"\nwrote {path}")
@@ -331,14 +362,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=100, help="sessions they belong to (one subscription each)")
     parser.add_argument("--replay-concurrency", type=int, default=32, help="backfill.replay_concurrency")
     parser.add_argument("--concurrency", type=int, default=8, help="clients sending requests at once")
-    parser.add_argument("--worker-capacity", type=int, default=16, help="worker.max_concurrency of each of the two workers")
+    parser.add_argument(
+        "--worker-capacity", type=int, default=16, help="worker.max_concurrency of each of the two workers"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for every answer (s)")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions, each on a fresh mesh; lag p99 judged on the median")
+    parser.add_argument(
+        "--reps", type=int, default=3, help="repetitions, each on a fresh mesh; lag p99 judged on the median"
+    )
     parser.add_argument("--out", default="bench/results/backfill.json")
     args = parser.parse_args(argv)
     stop_on_sigterm()
-    return run_benchmark(args.requests, args.sessions, args.replay_concurrency, args.concurrency, args.timeout,
-                         args.out, args.worker_capacity, args.reps)
+    return run_benchmark(
+        args.requests,
+        args.sessions,
+        args.replay_concurrency,
+        args.concurrency,
+        args.timeout,
+        args.out,
+        args.worker_capacity,
+        args.reps,
+    )
 
 
 if __name__ == "__main__":

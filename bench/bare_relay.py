@@ -67,13 +67,17 @@ async def serve(targets: list[str], port: int) -> None:
 def start_bare_relay(targets: list[str], log_path: Path, timeout: float = 60.0) -> tuple[ManagedProcess, str]:
     """Starts a bare relay over `targets` in a process of its own; returns it and its address.
     `log_path` must be a new file: the READY line is looked for in all of it."""
-    process = ManagedProcess("bare-relay", [sys.executable, "-m", "bench.bare_relay", "--targets", ",".join(targets)],
-                             log_path=log_path, env={"PYTHONUNBUFFERED": "1"}).start()
+    process = ManagedProcess(
+        "bare-relay",
+        [sys.executable, "-m", "bench.bare_relay", "--targets", ",".join(targets)],
+        log_path=log_path,
+        env={"PYTHONUNBUFFERED": "1"},
+    ).start()
     address: list[str] = []
 
     def ready() -> bool:
         lines = log_path.read_text(errors="replace").splitlines()
-        address[:] = [line[len(READY):].strip() for line in lines if line.startswith(READY)]
+        address[:] = [line[len(READY) :].strip() for line in lines if line.startswith(READY)]
         return bool(address)
 
     try:

@@ -40,8 +40,11 @@ def metric_sum(port: int, names: Sequence[str], timeout: float = 2.0) -> float |
             text = reply.read().decode()
     except OSError:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if any(line.startswith(name + " ") or line.startswith(name + "{") for name in names)]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if any(line.startswith(name + " ") or line.startswith(name + "{") for name in names)
+    ]
     return sum(values) if values else None
 
 
@@ -55,30 +58,39 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> Non
 
 
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
-            "load_avg_1m": os.getloadavg()[0]}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
 
 
 def commit() -> dict:
     """The commit the benchmark ran on, and whether the tree had uncommitted changes to it."""
+
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    return {"sha": git("rev-parse", "HEAD") or "unknown",
-            # Results written since do not count: only the code the benchmark ran.
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "services", "bench",
-                              "protos", ":!bench/results"))}
+    return {
+        "sha": git("rev-parse", "HEAD") or "unknown",
+        # Results written since do not count: only the code the benchmark ran.
+        "dirty": bool(
+            git("status", "--porcelain", "--untracked-files=no", "--", "services", "bench", "protos", ":!bench/results")
+        ),
+    }
 
 
 def metric_total(text: str, name: str, **labels: str) -> float:
     """The sum of the Prometheus samples of `name` in `text` whose labels include `labels`."""
     total = 0.0
     for line in text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
-                all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -86,7 +98,12 @@ def metric_total(text: str, name: str, **labels: str) -> float:
 def write_result(path: Path, data: dict) -> Path:
     """Writes a result stamped with the machine and the commit it ran on."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    stamped = {**data, "machine": machine(), "commit": commit(), "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    stamped = {
+        **data,
+        "machine": machine(),
+        "commit": commit(),
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     path.write_text(json.dumps(stamped, indent=2, sort_keys=True) + "\n")
     return path
 

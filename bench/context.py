@@ -54,11 +54,11 @@ def load_cases(path: Path) -> list[RetentionCase]:
         pool = data["filler"][lang]
         fillers = [pool[(3 * i + k) % len(pool)] for k in range(case["filler_before"] + case["filler_after"])]
         messages = [Turn("system", data["system"][lang])]
-        for question, answer in fillers[:case["filler_before"]]:
+        for question, answer in fillers[: case["filler_before"]]:
             messages += [Turn("user", question), Turn("assistant", answer)]
         needed = (len(messages), len(messages) + 1)
         messages += [Turn("user", case["fact_user"]), Turn("assistant", case["fact_assistant"])]
-        for question, answer in fillers[case["filler_before"]:]:
+        for question, answer in fillers[case["filler_before"] :]:
             messages += [Turn("user", question), Turn("assistant", answer)]
         messages.append(Turn("user", case["question"]))
         cases += [RetentionCase(tuple(messages), needed, lang, fraction, case["id"]) for fraction in FRACTIONS]
@@ -67,9 +67,16 @@ def load_cases(path: Path) -> list[RetentionCase]:
 
 def _encoder(model_dir: Path):
     model = describe_model(model_dir, "tiny")
-    tokenizer = ModelTokenizer.from_model_info(SimpleNamespace(
-        model_version=model.version, max_context=model.max_context, tokenizer_json=model.tokenizer_json,
-        chat_template=model.chat_template, bos_token=model.bos_token, eos_token=model.eos_token))
+    tokenizer = ModelTokenizer.from_model_info(
+        SimpleNamespace(
+            model_version=model.version,
+            max_context=model.max_context,
+            tokenizer_json=model.tokenizer_json,
+            chat_template=model.chat_template,
+            bos_token=model.bos_token,
+            eos_token=model.eos_token,
+        )
+    )
     base = InferenceRequest("bench", "", "bench", "tiny", Sampling(MAX_TOKENS), Tier.A)
     return lambda messages: tokenizer.encode(replace(base, messages=tuple(messages)))
 
@@ -110,8 +117,11 @@ def run_benchmark(cases_path: Path, out: Path) -> int:
     results = {}
     for policy in POLICIES:
         retention = retention_rate(cases, encode, policy, max_tokens=MAX_TOKENS)
-        results[policy.value] = {"retention": retention.rate, "by_language": retention.by_language,
-                                 **_fit_stats(cases, encode, policy)}
+        results[policy.value] = {
+            "retention": retention.rate,
+            "by_language": retention.by_language,
+            **_fit_stats(cases, encode, policy),
+        }
     aware, oldest = results["entity_aware"], results["drop_oldest"]
     result = {
         "cases": len(cases) // len(FRACTIONS),
@@ -125,14 +135,27 @@ def run_benchmark(cases_path: Path, out: Path) -> int:
         "policies": results,
         "engine": "none (router context fitting, tiny model's tokenizer)",
     }
-    print(f"\ncontext retention: {result['cases']} hand-written conversations (en + zh), "
-          f"{min(turns)}-{max(turns)} messages, each fitted into {', '.join(f'{f:.0%}' for f in FRACTIONS)} "
-          "of its tokens")
+    print(
+        f"\ncontext retention: {result['cases']} hand-written conversations (en + zh), "
+        f"{min(turns)}-{max(turns)} messages, each fitted into {', '.join(f'{f:.0%}' for f in FRACTIONS)} "
+        "of its tokens"
+    )
     print_table(
         ["policy", "retention", "en", "zh", "kept msgs", "kept tokens", "fit p50 ms", "fit p99 ms"],
-        [[name, r["retention"], r["by_language"].get("en", 0.0), r["by_language"].get("zh", 0.0),
-          r["kept_message_share"], r["kept_token_share"], r["fit_ms_p50"], r["fit_ms_p99"]]
-         for name, r in results.items()])
+        [
+            [
+                name,
+                r["retention"],
+                r["by_language"].get("en", 0.0),
+                r["by_language"].get("zh", 0.0),
+                r["kept_message_share"],
+                r["kept_token_share"],
+                r["fit_ms_p50"],
+                r["fit_ms_p99"],
+            ]
+            for name, r in results.items()
+        ],
+    )
     result.update(judge(GOALS, result))
     print_goals(result)
     print(f"wrote {write_result(out, result)}")

@@ -54,9 +54,17 @@ QUESTIONS = [
 
 async def bench_commit(folder: Path, handoffs: int, concurrency: int, synchronous: str, record: bytes) -> dict:
     # An unreachable broker: only the commit path is measured, the drainer just waits.
-    handoff = HandOff(HandOffSettings(outbox_path=folder / f"commit-{synchronous}-{concurrency}.sqlite",
-                                      bootstrap="127.0.0.1:1", synchronous=synchronous, max_rows=handoffs + 1,
-                                      backoff_initial_s=30, backoff_max_s=30, delivery_timeout_s=1))
+    handoff = HandOff(
+        HandOffSettings(
+            outbox_path=folder / f"commit-{synchronous}-{concurrency}.sqlite",
+            bootstrap="127.0.0.1:1",
+            synchronous=synchronous,
+            max_rows=handoffs + 1,
+            backoff_initial_s=30,
+            backoff_max_s=30,
+            delivery_timeout_s=1,
+        )
+    )
     await handoff.start()
     latencies: list[float] = []
     queue = iter(range(handoffs))
@@ -72,24 +80,38 @@ async def bench_commit(folder: Path, handoffs: int, concurrency: int, synchronou
     elapsed = time.perf_counter() - start
     handoff._closed = True  # skip the drain wait on stop: the broker is unreachable by design
     await handoff.stop(drain_timeout_s=0)
-    return {"synchronous": synchronous, "concurrency": concurrency, "per_s": handoffs / elapsed,
-            "p50_ms": percentile(latencies, 50), "p99_ms": percentile(latencies, 99)}
+    return {
+        "synchronous": synchronous,
+        "concurrency": concurrency,
+        "per_s": handoffs / elapsed,
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+    }
 
 
 async def bench_drain(folder: Path, handoffs: int, record: bytes) -> dict:
     broker = KafkaBroker(folder / "kafka").start()
     try:
-        handoff = HandOff(HandOffSettings(outbox_path=folder / "drain.sqlite", bootstrap=broker.bootstrap,
-                                          topic="bench.degraded", topic_partitions=3, max_rows=handoffs + 1,
-                                          delivery_timeout_s=10, drain_batch=500))
+        handoff = HandOff(
+            HandOffSettings(
+                outbox_path=folder / "drain.sqlite",
+                bootstrap=broker.bootstrap,
+                topic="bench.degraded",
+                topic_partitions=3,
+                max_rows=handoffs + 1,
+                delivery_timeout_s=10,
+                drain_batch=500,
+            )
+        )
         await handoff.start()
         await handoff.submit(b"warm", record)
         await handoff.wait_drained(30)
         # Fill while the drainer races along, then time until the outbox is empty.
         start = time.perf_counter()
         for first in range(0, handoffs, 500):  # submits waiting for a commit are bounded (max_pending)
-            await asyncio.gather(*(handoff.submit(f"s{i % 50}".encode(), record)
-                                   for i in range(first, min(handoffs, first + 500))))
+            await asyncio.gather(
+                *(handoff.submit(f"s{i % 50}".encode(), record) for i in range(first, min(handoffs, first + 500)))
+            )
         drained = await handoff.wait_drained(120)
         elapsed = time.perf_counter() - start
         await handoff.stop()
@@ -121,12 +143,23 @@ async def bench_rules_stream(folder: Path, requests: int) -> dict:
     timings: list[float] = []
     for i in range(requests):
         request = InferenceRequest(
-            request_id=uuid.uuid4().hex, session_id=f"s{i % 20}", tenant="bench", model="tiny",
-            sampling=Sampling(max_tokens=64), tier="A", messages=(Message("user", QUESTIONS[i % len(QUESTIONS)]),),
+            request_id=uuid.uuid4().hex,
+            session_id=f"s{i % 20}",
+            tenant="bench",
+            model="tiny",
+            sampling=Sampling(max_tokens=64),
+            tier="A",
+            messages=(Message("user", QUESTIONS[i % len(QUESTIONS)]),),
         )
         start = time.perf_counter()
-        async for _event in degrader.run(failing_pool, request, tier="A", tier_reason="default",
-                                         deadline=time.monotonic() + 10, started=time.perf_counter()):
+        async for _event in degrader.run(
+            failing_pool,
+            request,
+            tier="A",
+            tier_reason="default",
+            deadline=time.monotonic() + 10,
+            started=time.perf_counter(),
+        ):
             pass
         timings.append((time.perf_counter() - start) * 1000)
     degrader.handoff._closed = True
@@ -145,8 +178,14 @@ async def main_async(args) -> dict:
         drain = await bench_drain(folder, args.handoffs, record)
         rules = bench_rules(200)
         stream = await bench_rules_stream(folder, 300)
-    return {"handoffs": args.handoffs, "record_bytes": args.record_bytes, "commit": commits, "drain": drain,
-            "rules": rules, "rules_stream": stream}
+    return {
+        "handoffs": args.handoffs,
+        "record_bytes": args.record_bytes,
+        "commit": commits,
+        "drain": drain,
+        "rules": rules,
+        "rules_stream": stream,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,22 +200,33 @@ def main(argv: list[str] | None = None) -> int:
     baseline = next(c for c in result["commit"] if c["synchronous"] == "FULL" and c["concurrency"] == 1)["per_s"]
     print_table(
         ["outbox commit", "at once", "hand-offs/s", "x baseline", "p50 ms", "p99 ms"],
-        [[c["synchronous"], c["concurrency"], c["per_s"], c["per_s"] / baseline, c["p50_ms"], c["p99_ms"]]
-         for c in result["commit"]],
+        [
+            [c["synchronous"], c["concurrency"], c["per_s"], c["per_s"] / baseline, c["p50_ms"], c["p99_ms"]]
+            for c in result["commit"]
+        ],
     )
     print()
     drain, rules, stream = result["drain"], result["rules"], result["rules_stream"]
-    print_table(["measure", "value"], [
-        ["drain to Kafka (rows/s)", drain["per_s"]],
-        ["drained all", str(drain["drained"])],
-        ["rule answer p50 (us)", rules["p50_us"]],
-        ["rule answer p99 (us)", rules["p99_us"]],
-        ["rules stream + hand-off p50 (ms)", stream["p50_ms"]],
-        ["rules stream + hand-off p99 (ms)", stream["p99_ms"]],
-    ])
+    print_table(
+        ["measure", "value"],
+        [
+            ["drain to Kafka (rows/s)", drain["per_s"]],
+            ["drained all", str(drain["drained"])],
+            ["rule answer p50 (us)", rules["p50_us"]],
+            ["rule answer p99 (us)", rules["p99_us"]],
+            ["rules stream + hand-off p50 (ms)", stream["p50_ms"]],
+            ["rules stream + hand-off p99 (ms)", stream["p99_ms"]],
+        ],
+    )
     full = {c["concurrency"]: c["per_s"] for c in result["commit"] if c["synchronous"] == "FULL"}
-    result.update({"engine": "none (router degradation path)", "drained_share": 1.0 if drain["drained"] else 0.0,
-                   "group_commit_gain": full[64] / full[1], "rules_stream_p99_ms": stream["p99_ms"]})
+    result.update(
+        {
+            "engine": "none (router degradation path)",
+            "drained_share": 1.0 if drain["drained"] else 0.0,
+            "group_commit_gain": full[64] / full[1],
+            "rules_stream_p99_ms": stream["p99_ms"],
+        }
+    )
     result.update(judge(GOALS, result))
     print_goals(result)
     path = write_result(Path(args.out), result)

@@ -43,8 +43,7 @@ import time
 from pathlib import Path
 
 CONCURRENCY = (1, 4, 16)
-PROMPTS = [f"Customer {i} asks where order {4000 + i} is, and whether it can still be gift wrapped."
-           for i in range(64)]
+PROMPTS = [f"Customer {i} asks where order {4000 + i} is, and whether it can still be gift wrapped." for i in range(64)]
 SEEDED = {"temperature": 0.9, "top_p": 0.95}
 
 
@@ -70,16 +69,21 @@ def _make_engine(kind: str, model_dir: Path, concurrency: int, cores: str = "aut
     from services.worker.vllm import VllmEngine, VllmSettings, read_model_facts
 
     facts = read_model_facts(model_dir)
-    settings = VllmSettings(kv_cache_dtype=facts.weights_dtype, enforce_eager=True,
-                            max_concurrency=concurrency, cpu_threads_bind=cores)
+    settings = VllmSettings(
+        kv_cache_dtype=facts.weights_dtype, enforce_eager=True, max_concurrency=concurrency, cpu_threads_bind=cores
+    )
     return VllmEngine(model_dir, "bench", settings, eos_token_ids=())
 
 
 async def _stream(engine, prompt_ids, generated=(), max_tokens=128, **sampling):
     from services.worker.engine import EngineRequest, Sampling
 
-    request = EngineRequest("bench", tuple(prompt_ids), tuple(generated),
-                            Sampling(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}))
+    request = EngineRequest(
+        "bench",
+        tuple(prompt_ids),
+        tuple(generated),
+        Sampling(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}),
+    )
     started, first, tokens = time.perf_counter(), None, []
     async for delta in engine.generate(request):
         if first is None and delta.token_ids:
@@ -103,16 +107,25 @@ async def _measure(kind: str, model_dir: Path, tokens: int, rounds: int, born: f
             results = await asyncio.gather(*(_stream(engine, p, max_tokens=tokens) for p in batch))
             wall = time.perf_counter() - wall
             ttfts = sorted(ms for ms, _ in results)
-            runs.append({"ttft_p50_ms": statistics.median(ttfts),
-                         "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-                         "tokens_per_s": sum(len(t) for _, t in results) / wall})
+            runs.append(
+                {
+                    "ttft_p50_ms": statistics.median(ttfts),
+                    "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+                    "tokens_per_s": sum(len(t) for _, t in results) / wall,
+                }
+            )
         runs.sort(key=lambda run: run["tokens_per_s"])
         levels[str(n)] = {**runs[len(runs) // 2], "rounds": runs}
     rss = _tree_rss_bytes()
     raw = await _raw_vllm_tokens_per_s(engine, prompts, tokens, rounds) if kind == "vllm" else None
     await engine.stop()
-    return {"engine": kind, "start_s": start_s, "rss_bytes": rss, "concurrency": levels,
-            "raw_vllm_tokens_per_s_at_16": raw}
+    return {
+        "engine": kind,
+        "start_s": start_s,
+        "rss_bytes": rss,
+        "concurrency": levels,
+        "raw_vllm_tokens_per_s_at_16": raw,
+    }
 
 
 async def _raw_vllm_tokens_per_s(engine, prompts, tokens: int, rounds: int) -> float:
@@ -122,8 +135,9 @@ async def _raw_vllm_tokens_per_s(engine, prompts, tokens: int, rounds: int) -> f
     n = max(CONCURRENCY)
 
     async def one(i: int, prompt: list[int]) -> int:
-        params = api.sampling_params(temperature=0.0, max_tokens=tokens, ignore_eos=True,
-                                     output_kind=api.delta_output_kind, detokenize=False)
+        params = api.sampling_params(
+            temperature=0.0, max_tokens=tokens, ignore_eos=True, output_kind=api.delta_output_kind, detokenize=False
+        )
         count = 0
         async for out in client.generate(api.tokens_prompt(prompt), params, f"raw-{i}-{time.monotonic_ns()}"):
             count += len(out.outputs[0].token_ids)
@@ -150,13 +164,20 @@ async def _resume_trials(model_dir: Path, tokens: int, trials: int, seed: int) -
         options = [dict(sampling, seed=rng.randrange(1 << 31)) if sampling else {} for _ in prompts]
         full = await asyncio.gather(*(_stream(first, p, max_tokens=tokens, **o) for p, o in zip(prompts, options)))
         cuts = [rng.randrange(1, tokens) for _ in prompts]
-        resumed = await asyncio.gather(*(
-            _stream(second, p, generated=f[1][:k], max_tokens=tokens - k, **o)
-            for p, f, k, o in zip(prompts, full, cuts, options)))
+        resumed = await asyncio.gather(
+            *(
+                _stream(second, p, generated=f[1][:k], max_tokens=tokens - k, **o)
+                for p, f, k, o in zip(prompts, full, cuts, options)
+            )
+        )
         exact = sum(r[1] == f[1][k:] for r, f, k in zip(resumed, full, cuts))
-        outcome[mode] = {"exact": exact, "trials": trials,
-                         "mismatches": [{"trial": i, "cut": k} for i, (r, f, k) in
-                                        enumerate(zip(resumed, full, cuts)) if r[1] != f[1][k:]][:10]}
+        outcome[mode] = {
+            "exact": exact,
+            "trials": trials,
+            "mismatches": [
+                {"trial": i, "cut": k} for i, (r, f, k) in enumerate(zip(resumed, full, cuts)) if r[1] != f[1][k:]
+            ][:10],
+        }
     await first.stop()
     await second.stop()
     return outcome
@@ -183,9 +204,23 @@ def child_main(argv: list[str]) -> int:
 
 # --- the parent: runs the children, judges the goals ----------------------------------------
 def _run_child(kind: str, model_dir: Path, args) -> dict:
-    command = [sys.executable, "-m", "bench.engines", "--child", kind, "--model-dir", str(model_dir),
-               "--tokens", str(args.tokens), "--rounds", str(args.rounds), "--trials", str(args.trials),
-               "--vllm-cores", args.vllm_cores]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.engines",
+        "--child",
+        kind,
+        "--model-dir",
+        str(model_dir),
+        "--tokens",
+        str(args.tokens),
+        "--rounds",
+        str(args.rounds),
+        "--trials",
+        str(args.trials),
+        "--vllm-cores",
+        args.vllm_cores,
+    ]
     print(f"[{kind}] running ...", flush=True)
     env = {**os.environ, "BALLAST_BENCH_BORN": repr(time.time())}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
@@ -215,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("bench/results/engines.json"))
-    parser.add_argument("--vllm-cores", default="auto",
-                        help="VLLM_CPU_OMP_THREADS_BIND of the measured vLLM engine (auto: vLLM's choice)")
+    parser.add_argument(
+        "--vllm-cores",
+        default="auto",
+        help="VLLM_CPU_OMP_THREADS_BIND of the measured vLLM engine (auto: vLLM's choice)",
+    )
     args = parser.parse_args(argv)
     model_dir = model_dir_for(args.preset)
     engines = {kind: _run_child(kind, model_dir, args) for kind in ("torch", "vllm")}
@@ -225,21 +263,35 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for kind, result in engines.items():
         for n, level in result["concurrency"].items():
-            rows.append([kind, n, level["ttft_p50_ms"], level["ttft_p99_ms"], level["tokens_per_s"],
-                         result["start_s"], result["rss_bytes"] / (1 << 20)])
+            rows.append(
+                [
+                    kind,
+                    n,
+                    level["ttft_p50_ms"],
+                    level["ttft_p99_ms"],
+                    level["tokens_per_s"],
+                    result["start_s"],
+                    result["rss_bytes"] / (1 << 20),
+                ]
+            )
     print(f"\nengines on the {args.preset} model ({args.tokens} tokens per stream, median of {args.rounds} rounds)")
     print_table(["engine", "streams", "TTFT p50 ms", "TTFT p99 ms", "tokens/s", "start s", "RSS MiB"], rows)
-    print(f"vLLM itself (AsyncLLM, no Ballast engine around it) at {max(CONCURRENCY)} streams: "
-          f"{engines['vllm']['raw_vllm_tokens_per_s_at_16']:.0f} tokens/s")
-    print_table(["vLLM resume", "exact", "trials"],
-                [[mode, r["exact"], r["trials"]] for mode, r in resume.items()])
+    print(
+        f"vLLM itself (AsyncLLM, no Ballast engine around it) at {max(CONCURRENCY)} streams: "
+        f"{engines['vllm']['raw_vllm_tokens_per_s_at_16']:.0f} tokens/s"
+    )
+    print_table(["vLLM resume", "exact", "trials"], [[mode, r["exact"], r["trials"]] for mode, r in resume.items()])
 
     top = str(max(CONCURRENCY))
     result = {
-        "preset": args.preset, "tokens_per_stream": args.tokens, "rounds": args.rounds,
+        "preset": args.preset,
+        "tokens_per_stream": args.tokens,
+        "rounds": args.rounds,
         "engine": "torch and vllm (vllm-cpu) in turn",
-        "engines": {kind: {"start_s": r["start_s"], "rss_bytes": r["rss_bytes"], **r["concurrency"]}
-                    for kind, r in engines.items()},
+        "engines": {
+            kind: {"start_s": r["start_s"], "rss_bytes": r["rss_bytes"], **r["concurrency"]}
+            for kind, r in engines.items()
+        },
         "raw_vllm_tokens_per_s_at_16": engines["vllm"]["raw_vllm_tokens_per_s_at_16"],
         "vllm_resume_exact_greedy": resume["greedy"]["exact"],
         "vllm_resume_exact_seeded": resume["seeded"]["exact"],

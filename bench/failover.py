@@ -47,7 +47,15 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import metric_sum, model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
+from bench.common import (
+    metric_sum,
+    model_dir_for,
+    percentile,
+    print_table,
+    sim_worker_settings,
+    stop_on_sigterm,
+    write_result,
+)
 from bench.goals import LOWER, HIGHER, Goal, judge, print_goals
 from ballast.v1 import common_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.cli.client import chat_request, open_channel
@@ -75,8 +83,9 @@ SIM_GAP_MS = 100.0
 def goals_for(engine: str) -> tuple[Goal, ...]:
     if engine != "sim":
         return GOALS
-    return tuple(Goal(g.name, g.metric, SIM_GAP_MS, g.better, g.unit) if g.metric == "resume_gap_p99_ms" else g
-                 for g in GOALS)
+    return tuple(
+        Goal(g.name, g.metric, SIM_GAP_MS, g.better, g.unit) if g.metric == "resume_gap_p99_ms" else g for g in GOALS
+    )
 
 
 @dataclass
@@ -127,8 +136,9 @@ def _score(tally: Tally, indices: list[int], ids: list[int], reference: list[int
     tally.wrong_tokens += sum(1 for a, b in zip(ids, reference) if a != b)
 
 
-async def _routed_client(stub, stop: asyncio.Event, references, tally: Tally, rng: random.Random,
-                         flush_interval_ms: int = 0) -> None:
+async def _routed_client(
+    stub, stop: asyncio.Event, references, tally: Tally, rng: random.Random, flush_interval_ms: int = 0
+) -> None:
     while not stop.is_set():
         k = rng.randrange(len(PROMPTS))
         indices, ids, last_token_at, gap_from, finished = [], [], None, None, None
@@ -163,8 +173,16 @@ async def _routed_client(stub, stop: asyncio.Event, references, tally: Tally, rn
         _score(tally, indices, ids, references[k])
 
 
-async def _direct_client(addresses, prompt_ids, stop: asyncio.Event, references, tally: Tally,
-                         rng: random.Random, turn: list[int], attempts: int = 1) -> None:
+async def _direct_client(
+    addresses,
+    prompt_ids,
+    stop: asyncio.Event,
+    references,
+    tally: Tally,
+    rng: random.Random,
+    turn: list[int],
+    attempts: int = 1,
+) -> None:
     """Round robin over the serving workers; with `attempts` > 1, a failed stream is asked
     again from scratch on the next worker."""
     channels: dict[str, grpc.aio.Channel] = {}
@@ -181,8 +199,8 @@ async def _direct_client(addresses, prompt_ids, stop: asyncio.Event, references,
         while not stop.is_set():
             k = rng.randrange(len(PROMPTS))
             request = worker_pb2.WorkerGenerateRequest(
-                prompt_ids=prompt_ids[k],
-                sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+                prompt_ids=prompt_ids[k], sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+            )
             tally.streams += 1
             started = time.perf_counter()
             for attempt in range(attempts):
@@ -228,8 +246,9 @@ class Killer:
     keeper, or (cold) as a whole new process. `hit` holds the streams in flight on each
     victim when it was killed."""
 
-    def __init__(self, mesh: Mesh, kills: int, interval: float, min_serving: int, rng: random.Random,
-                 cold: bool) -> None:
+    def __init__(
+        self, mesh: Mesh, kills: int, interval: float, min_serving: int, rng: random.Random, cold: bool
+    ) -> None:
         self.mesh, self.kills, self.interval, self.min_serving, self.rng = mesh, kills, interval, min_serving, rng
         self.cold = cold
         self.done = 0
@@ -298,8 +317,9 @@ async def _references(mesh: Mesh):
         refs = []
         for prompt in PROMPTS:
             ids = []
-            async for event in stub.Generate(chat_request(prompt, max_tokens=MAX_TOKENS, raw_prompt=True),
-                                             metadata=METADATA, timeout=60):
+            async for event in stub.Generate(
+                chat_request(prompt, max_tokens=MAX_TOKENS, raw_prompt=True), metadata=METADATA, timeout=60
+            ):
                 if event.HasField("tokens"):
                     ids.extend(event.tokens.token_ids)
             refs.append(ids)
@@ -311,9 +331,19 @@ async def _references(mesh: Mesh):
     return refs, prompt_ids
 
 
-async def _phase(mesh: Mesh, routed: bool, references, prompt_ids, clients: int, kills: int,
-                 interval: float, seed: int, cold: bool, attempts: int = 1,
-                 flush_interval_ms: int = 0) -> tuple[Tally, Killer]:
+async def _phase(
+    mesh: Mesh,
+    routed: bool,
+    references,
+    prompt_ids,
+    clients: int,
+    kills: int,
+    interval: float,
+    seed: int,
+    cold: bool,
+    attempts: int = 1,
+    flush_interval_ms: int = 0,
+) -> tuple[Tally, Killer]:
     rng = random.Random(seed)
     stop = asyncio.Event()
     tally = Tally()
@@ -321,17 +351,25 @@ async def _phase(mesh: Mesh, routed: bool, references, prompt_ids, clients: int,
     if routed:
         async with open_channel(mesh.router_address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
-            tasks = [asyncio.create_task(_routed_client(stub, stop, references, tally, random.Random(rng.random()),
-                                                        flush_interval_ms))
-                     for _ in range(clients)]
+            tasks = [
+                asyncio.create_task(
+                    _routed_client(stub, stop, references, tally, random.Random(rng.random()), flush_interval_ms)
+                )
+                for _ in range(clients)
+            ]
             await killer.run(stop)
             await asyncio.gather(*tasks)
     else:
         turn = [0]
         addresses = lambda: [w.address for w in killer.serving()]  # noqa: E731
-        tasks = [asyncio.create_task(_direct_client(addresses, prompt_ids, stop, references, tally,
-                                                    random.Random(rng.random()), turn, attempts))
-                 for _ in range(clients)]
+        tasks = [
+            asyncio.create_task(
+                _direct_client(
+                    addresses, prompt_ids, stop, references, tally, random.Random(rng.random()), turn, attempts
+                )
+            )
+            for _ in range(clients)
+        ]
         await killer.run(stop)
         await asyncio.gather(*tasks)
     return tally, killer
@@ -346,9 +384,17 @@ class Kills:
         self.restart_s = [s for k in killers for s in k.restart_s]
 
 
-def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, workers: int = 4,
-                  out: Path = Path("bench/results/failover.json"), restart: str = "keeper", reps: int = 3,
-                  engine: str = "torch", flush_interval_ms: int = 0) -> int:
+def run_benchmark(
+    kills: int = 100,
+    interval: float = 2.5,
+    clients: int = 8,
+    workers: int = 4,
+    out: Path = Path("bench/results/failover.json"),
+    restart: str = "keeper",
+    reps: int = 3,
+    engine: str = "torch",
+    flush_interval_ms: int = 0,
+) -> int:
     model_dir = model_dir_for("tiny")
     cold = restart == "cold"
     # A keeper may restart its worker every few seconds here: no crash-loop cut-off.
@@ -356,8 +402,15 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
     if engine == "sim":
         overrides["worker"].update(sim_worker_settings())
     with tempfile.TemporaryDirectory(prefix="ballast-failover-") as state:
-        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=workers, lease_ttl_s=3,
-                        worker_capacity=8, overrides=overrides, engine=engine)
+        spec = MeshSpec(
+            state_dir=Path(state),
+            model_dir=model_dir,
+            workers=workers,
+            lease_ttl_s=3,
+            worker_capacity=8,
+            overrides=overrides,
+            engine=engine,
+        )
         mesh = Mesh(spec).start()
         try:
             references, prompt_ids = asyncio.run(_references(mesh))
@@ -366,59 +419,130 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
             # p99 (a tail on a shared machine) is judged on their median.
             per_rep = math.ceil(kills / reps)
             started = time.monotonic()
-            routed_reps = [asyncio.run(_phase(mesh, True, references, prompt_ids, clients, per_rep, interval,
-                                              1 + 10 * rep, cold, flush_interval_ms=flush_interval_ms))
-                           for rep in range(reps)]
+            routed_reps = [
+                asyncio.run(
+                    _phase(
+                        mesh,
+                        True,
+                        references,
+                        prompt_ids,
+                        clients,
+                        per_rep,
+                        interval,
+                        1 + 10 * rep,
+                        cold,
+                        flush_interval_ms=flush_interval_ms,
+                    )
+                )
+                for rep in range(reps)
+            ]
             gap_p99_per_rep = [percentile(tally.gaps_ms, 99) for tally, _killer in routed_reps]
-            phases["router"] = (merged([t for t, _k in routed_reps]), Kills([k for _t, k in routed_reps]),
-                                time.monotonic() - started)
+            phases["router"] = (
+                merged([t for t, _k in routed_reps]),
+                Kills([k for _t, k in routed_reps]),
+                time.monotonic() - started,
+            )
             for name, seed, attempts in (("direct", 2, 1), ("direct_retry", 3, RETRY_ATTEMPTS)):
                 started = time.monotonic()
-                tally, killer = asyncio.run(_phase(mesh, False, references, prompt_ids, clients, per_rep * reps,
-                                                   interval, seed, cold, attempts))
+                tally, killer = asyncio.run(
+                    _phase(mesh, False, references, prompt_ids, clients, per_rep * reps, interval, seed, cold, attempts)
+                )
                 phases[name] = (tally, killer, time.monotonic() - started)
         finally:
             mesh.stop()
     rows = []
     for name, (t, killer, secs) in phases.items():
-        rows.append([name, killer.done, sum(killer.hit), t.streams, t.interrupted, t.degraded, t.lost_tokens,
-                     t.duplicated_tokens, t.wrong_tokens, t.resumes, t.retried, t.repeated_tokens,
-                     percentile(t.gaps_ms, 99), percentile(killer.restart_s, 50), f"{secs:.0f}s"])
-    print(f"\nstreams under worker kills ({clients} clients, {workers} {engine} workers, a kill every {interval}s of a worker "
-          f"serving a stream, {restart} restarts)")
-    print_table(["path", "kills", "streams hit", "streams", "interrupted", "degraded", "lost", "duplicated",
-                 "wrong", "resumes", "retried", "repeated tokens", "gap p99 ms", "restart p50 s", "time"], rows)
+        rows.append(
+            [
+                name,
+                killer.done,
+                sum(killer.hit),
+                t.streams,
+                t.interrupted,
+                t.degraded,
+                t.lost_tokens,
+                t.duplicated_tokens,
+                t.wrong_tokens,
+                t.resumes,
+                t.retried,
+                t.repeated_tokens,
+                percentile(t.gaps_ms, 99),
+                percentile(killer.restart_s, 50),
+                f"{secs:.0f}s",
+            ]
+        )
+    print(
+        f"\nstreams under worker kills ({clients} clients, {workers} {engine} workers, a kill every {interval}s of a worker "
+        f"serving a stream, {restart} restarts)"
+    )
+    print_table(
+        [
+            "path",
+            "kills",
+            "streams hit",
+            "streams",
+            "interrupted",
+            "degraded",
+            "lost",
+            "duplicated",
+            "wrong",
+            "resumes",
+            "retried",
+            "repeated tokens",
+            "gap p99 ms",
+            "restart p50 s",
+            "time",
+        ],
+        rows,
+    )
     routed, routed_killer, _ = phases["router"]
     direct, direct_killer, _ = phases["direct"]
     careful, careful_killer, _ = phases["direct_retry"]
     result = {
-        "kills": routed_killer.done, "kills_asked": per_rep * reps,
+        "kills": routed_killer.done,
+        "kills_asked": per_rep * reps,
         "kills_done_ratio": routed_killer.done / max(1, per_rep * reps),
-        "streams_hit": sum(routed_killer.hit), "streams_hit_per_kill": routed_killer.hit,
-        "streams": routed.streams, "interrupted": routed.interrupted,
-        "lost_tokens": routed.lost_tokens, "duplicated_tokens": routed.duplicated_tokens,
-        "wrong_tokens": routed.wrong_tokens, "resumes": routed.resumes, "degraded": routed.degraded,
+        "streams_hit": sum(routed_killer.hit),
+        "streams_hit_per_kill": routed_killer.hit,
+        "streams": routed.streams,
+        "interrupted": routed.interrupted,
+        "lost_tokens": routed.lost_tokens,
+        "duplicated_tokens": routed.duplicated_tokens,
+        "wrong_tokens": routed.wrong_tokens,
+        "resumes": routed.resumes,
+        "degraded": routed.degraded,
         "resume_gap_p50_ms": percentile(routed.gaps_ms, 50),
         # Judged (and shown) on the median of the repetitions' p99s; the list beside it.
-        "resume_gap_p99_ms": statistics.median(gap_p99_per_rep), "resume_gap_p99_per_rep_ms": gap_p99_per_rep,
-        "resume_gap_p99_pooled_ms": percentile(routed.gaps_ms, 99), "reps": reps,
+        "resume_gap_p99_ms": statistics.median(gap_p99_per_rep),
+        "resume_gap_p99_per_rep_ms": gap_p99_per_rep,
+        "resume_gap_p99_pooled_ms": percentile(routed.gaps_ms, 99),
+        "reps": reps,
         "error_rate": routed.interrupted / max(1, routed.streams),
         "restart": restart,
         "restart_p50_s": percentile(routed_killer.restart_s, 50),
         "restart_p99_s": percentile(routed_killer.restart_s, 99),
-        "baseline_kills": direct_killer.done, "baseline_streams_hit": sum(direct_killer.hit),
-        "baseline_streams_hit_per_kill": direct_killer.hit, "baseline_streams": direct.streams,
+        "baseline_kills": direct_killer.done,
+        "baseline_streams_hit": sum(direct_killer.hit),
+        "baseline_streams_hit_per_kill": direct_killer.hit,
+        "baseline_streams": direct.streams,
         "baseline_interrupted": direct.interrupted,
         "baseline_error_rate": direct.interrupted / max(1, direct.streams),
-        "retry_baseline_kills": careful_killer.done, "retry_baseline_streams_hit": sum(careful_killer.hit),
-        "retry_baseline_streams": careful.streams, "retry_baseline_retried": careful.retried,
+        "retry_baseline_kills": careful_killer.done,
+        "retry_baseline_streams_hit": sum(careful_killer.hit),
+        "retry_baseline_streams": careful.streams,
+        "retry_baseline_retried": careful.retried,
         "retry_baseline_interrupted": careful.interrupted,
         "retry_baseline_repeated_tokens": careful.repeated_tokens,
         "retry_baseline_extra_p50_ms": percentile(careful.retry_extra_ms, 50),
         "retry_baseline_extra_p99_ms": percentile(careful.retry_extra_ms, 99),
         "retry_baseline_wrong_tokens": careful.wrong_tokens,
-        "errors": routed.errors, "baseline_errors": direct.errors, "retry_baseline_errors": careful.errors,
-        "clients": clients, "workers": workers, "interval_s": interval, "engine": engine,
+        "errors": routed.errors,
+        "baseline_errors": direct.errors,
+        "retry_baseline_errors": careful.errors,
+        "clients": clients,
+        "workers": workers,
+        "interval_s": interval,
+        "engine": engine,
         # The routed clients' flush_interval_ms (0: the router's default stream interval).
         "flush_interval_ms": flush_interval_ms,
     }
@@ -435,19 +559,32 @@ def run_benchmark(kills: int = 100, interval: float = 2.5, clients: int = 8, wor
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=100)
-    parser.add_argument("--reps", type=int, default=3,
-                        help="repetitions of the routed phase, sharing the kills; its gap p99 is judged on the median")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        help="repetitions of the routed phase, sharing the kills; its gap p99 is judged on the median",
+    )
     parser.add_argument("--engine", choices=("torch", "sim"), default="torch")
     parser.add_argument("--interval", type=float, default=None, help="seconds between kills (torch 2.5, sim 2)")
     parser.add_argument("--clients", type=int, default=None, help="streams at once (torch 8, sim 32)")
     parser.add_argument("--workers", type=int, default=None, help="torch 4, sim 32")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default bench/results/failover.json (sim: failover_sim.json)")
-    parser.add_argument("--restart", choices=("keeper", "cold"), default="keeper",
-                        help="who restarts a killed worker: its keeper (worker.respawn) or a new process")
-    parser.add_argument("--flush-interval-ms", type=int, default=0,
-                        help="the routed clients' flush_interval_ms: 0 takes the router's default stream interval "
-                             "(tokens after the first held up to 50 ms), 1 every token as it comes")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default bench/results/failover.json (sim: failover_sim.json)"
+    )
+    parser.add_argument(
+        "--restart",
+        choices=("keeper", "cold"),
+        default="keeper",
+        help="who restarts a killed worker: its keeper (worker.respawn) or a new process",
+    )
+    parser.add_argument(
+        "--flush-interval-ms",
+        type=int,
+        default=0,
+        help="the routed clients' flush_interval_ms: 0 takes the router's default stream interval "
+        "(tokens after the first held up to 50 ms), 1 every token as it comes",
+    )
     args = parser.parse_args(argv)
     stop_on_sigterm()
     sim = args.engine == "sim"
@@ -455,8 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     clients = args.clients or (32 if sim else 8)
     workers = args.workers or (32 if sim else 4)
     out = args.out or Path("bench/results/failover_sim.json" if sim else "bench/results/failover.json")
-    return run_benchmark(args.kills, interval, clients, workers, out, args.restart, args.reps, args.engine,
-                         args.flush_interval_ms)
+    return run_benchmark(
+        args.kills, interval, clients, workers, out, args.restart, args.reps, args.engine, args.flush_interval_ms
+    )
 
 
 if __name__ == "__main__":

@@ -81,28 +81,84 @@ def rpcs() -> list[Rpc]:
     generate = chat_request("Where is my order?", max_tokens=4)
     return [
         Rpc("router", "/ballast.v1.Inference/Generate", "server_stream", inference_pb2.GenerateRequest, generate, True),
-        Rpc("router", "/ballast.v1.Inference/Subscribe", "server_stream", backfill_answers_pb2.SubscribeRequest,
-            backfill_answers_pb2.SubscribeRequest(session_id="fuzz-session"), True),
-        Rpc("router", "/ballast.v1.Inference/GetBackfill", "unary", backfill_answers_pb2.GetAnswerRequest,
-            backfill_answers_pb2.GetAnswerRequest(ticket="bf-0000"), True),
-        Rpc("worker", "/ballast.v1.Worker/Generate", "server_stream", worker_pb2.WorkerGenerateRequest,
-            worker_pb2.WorkerGenerateRequest(request_id="fuzz", tenant="fuzz", prompt_ids=[5, 6, 7, 8],
-                                             sampling=common_pb2.SamplingParams(max_tokens=4))),
-        Rpc("worker", "/ballast.v1.Worker/GetModelInfo", "unary", worker_pb2.ModelInfoRequest,
-            worker_pb2.ModelInfoRequest()),
-        Rpc("cache", "/ballast.v1.KVCache/Put", "client_stream", kvcache_pb2.KVPutRequest,
-            kvcache_pb2.KVPutRequest(open=kvcache_pb2.KVPutOpen(scope=scope, ttl_s=60))),
-        Rpc("cache", "/ballast.v1.KVCache/Get", "server_stream", kvcache_pb2.KVGetRequest,
-            kvcache_pb2.KVGetRequest(scope=scope, block_hashes=hashes, layout=layout)),
-        Rpc("cache", "/ballast.v1.KVCache/Lookup", "unary", kvcache_pb2.KVLookupRequest,
-            kvcache_pb2.KVLookupRequest(scope=scope, block_hashes=hashes)),
-        Rpc("cache", "/ballast.v1.KVCache/Delete", "unary", kvcache_pb2.KVDeleteRequest,
-            kvcache_pb2.KVDeleteRequest(scope=scope, block_hashes=hashes)),
+        Rpc(
+            "router",
+            "/ballast.v1.Inference/Subscribe",
+            "server_stream",
+            backfill_answers_pb2.SubscribeRequest,
+            backfill_answers_pb2.SubscribeRequest(session_id="fuzz-session"),
+            True,
+        ),
+        Rpc(
+            "router",
+            "/ballast.v1.Inference/GetBackfill",
+            "unary",
+            backfill_answers_pb2.GetAnswerRequest,
+            backfill_answers_pb2.GetAnswerRequest(ticket="bf-0000"),
+            True,
+        ),
+        Rpc(
+            "worker",
+            "/ballast.v1.Worker/Generate",
+            "server_stream",
+            worker_pb2.WorkerGenerateRequest,
+            worker_pb2.WorkerGenerateRequest(
+                request_id="fuzz",
+                tenant="fuzz",
+                prompt_ids=[5, 6, 7, 8],
+                sampling=common_pb2.SamplingParams(max_tokens=4),
+            ),
+        ),
+        Rpc(
+            "worker",
+            "/ballast.v1.Worker/GetModelInfo",
+            "unary",
+            worker_pb2.ModelInfoRequest,
+            worker_pb2.ModelInfoRequest(),
+        ),
+        Rpc(
+            "cache",
+            "/ballast.v1.KVCache/Put",
+            "client_stream",
+            kvcache_pb2.KVPutRequest,
+            kvcache_pb2.KVPutRequest(open=kvcache_pb2.KVPutOpen(scope=scope, ttl_s=60)),
+        ),
+        Rpc(
+            "cache",
+            "/ballast.v1.KVCache/Get",
+            "server_stream",
+            kvcache_pb2.KVGetRequest,
+            kvcache_pb2.KVGetRequest(scope=scope, block_hashes=hashes, layout=layout),
+        ),
+        Rpc(
+            "cache",
+            "/ballast.v1.KVCache/Lookup",
+            "unary",
+            kvcache_pb2.KVLookupRequest,
+            kvcache_pb2.KVLookupRequest(scope=scope, block_hashes=hashes),
+        ),
+        Rpc(
+            "cache",
+            "/ballast.v1.KVCache/Delete",
+            "unary",
+            kvcache_pb2.KVDeleteRequest,
+            kvcache_pb2.KVDeleteRequest(scope=scope, block_hashes=hashes),
+        ),
         Rpc("cache", "/ballast.v1.KVCache/Stats", "unary", kvcache_pb2.KVStatsRequest, kvcache_pb2.KVStatsRequest()),
-        Rpc("backfill", "/ballast.v1.Backfill/Subscribe", "server_stream", backfill_answers_pb2.SubscribeRequest,
-            backfill_answers_pb2.SubscribeRequest(session_id="fuzz-session")),
-        Rpc("backfill", "/ballast.v1.Backfill/GetAnswer", "unary", backfill_answers_pb2.GetAnswerRequest,
-            backfill_answers_pb2.GetAnswerRequest(ticket="bf-0000")),
+        Rpc(
+            "backfill",
+            "/ballast.v1.Backfill/Subscribe",
+            "server_stream",
+            backfill_answers_pb2.SubscribeRequest,
+            backfill_answers_pb2.SubscribeRequest(session_id="fuzz-session"),
+        ),
+        Rpc(
+            "backfill",
+            "/ballast.v1.Backfill/GetAnswer",
+            "unary",
+            backfill_answers_pb2.GetAnswerRequest,
+            backfill_answers_pb2.GetAnswerRequest(ticket="bf-0000"),
+        ),
     ]
 
 
@@ -155,8 +211,7 @@ def _frames(rpc: Rpc, rng: random.Random) -> tuple[str, list[bytes]]:
     return kind, [frame, *more]
 
 
-async def fuzz_rpc(address: str, channel: grpc.aio.Channel, rpc: Rpc, cases: int, concurrency: int,
-                   seed: int) -> dict:
+async def fuzz_rpc(address: str, channel: grpc.aio.Channel, rpc: Rpc, cases: int, concurrency: int, seed: int) -> dict:
     rng = random.Random(f"{seed}:{rpc.path}")
     codes: Counter = Counter()
     kinds: Counter = Counter()
@@ -177,13 +232,21 @@ async def fuzz_rpc(address: str, channel: grpc.aio.Channel, rpc: Rpc, cases: int
     await asyncio.gather(*tasks)
     # One frame over the servers' receive limit, on a channel that lets it leave: refused by
     # the server, not buffered.
-    async with grpc.aio.insecure_channel(address, options=[
+    async with grpc.aio.insecure_channel(
+        address,
+        options=[
             ("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", 2 * MAX_MESSAGE_BYTES)]) as big:
+            ("grpc.max_receive_message_length", 2 * MAX_MESSAGE_BYTES),
+        ],
+    ) as big:
         codes[await _call(big, rpc, [oversized_frame(MAX_MESSAGE_BYTES)], _metadata(rpc, rng))] += 1
     kinds["oversized"] += 1
-    return {"cases": sum(codes.values()), "codes": dict(codes), "kinds": dict(kinds),
-            "undefined": sum(n for code, n in codes.items() if code in UNDEFINED)}
+    return {
+        "cases": sum(codes.values()),
+        "codes": dict(codes),
+        "kinds": dict(kinds),
+        "undefined": sum(n for code, n in codes.items() if code in UNDEFINED),
+    }
 
 
 # --- the canary ----------------------------------------------------------------------------
@@ -195,8 +258,9 @@ async def _canary_turns(mesh: Mesh) -> list[list[int]]:
         answers = []
         prompt = CANARY_PROMPT
         for turn in range(2):
-            request = chat_request(prompt, max_tokens=24, raw_prompt=True, session_id="canary-session",
-                                   allow_degraded=False)
+            request = chat_request(
+                prompt, max_tokens=24, raw_prompt=True, session_id="canary-session", allow_degraded=False
+            )
             result = await collect(stub, request, LOCAL_API_KEY, timeout=60)
             if result.finished is None or result.finished.degradation:
                 raise RuntimeError("the canary was not served by the model")
@@ -246,9 +310,12 @@ async def _run(mesh: Mesh, cases: int, concurrency: int, seed: int) -> dict:
             raise RuntimeError("the canary's session KV was never saved")
         await asyncio.sleep(0.2)
     before = _process_state(mesh)
-    addresses = {"router": mesh.router_address, "cache": next(s for s in mesh.services if s.name == "cache").address,
-                 "backfill": next(s for s in mesh.services if s.name == "backfill").address,
-                 "worker": mesh.workers()[1].address}
+    addresses = {
+        "router": mesh.router_address,
+        "cache": next(s for s in mesh.services if s.name == "cache").address,
+        "backfill": next(s for s in mesh.services if s.name == "backfill").address,
+        "worker": mesh.workers()[1].address,
+    }
     results = {}
     started = time.monotonic()
     for rpc in rpcs():
@@ -260,9 +327,15 @@ async def _run(mesh: Mesh, cases: int, concurrency: int, seed: int) -> dict:
     after = _process_state(mesh)
     canary_after = await _canary_turns(mesh)
     blocks_after = await _canary_blocks(mesh)
-    return {"rpcs": results, "seconds": seconds, "before": before, "after": after,
-            "canary_answers_equal": canary_before == canary_after,
-            "canary_blocks_before": blocks_before, "canary_blocks_after": blocks_after}
+    return {
+        "rpcs": results,
+        "seconds": seconds,
+        "before": before,
+        "after": after,
+        "canary_answers_equal": canary_before == canary_after,
+        "canary_blocks_before": blocks_before,
+        "canary_blocks_after": blocks_after,
+    }
 
 
 GOALS_TEMPLATE = (
@@ -284,28 +357,58 @@ def run_benchmark(cases: int, concurrency: int, seed: int, out: Path) -> int:
             mesh.stop()
     before, after = run["before"], run["after"]
     crashes = sum(1 for name, s in after.items() if not s["alive"] or s["pid"] != before[name]["pid"])
-    rows = [[path.rsplit("/", 2)[-2].split(".")[-1] + "/" + path.rsplit("/", 1)[-1], r["cases"], r["undefined"],
-             " ".join(f"{code}={n}" for code, n in sorted(r["codes"].items()))] for path, r in run["rpcs"].items()]
-    print(f"\nfuzzing every RPC: {cases} cases each (+1 oversized), {concurrency} at once, seed {seed}, "
-          f"{run['seconds']:.0f}s")
+    rows = [
+        [
+            path.rsplit("/", 2)[-2].split(".")[-1] + "/" + path.rsplit("/", 1)[-1],
+            r["cases"],
+            r["undefined"],
+            " ".join(f"{code}={n}" for code, n in sorted(r["codes"].items())),
+        ]
+        for path, r in run["rpcs"].items()
+    ]
+    print(
+        f"\nfuzzing every RPC: {cases} cases each (+1 oversized), {concurrency} at once, seed {seed}, "
+        f"{run['seconds']:.0f}s"
+    )
     print_table(["rpc", "cases", "undefined", "status codes"], rows)
-    print_table(["service", "rss MiB before", "rss MiB after", "fds before", "fds after", "same process"],
-                [[name, before[name]["rss_mib"], s["rss_mib"], before[name]["fds"], s["fds"],
-                  s["alive"] and s["pid"] == before[name]["pid"]] for name, s in after.items()])
-    canary_intact = (run["canary_answers_equal"] and run["canary_blocks_after"] >= run["canary_blocks_before"] > 0)
+    print_table(
+        ["service", "rss MiB before", "rss MiB after", "fds before", "fds after", "same process"],
+        [
+            [
+                name,
+                before[name]["rss_mib"],
+                s["rss_mib"],
+                before[name]["fds"],
+                s["fds"],
+                s["alive"] and s["pid"] == before[name]["pid"],
+            ]
+            for name, s in after.items()
+        ],
+    )
+    canary_intact = run["canary_answers_equal"] and run["canary_blocks_after"] >= run["canary_blocks_before"] > 0
     result = {
-        "cases_requested": cases, "concurrency": concurrency, "seed": seed, "seconds": run["seconds"],
-        "rpcs": run["rpcs"], "services_before": before, "services_after": after,
+        "cases_requested": cases,
+        "concurrency": concurrency,
+        "seed": seed,
+        "seconds": run["seconds"],
+        "rpcs": run["rpcs"],
+        "services_before": before,
+        "services_after": after,
         "cases_per_rpc_min": min(r["cases"] for r in run["rpcs"].values()),
         "crashes": crashes,
         "undefined_statuses": sum(r["undefined"] for r in run["rpcs"].values()),
         "canary_answers_equal": run["canary_answers_equal"],
-        "canary_blocks_before": run["canary_blocks_before"], "canary_blocks_after": run["canary_blocks_after"],
+        "canary_blocks_before": run["canary_blocks_before"],
+        "canary_blocks_after": run["canary_blocks_after"],
         "canary_intact": 1.0 if canary_intact else 0.0,
         "engine": "torch",
     }
-    goals = [Goal(name, metric, float(cases) if metric == "cases_per_rpc_min" else (1.0 if better == HIGHER else 0.0),
-                  better) for name, metric, better in GOALS_TEMPLATE]
+    goals = [
+        Goal(
+            name, metric, float(cases) if metric == "cases_per_rpc_min" else (1.0 if better == HIGHER else 0.0), better
+        )
+        for name, metric, better in GOALS_TEMPLATE
+    ]
     result.update(judge(goals, result))
     print_goals(result)
     print(f"wrote {write_result(out, result)}")

@@ -23,15 +23,39 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 _INT_RANGES = {
-    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
-    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
-    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
 _FLOATS = (0.0, -0.0, 1.0, -1.0, 0.5, 1e-45, 1e38, -1e38, math.nan, math.inf, -math.inf, 2.0, 100.0)
-_ODD_TEXT = ("", " ", "\x00", "\ud7ff", "é", "𝔘𝔫𝔦", "\u202e", "{", "}}}", '{"a":', "<|im_end|>", "\n" * 50,
-             "SELECT 1;", "../../etc/passwd", "%s%n", "tiny", "local", "S", "B")
+_ODD_TEXT = (
+    "",
+    " ",
+    "\x00",
+    "\ud7ff",
+    "é",
+    "𝔘𝔫𝔦",
+    "\u202e",
+    "{",
+    "}}}",
+    '{"a":',
+    "<|im_end|>",
+    "\n" * 50,
+    "SELECT 1;",
+    "../../etc/passwd",
+    "%s%n",
+    "tiny",
+    "local",
+    "S",
+    "B",
+)
 _STRING_LENGTHS = (0, 1, 8, 64, 1024, 70_000)
 _REPEATS = (0, 1, 2, 3, 16, 300)
 
@@ -45,7 +69,7 @@ def _text(rng: random.Random) -> str:
     if rng.random() < 0.5:
         return rng.choice(_ODD_TEXT)
     length = rng.choice(_STRING_LENGTHS)
-    alphabet = "abcXYZ019 _-{}[]\":,\n\t\\é中文🙂"
+    alphabet = 'abcXYZ019 _-{}[]":,\n\t\\é中文🙂'
     return "".join(rng.choice(alphabet) for _ in range(length))
 
 
@@ -129,7 +153,7 @@ def raw_case(template: Message, rng: random.Random) -> bytes:
             i = rng.randrange(len(data))
             data[i] ^= 1 << rng.randrange(8)
         return bytes(data)
-    return valid[:rng.randrange(len(valid))]
+    return valid[: rng.randrange(len(valid))]
 
 
 def make_case(request_type: type[Message], template: Message, rng: random.Random) -> tuple[str, bytes]:

@@ -50,10 +50,20 @@ def judge_one(goal: Goal, measured: float | Sequence[float]) -> dict:
         met, margin = value <= goal.target, goal.target - value
     else:
         met, margin = value >= goal.target, value - goal.target
-    return {"name": goal.name, "metric": goal.metric, "value": value, "min": stats["min"], "max": stats["max"],
-            "runs": stats["runs"], "target": goal.target, "better": goal.better, "unit": goal.unit,
-            # margin > 0: met with room to spare; < 0: missed by that much.
-            "met": bool(met), "margin": margin}
+    return {
+        "name": goal.name,
+        "metric": goal.metric,
+        "value": value,
+        "min": stats["min"],
+        "max": stats["max"],
+        "runs": stats["runs"],
+        "target": goal.target,
+        "better": goal.better,
+        "unit": goal.unit,
+        # margin > 0: met with room to spare; < 0: missed by that much.
+        "met": bool(met),
+        "margin": margin,
+    }
 
 
 def judge(goals: Iterable[Goal], measured: Mapping[str, float | Sequence[float]]) -> dict:
@@ -66,6 +76,8 @@ def print_goals(judged: dict) -> None:
     for goal in judged["goals"]:
         spread = f" (range {goal['min']:.4g}..{goal['max']:.4g} over {goal['runs']} runs)" if goal["runs"] > 1 else ""
         sign = "<=" if goal["better"] == LOWER else ">="
-        print(f"goal {goal['name']}: {goal['value']:.4g}{goal['unit']}{spread}, target {sign} "
-              f"{goal['target']:.4g}{goal['unit']}: {'met' if goal['met'] else 'MISSED'}")
+        print(
+            f"goal {goal['name']}: {goal['value']:.4g}{goal['unit']}{spread}, target {sign} "
+            f"{goal['target']:.4g}{goal['unit']}: {'met' if goal['met'] else 'MISSED'}"
+        )
     print("all goals met" if judged["met"] else "a goal was MISSED")

@@ -70,22 +70,28 @@ BOMBS: dict[str, tuple[object, str]] = {
     "max_items": ({**ARRAY, "maxItems": 1_000_000}, "max_items"),
     "min_contains": ({**ARRAY, "contains": {"type": "integer"}, "minContains": 10**9}, "max_items"),
     "prefix_items": ({"type": "array", "prefixItems": [{}] * 2000}, "max_items"),
-    "item_sum": ({"type": "object", "properties": {f"a{i}": {**ARRAY, "maxItems": 1000} for i in range(20)}},
-                 "max_total_items"),
+    "item_sum": (
+        {"type": "object", "properties": {f"a{i}": {**ARRAY, "maxItems": 1000} for i in range(20)}},
+        "max_total_items",
+    ),
     "min_length": ({"type": "string", "minLength": 1_000_000_000}, "max_length"),
     "max_length": ({"type": "string", "maxLength": 10**7}, "max_length"),
     "min_properties": ({"type": "object", "minProperties": 10**9}, "max_properties"),
     "enum": ({"enum": list(range(5000))}, "max_enum"),
-    "any_of": ({"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(1000)]},
-               "max_branches"),
+    "any_of": (
+        {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(1000)]},
+        "max_branches",
+    ),
     "all_of": ({"allOf": [{"type": "object"}] * 1000}, "max_branches"),
     "ref_laughs": (laughs(4, 64), "max_subschemas"),
     "ref_loop": ({"$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}, "infinite recursion"),
     "deep_nesting": (nested(60), "max_depth"),
     "nested_quantifiers": ({"type": "string", "pattern": "^(a+)+$"}, "nests quantifiers"),
     "overlapping_alternatives": ({"type": "string", "pattern": "^(a|aa)*$"}, "alternatives"),
-    "pattern_properties": ({"type": "object", "patternProperties": {"^(x*)*$": {"type": "integer"}}},
-                           "nests quantifiers"),
+    "pattern_properties": (
+        {"type": "object", "patternProperties": {"^(x*)*$": {"type": "integer"}}},
+        "nests quantifiers",
+    ),
     "huge_repeat": ({"type": "string", "pattern": "^a{1,1000000}$"}, "max_pattern_repeat"),
     "backreference": ({"type": "string", "pattern": "^(a)\\1$"}, "backreference"),
     "lookaround": ({"type": "string", "pattern": "^(?!x)a$"}, "lookaround"),
@@ -112,7 +118,8 @@ def chat(count: int, content: str):
     request = chat_request("", max_tokens=8, allow_degraded=False)
     del request.conversation.messages[:]
     request.conversation.messages.extend(
-        inference_pb2.ChatMessage(role="user" if i % 2 == 0 else "assistant", content=content) for i in range(count))
+        inference_pb2.ChatMessage(role="user" if i % 2 == 0 else "assistant", content=content) for i in range(count)
+    )
     request.conversation.messages[-1].role = "user"
     return request
 
@@ -123,6 +130,7 @@ def http_chat_body(count: int) -> bytes:
 
 
 # --- cases ----------------------------------------------------------------------------------
+
 
 @dataclass
 class Answer:
@@ -190,8 +198,17 @@ CASES: list[Case] = [
     Case("largest_legal_chat", lambda t: grpc_answer(t, chat(2048, LEGAL_CONTENT)), expect="served"),
     Case("large_legal_schema", lambda t: grpc_answer(t, schema_request(_legal_schema())), expect="served"),
     Case("http_120k_messages", lambda t: http_answer(t, http_chat_body(120_000)), http=True, expect="400"),
-    Case("http_deep_content", lambda t: http_answer(t, json.dumps({"model": "tiny", "messages": [
-        {"role": "user", "content": json.loads("[" * 200 + "]" * 200)}]}).encode()), http=True, expect="400"),
+    Case(
+        "http_deep_content",
+        lambda t: http_answer(
+            t,
+            json.dumps(
+                {"model": "tiny", "messages": [{"role": "user", "content": json.loads("[" * 200 + "]" * 200)}]}
+            ).encode(),
+        ),
+        http=True,
+        expect="400",
+    ),
 ]
 # Cases that cost workers by design, each run on a mesh of its own whose workers run under
 # their keepers (`worker.respawn`): name -> the case function, given the running mesh, and
@@ -203,9 +220,14 @@ async def _poison(mesh) -> dict:
     from bench.hostile_poison import poison_case
 
     result = await poison_case(mesh)
-    return {"status": str(result.get("answer_code", "")).lower(), "expected": "failed_precondition",
-            "detail": str(result.get("answer_reason", "")), "workers_lost": result["workers_lost"],
-            "served_after": result.get("served_again_s") is not None, "poison": result}
+    return {
+        "status": str(result.get("answer_code", "")).lower(),
+        "expected": "failed_precondition",
+        "detail": str(result.get("answer_reason", "")),
+        "workers_lost": result["workers_lost"],
+        "served_after": result.get("served_again_s") is not None,
+        "poison": result,
+    }
 
 
 UNBOUNDED["poison"] = _poison
@@ -216,6 +238,7 @@ DEFINED = {"invalid_argument", "400", "413", "served", "resource_exhausted", "fa
 
 
 # --- the harness ----------------------------------------------------------------------------
+
 
 def _peak_rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
@@ -246,14 +269,33 @@ async def run_case(case: Case, target: Target, probe: LoopProbe, http_probe: Loo
     if case.http:
         stall = max(stall, await asyncio.to_thread(http_probe.worst, start, end))
     after = {w.name: w for w in target.mesh.workers()}
-    lost = sum(1 for name, pid in pids.items()
-               if name not in after or after[name].pid != pid or not after[name].process.alive())
-    growth = max((_peak_rss(after[name].pid) - peaks[name] for name in pids
-                  if name in after and after[name].pid == pids[name] and after[name].process.alive()), default=0)
-    return {"case": case.name, "status": answer.status, "expected": case.expect, "detail": answer.detail[:160],
-            "defined": answer.status in DEFINED, "as_expected": answer.status == case.expect,
-            "seconds": end - start, "stall_ms": stall * 1000, "worker_growth_mb": growth / (1 << 20),
-            "workers_lost": lost, "bounded": True, "served_after": await _served_after(target)}
+    lost = sum(
+        1
+        for name, pid in pids.items()
+        if name not in after or after[name].pid != pid or not after[name].process.alive()
+    )
+    growth = max(
+        (
+            _peak_rss(after[name].pid) - peaks[name]
+            for name in pids
+            if name in after and after[name].pid == pids[name] and after[name].process.alive()
+        ),
+        default=0,
+    )
+    return {
+        "case": case.name,
+        "status": answer.status,
+        "expected": case.expect,
+        "detail": answer.detail[:160],
+        "defined": answer.status in DEFINED,
+        "as_expected": answer.status == case.expect,
+        "seconds": end - start,
+        "stall_ms": stall * 1000,
+        "worker_growth_mb": growth / (1 << 20),
+        "workers_lost": lost,
+        "bounded": True,
+        "served_after": await _served_after(target),
+    }
 
 
 async def _run(mesh, cases: list[Case]) -> list[dict]:
@@ -262,16 +304,24 @@ async def _run(mesh, cases: list[Case]) -> list[dict]:
     from ballast.v1 import inference_pb2_grpc
 
     rows = []
-    with LoopProbe.grpc(mesh.router_address) as probe, \
-            LoopProbe.http(f"{mesh.http_base_url}/models", LOCAL_API_KEY) as http_probe:
-        async with open_channel(mesh.router_address) as channel, \
-                httpx.AsyncClient(base_url=mesh.http_base_url, headers={"x-api-key": LOCAL_API_KEY},
-                                  timeout=ANSWER_TIMEOUT_S) as http:
+    with (
+        LoopProbe.grpc(mesh.router_address) as probe,
+        LoopProbe.http(f"{mesh.http_base_url}/models", LOCAL_API_KEY) as http_probe,
+    ):
+        async with (
+            open_channel(mesh.router_address) as channel,
+            httpx.AsyncClient(
+                base_url=mesh.http_base_url, headers={"x-api-key": LOCAL_API_KEY}, timeout=ANSWER_TIMEOUT_S
+            ) as http,
+        ):
             target = Target(inference_pb2_grpc.InferenceStub(channel), http, mesh)
             for case in cases:
                 row = await run_case(case, target, probe, http_probe)
-                print(f"  {row['case']}: {row['status']} in {row['seconds']:.2f}s, stall {row['stall_ms']:.0f} ms, "
-                      f"worker +{row['worker_growth_mb']:.0f} MB, lost {row['workers_lost']}", flush=True)
+                print(
+                    f"  {row['case']}: {row['status']} in {row['seconds']:.2f}s, stall {row['stall_ms']:.0f} ms, "
+                    f"worker +{row['worker_growth_mb']:.0f} MB, lost {row['workers_lost']}",
+                    flush=True,
+                )
                 rows.append(row)
     return rows
 
@@ -302,10 +352,22 @@ async def _run_unbounded(mesh, name: str) -> dict:
         row = await UNBOUNDED[name](mesh)
         end = time.monotonic()
         stall = await asyncio.to_thread(probe.worst, start, end)
-    row.update({"case": name, "defined": row["status"] in DEFINED, "as_expected": row["status"] == row["expected"],
-                "seconds": end - start, "stall_ms": stall * 1000, "worker_growth_mb": 0.0, "bounded": False})
-    print(f"  {name}: {row['status']} in {row['seconds']:.2f}s, stall {row['stall_ms']:.0f} ms, "
-          f"lost {row['workers_lost']} (unbounded)", flush=True)
+    row.update(
+        {
+            "case": name,
+            "defined": row["status"] in DEFINED,
+            "as_expected": row["status"] == row["expected"],
+            "seconds": end - start,
+            "stall_ms": stall * 1000,
+            "worker_growth_mb": 0.0,
+            "bounded": False,
+        }
+    )
+    print(
+        f"  {name}: {row['status']} in {row['seconds']:.2f}s, stall {row['stall_ms']:.0f} ms, "
+        f"lost {row['workers_lost']} (unbounded)",
+        flush=True,
+    )
     return row
 
 
@@ -322,8 +384,9 @@ def run_benchmark(names: list[str] | None, engine: str, out: Path) -> int:
     rows: list[dict] = []
     if cases:
         with tempfile.TemporaryDirectory(prefix="ballast-hostile-") as state:
-            mesh = Mesh(MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=2, engine=engine,
-                                 worker_capacity=4)).start()
+            mesh = Mesh(
+                MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=2, engine=engine, worker_capacity=4)
+            ).start()
             try:
                 rows += asyncio.run(_run(mesh, cases))
             finally:
@@ -331,16 +394,38 @@ def run_benchmark(names: list[str] | None, engine: str, out: Path) -> int:
     for name in unbounded:
         with tempfile.TemporaryDirectory(prefix=f"ballast-hostile-{name}-") as state:
             # Sim workers: the poison's crash knob is the sim engine's.
-            mesh = Mesh(MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=3, engine="sim",
-                                 lease_ttl_s=3, worker_capacity=4, overrides={"worker": {"respawn": True}})).start()
+            mesh = Mesh(
+                MeshSpec(
+                    state_dir=Path(state),
+                    model_dir=model_dir,
+                    workers=3,
+                    engine="sim",
+                    lease_ttl_s=3,
+                    worker_capacity=4,
+                    overrides={"worker": {"respawn": True}},
+                )
+            ).start()
             try:
                 rows.append(asyncio.run(_run_unbounded(mesh, name)))
             finally:
                 mesh.stop()
     print()
-    print_table(["case", "status", "expected", "seconds", "stall ms", "worker +MB", "lost", "served after"],
-                [[r["case"], r["status"], r["expected"], r["seconds"], r["stall_ms"], r["worker_growth_mb"],
-                  r["workers_lost"], r["served_after"]] for r in rows])
+    print_table(
+        ["case", "status", "expected", "seconds", "stall ms", "worker +MB", "lost", "served after"],
+        [
+            [
+                r["case"],
+                r["status"],
+                r["expected"],
+                r["seconds"],
+                r["stall_ms"],
+                r["worker_growth_mb"],
+                r["workers_lost"],
+                r["served_after"],
+            ]
+            for r in rows
+        ],
+    )
     result = {"engine": engine, "cases": rows, **summarize(rows), "complete": names is None}
     result.update(judge(GOALS, result))
     print_goals(result)

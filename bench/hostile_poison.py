@@ -122,9 +122,10 @@ async def _all_back(mesh, pids_before: dict, leases_before: dict, deadline: floa
         pids = _serving_pids(mesh)
         if all(pids.values()):
             leases = await _leases(mesh)
-            if all(leases.get(name) is not None
-                   and (pids[name] == pid or leases[name] != leases_before.get(name))
-                   for name, pid in pids_before.items()):
+            if all(
+                leases.get(name) is not None and (pids[name] == pid or leases[name] != leases_before.get(name))
+                for name, pid in pids_before.items()
+            ):
                 return time.monotonic()
         await asyncio.sleep(0.1)
     return None
@@ -152,15 +153,31 @@ async def _hand_off_degraded(mesh, poison, tenant: str) -> None:
     from services.common.generation import Sampling
 
     request = InferenceRequest(
-        request_id=poison.request_id, session_id="", tenant=tenant, model=poison.model,
-        sampling=Sampling(max_tokens=poison.sampling.max_tokens, temperature=0.0), tier=Tier.A,
-        messages=tuple(Message(m.role, m.content) for m in poison.conversation.messages))
+        request_id=poison.request_id,
+        session_id="",
+        tenant=tenant,
+        model=poison.model,
+        sampling=Sampling(max_tokens=poison.sampling.max_tokens, temperature=0.0),
+        tier=Tier.A,
+        messages=tuple(Message(m.role, m.content) for m in poison.conversation.messages),
+    )
     ticket = make_ticket(tenant, poison.request_id + "-degraded")
-    record = degraded_request_pb(request, ticket=ticket, tier=Tier.A, level=Level.RULES, reason="no_worker",
-                                 degraded_text="(rules)", degraded_by="rules", received_at=time.time())
+    record = degraded_request_pb(
+        request,
+        ticket=ticket,
+        tier=Tier.A,
+        level=Level.RULES,
+        reason="no_worker",
+        degraded_text="(rules)",
+        degraded_by="rules",
+        received_at=time.time(),
+    )
     with tempfile.TemporaryDirectory() as folder:
-        handoff = HandOff(HandOffSettings(outbox_path=Path(folder) / "outbox.sqlite", bootstrap=mesh.kafka.bootstrap,
-                                          delivery_timeout_s=5))
+        handoff = HandOff(
+            HandOffSettings(
+                outbox_path=Path(folder) / "outbox.sqlite", bootstrap=mesh.kafka.bootstrap, delivery_timeout_s=5
+            )
+        )
         await handoff.start()
         try:
             await handoff.submit(kafka_key("", ticket), record.SerializeToString())
@@ -168,8 +185,14 @@ async def _hand_off_degraded(mesh, poison, tenant: str) -> None:
             await handoff.stop(10.0)
 
 
-async def poison_case(mesh, api_key: str | None = None, tenant: str = "local", model: str = "tiny",
-                      arm: bool = True, park_wait_s: float = 60.0) -> dict[str, Any]:
+async def poison_case(
+    mesh,
+    api_key: str | None = None,
+    tenant: str = "local",
+    model: str = "tiny",
+    arm: bool = True,
+    park_wait_s: float = 60.0,
+) -> dict[str, Any]:
     """Runs the poison case on `mesh` (a running services.cli.mesh.Mesh of sim workers).
     `arm`: set the marker knob through etcd (False: the workers' config already holds
     `marker`, passed as the mesh spec's `worker.sim_faults.crash_on_marker`)."""
@@ -188,27 +211,33 @@ async def poison_case(mesh, api_key: str | None = None, tenant: str = "local", m
     parked_before = await _metric(backfill_port, "ballast_backfill_dead_lettered_total", cause="quarantined")
     before = _serving_pids(mesh)
     leases_before = await _leases(mesh)
-    poison = chat_request(f"Summarise this: {marker}", model=model, max_tokens=16,
-                          request_id=f"poison-{secrets.token_hex(4)}")
+    poison = chat_request(
+        f"Summarise this: {marker}", model=model, max_tokens=16, request_id=f"poison-{secrets.token_hex(4)}"
+    )
     result: dict[str, Any] = {}
     try:
         async with open_channel(mesh.router_address) as channel:
             router = inference_pb2_grpc.InferenceStub(channel)
             started = time.monotonic()
-            result["answer_code"], result["answer_reason"], result["answer_degraded"] = \
-                await _answer(router, poison, api_key)
+            result["answer_code"], result["answer_reason"], result["answer_degraded"] = await _answer(
+                router, poison, api_key
+            )
             answered = time.monotonic()
             lost_by_poison = _serving_pids(mesh)
-            retry = chat_request(f"Summarise this: {marker}", model=model, max_tokens=16,
-                                 request_id=f"poison-retry-{secrets.token_hex(4)}")
+            retry = chat_request(
+                f"Summarise this: {marker}",
+                model=model,
+                max_tokens=16,
+                request_id=f"poison-retry-{secrets.token_hex(4)}",
+            )
             retry_code, retry_reason, _ = await _answer(router, retry, api_key)
             result["retry_refused"] = retry_code == "FAILED_PRECONDITION" and retry_reason == "quarantined"
             result["retry_workers_lost"] = _lost(lost_by_poison, _serving_pids(mesh))
             served_at = None
             while time.monotonic() - answered < 60:
                 code, _reason, degraded = await _answer(
-                    router, chat_request("Where is my order?", model=model, max_tokens=8, allow_degraded=False),
-                    api_key)
+                    router, chat_request("Where is my order?", model=model, max_tokens=8, allow_degraded=False), api_key
+                )
                 if code == "OK" and not degraded:
                     served_at = time.monotonic()
                     break
@@ -221,14 +250,21 @@ async def poison_case(mesh, api_key: str | None = None, tenant: str = "local", m
         deadline = time.monotonic() + park_wait_s
         parked = False
         while time.monotonic() < deadline:
-            if await _metric(backfill_port, "ballast_backfill_dead_lettered_total", cause="quarantined") > parked_before:
+            if (
+                await _metric(backfill_port, "ballast_backfill_dead_lettered_total", cause="quarantined")
+                > parked_before
+            ):
                 parked = True
                 break
             await asyncio.sleep(0.5)
         result["parked"] = parked
-        result["backfill_replays"] = int(await _metric(backfill_port, "ballast_backfill_replays_total") - replays_before)
+        result["backfill_replays"] = int(
+            await _metric(backfill_port, "ballast_backfill_replays_total") - replays_before
+        )
         result["workers_lost"] = _lost(before, _serving_pids(mesh))
-        result["quarantined_metric"] = await _metric(router_port, "ballast_router_quarantine_total", event="quarantined")
+        result["quarantined_metric"] = await _metric(
+            router_port, "ballast_router_quarantine_total", event="quarantined"
+        )
     finally:
         if arm:
             await _set_marker(mesh, None)
@@ -249,20 +285,30 @@ def main() -> int:
     from services.cli.mesh import Mesh, MeshSpec
 
     with tempfile.TemporaryDirectory(prefix="ballast-poison-") as state:
-        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir_for("tiny"), workers=3, engine="sim",
-                        lease_ttl_s=3, worker_capacity=4, overrides={"worker": {"respawn": True}})
+        spec = MeshSpec(
+            state_dir=Path(state),
+            model_dir=model_dir_for("tiny"),
+            workers=3,
+            engine="sim",
+            lease_ttl_s=3,
+            worker_capacity=4,
+            overrides={"worker": {"respawn": True}},
+        )
         mesh = Mesh(spec).start()
         try:
             result = asyncio.run(poison_case(mesh))
         finally:
             mesh.stop()
-    print_table(["measure", "value", "goal"], [
-        ("workers lost", result["workers_lost"], f"<= {GOALS['workers_lost']}"),
-        ("backfill replays", result["backfill_replays"], f"<= {GOALS['backfill_replays']}"),
-        ("served again (s)", result["served_again_s"], f"<= {GOALS['served_again_s']}"),
-        ("all workers back (s)", result["workers_back_s"], "-"),
-        ("answer", f"{result['answer_code']} {result['answer_reason']}", "FAILED_PRECONDITION quarantined"),
-    ])
+    print_table(
+        ["measure", "value", "goal"],
+        [
+            ("workers lost", result["workers_lost"], f"<= {GOALS['workers_lost']}"),
+            ("backfill replays", result["backfill_replays"], f"<= {GOALS['backfill_replays']}"),
+            ("served again (s)", result["served_again_s"], f"<= {GOALS['served_again_s']}"),
+            ("all workers back (s)", result["workers_back_s"], "-"),
+            ("answer", f"{result['answer_code']} {result['answer_reason']}", "FAILED_PRECONDITION quarantined"),
+        ],
+    )
     write_result(RESULT, {"case": "poison", **result})
     print(json.dumps(result["goals_met"]))
     return 0 if all(result["goals_met"].values()) else 1

@@ -60,28 +60,35 @@ def start_cache(state: Path, redis_url: str, cluster: bool = False) -> tuple[Man
         "BALLAST_CONFIG": "",
         "PYTHONUNBUFFERED": "1",
     }
-    process = ManagedProcess(name, [sys.executable, "-m", "services.cache"], log_path=state / f"{name}.log",
-                             env=env, cwd=Path.cwd())
+    process = ManagedProcess(
+        name, [sys.executable, "-m", "services.cache"], log_path=state / f"{name}.log", env=env, cwd=Path.cwd()
+    )
     process.start()
     wait_port_open("127.0.0.1", port, 60)
     return process, f"127.0.0.1:{port}"
 
 
 # Engine name -> (which cache it restores from, its restore policy).
-ENGINES = {"always": ("redis", "always"), "never": ("redis", "never"), "adaptive": ("redis", "adaptive"),
-           "cluster": ("redis-cluster", "always")}
+ENGINES = {
+    "always": ("redis", "always"),
+    "never": ("redis", "never"),
+    "adaptive": ("redis", "adaptive"),
+    "cluster": ("redis-cluster", "always"),
+}
 
 
 async def make_engine(model_dir: Path, cache_address: str, policy: str, name: str):
     engine = TorchEngine(model_dir, "bench", max_concurrency=1, eos_token_ids=(), memory_sessions=0)
     await engine.start()
-    config = load_config(environ={}).worker.model_copy(update={
-        "cache_address": cache_address if policy != "never" else "",
-        "kv_restore_policy": policy,
-        "kv_block_tokens": BLOCK_TOKENS,
-        "kv_restore_timeout_s": 30.0,
-        "kv_save_timeout_s": 60.0,
-    })
+    config = load_config(environ={}).worker.model_copy(
+        update={
+            "cache_address": cache_address if policy != "never" else "",
+            "kv_restore_policy": policy,
+            "kv_block_tokens": BLOCK_TOKENS,
+            "kv_restore_timeout_s": 30.0,
+            "kv_save_timeout_s": 60.0,
+        }
+    )
     telemetry = Telemetry(f"bench-{name}", TelemetryConfig(enabled=False))
     session = await start_session_kv(config, engine, telemetry)
     return engine, session, telemetry
@@ -89,8 +96,9 @@ async def make_engine(model_dir: Path, cache_address: str, policy: str, name: st
 
 async def ttft(engine: TorchEngine, prompt: list[int], session: str) -> tuple[float, int, int]:
     """(ms to the first token, the token, context tokens actually computed)."""
-    request = EngineRequest(f"r-{time.monotonic_ns()}", tuple(prompt), (), Sampling(max_tokens=1, temperature=0.0),
-                            "bench", session)
+    request = EngineRequest(
+        f"r-{time.monotonic_ns()}", tuple(prompt), (), Sampling(max_tokens=1, temperature=0.0), "bench", session
+    )
     started = time.perf_counter()
     stream = engine.generate(request)
     first = await stream.__anext__()
@@ -130,8 +138,8 @@ async def run(args) -> dict:
             for context in contexts:
                 session = f"bench-{context}"
                 tokens = [rng.randrange(4, vocab) for _ in range(context)]
-                prompt = tokens[:context - 1]  # the first new token completes the context
-                history = prompt[:len(prompt) - USER_TURN_TOKENS]
+                prompt = tokens[: context - 1]  # the first new token completes the context
+                history = prompt[: len(prompt) - USER_TURN_TOKENS]
                 # The earlier turn saves its KV, on one Redis and on the cluster.
                 await ttft(writer, history, session)
                 await ttft(cluster_writer, history, session)
@@ -157,26 +165,32 @@ async def run(args) -> dict:
                 cluster_ms = statistics.median(samples["cluster"])
                 same = len(set().union(*firsts.values())) == 1
                 adaptive_restored = statistics.median(computed["adaptive"]) < len(prompt)
-                rows.append({
-                    "context_tokens": context,
-                    "prompt_tokens": len(prompt),
-                    "restored_tokens": len(prompt) - min(computed["always"]),
-                    "restore_ttft_ms": round(restore_ms, 2),
-                    "recompute_ttft_ms": round(recompute_ms, 2),
-                    "adaptive_ttft_ms": round(adaptive_ms, 2),
-                    "adaptive_choice": "restore" if adaptive_restored else "recompute",
-                    "cluster_restored_tokens": len(prompt) - min(computed["cluster"]),
-                    "cluster_restore_ttft_ms": round(cluster_ms, 2),
-                    "cluster_over_redis": round(cluster_ms / restore_ms, 2),
-                    "speedup": round(recompute_ms / restore_ms, 2),
-                    "same_first_token": same,
-                    "samples_ms": {p: [round(v, 2) for v in vals] for p, vals in samples.items()},
-                })
-                print(f"context {context}: restore {restore_ms:.1f} ms, recompute {recompute_ms:.1f} ms, "
-                      f"adaptive {adaptive_ms:.1f} ms, restore from the Redis Cluster {cluster_ms:.1f} ms", flush=True)
+                rows.append(
+                    {
+                        "context_tokens": context,
+                        "prompt_tokens": len(prompt),
+                        "restored_tokens": len(prompt) - min(computed["always"]),
+                        "restore_ttft_ms": round(restore_ms, 2),
+                        "recompute_ttft_ms": round(recompute_ms, 2),
+                        "adaptive_ttft_ms": round(adaptive_ms, 2),
+                        "adaptive_choice": "restore" if adaptive_restored else "recompute",
+                        "cluster_restored_tokens": len(prompt) - min(computed["cluster"]),
+                        "cluster_restore_ttft_ms": round(cluster_ms, 2),
+                        "cluster_over_redis": round(cluster_ms / restore_ms, 2),
+                        "speedup": round(recompute_ms / restore_ms, 2),
+                        "same_first_token": same,
+                        "samples_ms": {p: [round(v, 2) for v in vals] for p, vals in samples.items()},
+                    }
+                )
+                print(
+                    f"context {context}: restore {restore_ms:.1f} ms, recompute {recompute_ms:.1f} ms, "
+                    f"adaptive {adaptive_ms:.1f} ms, restore from the Redis Cluster {cluster_ms:.1f} ms",
+                    flush=True,
+                )
             adaptive_tel = engines["adaptive"][2]
-            estimates = {p: metric(adaptive_tel, "ballast_worker_kv_estimated_ms", path=p)
-                         for p in ("restore", "recompute")}
+            estimates = {
+                p: metric(adaptive_tel, "ballast_worker_kv_estimated_ms", path=p) for p in ("restore", "recompute")
+            }
         finally:
             for engine, kv, _tel in engines.values():
                 if kv is not None:
@@ -193,10 +207,16 @@ GOALS = (
     Goal("contexts where the paths' first tokens differ", "first_token_mismatches", 0, LOWER),
     Goal("recompute TTFT over restore TTFT at the longest context", "restore_speedup_longest", 2.0, HIGHER, "x"),
     Goal("adaptive TTFT over the faster path, worst context", "adaptive_over_best_worst", 1.3, LOWER, "x"),
-    Goal("contexts where the Redis Cluster restored fewer tokens than one Redis", "cluster_restore_shortfalls", 0,
-         LOWER),
-    Goal("restore TTFT from the Redis Cluster over one Redis, longest context", "cluster_over_redis_longest", 1.5,
-         LOWER, "x"),
+    Goal(
+        "contexts where the Redis Cluster restored fewer tokens than one Redis", "cluster_restore_shortfalls", 0, LOWER
+    ),
+    Goal(
+        "restore TTFT from the Redis Cluster over one Redis, longest context",
+        "cluster_over_redis_longest",
+        1.5,
+        LOWER,
+        "x",
+    ),
 )
 
 
@@ -212,32 +232,59 @@ def main(argv: list[str] | None = None) -> int:
     rows = result["rows"]
     print()
     print_table(
-        ["context", "restored", "restore ms", "recompute ms", "adaptive ms", "adaptive chose", "speedup",
-         "cluster restored", "cluster ms", "same token"],
-        [[r["context_tokens"], r["restored_tokens"], r["restore_ttft_ms"], r["recompute_ttft_ms"],
-          r["adaptive_ttft_ms"], r["adaptive_choice"], r["speedup"], r["cluster_restored_tokens"],
-          r["cluster_restore_ttft_ms"], r["same_first_token"]] for r in rows])
+        [
+            "context",
+            "restored",
+            "restore ms",
+            "recompute ms",
+            "adaptive ms",
+            "adaptive chose",
+            "speedup",
+            "cluster restored",
+            "cluster ms",
+            "same token",
+        ],
+        [
+            [
+                r["context_tokens"],
+                r["restored_tokens"],
+                r["restore_ttft_ms"],
+                r["recompute_ttft_ms"],
+                r["adaptive_ttft_ms"],
+                r["adaptive_choice"],
+                r["speedup"],
+                r["cluster_restored_tokens"],
+                r["cluster_restore_ttft_ms"],
+                r["same_first_token"],
+            ]
+            for r in rows
+        ],
+    )
     longest = max(rows, key=lambda r: r["context_tokens"])
     measured = {
         "first_token_mismatches": sum(not r["same_first_token"] for r in rows),
         "restore_speedup_longest": longest["speedup"],
-        "adaptive_over_best_worst": max(r["adaptive_ttft_ms"] / min(r["restore_ttft_ms"], r["recompute_ttft_ms"])
-                                        for r in rows),
+        "adaptive_over_best_worst": max(
+            r["adaptive_ttft_ms"] / min(r["restore_ttft_ms"], r["recompute_ttft_ms"]) for r in rows
+        ),
         "cluster_restore_shortfalls": sum(r["cluster_restored_tokens"] < r["restored_tokens"] for r in rows),
         "cluster_over_redis_longest": longest["cluster_over_redis"],
     }
     judged = judge(GOALS, measured)
     print_goals(judged)
-    path = write_result(Path(args.out), {
-        "benchmark": "kv_restore",
-        "preset": args.preset,
-        "block_tokens": BLOCK_TOKENS,
-        "reps": args.reps,
-        "engine": "torch",
-        **result,
-        **measured,
-        **judged,
-    })
+    path = write_result(
+        Path(args.out),
+        {
+            "benchmark": "kv_restore",
+            "preset": args.preset,
+            "block_tokens": BLOCK_TOKENS,
+            "reps": args.reps,
+            "engine": "torch",
+            **result,
+            **measured,
+            **judged,
+        },
+    )
     print(f"\nwrote {path}")
     return 0 if judged["met"] else 1
 

@@ -83,8 +83,14 @@ class ClosedLoopLoad:
     """Closed-loop clients of one prompt, each sending its next request when the last ended,
     until `finish()`; `grow(n)` adds clients while it runs."""
 
-    def __init__(self, stub: inference_pb2_grpc.InferenceStub, metadata, prompt: str, max_tokens: int,
-                 samples: Samples | None = None) -> None:
+    def __init__(
+        self,
+        stub: inference_pb2_grpc.InferenceStub,
+        metadata,
+        prompt: str,
+        max_tokens: int,
+        samples: Samples | None = None,
+    ) -> None:
         self.stub, self.metadata = stub, metadata
         self.prompt, self.max_tokens = prompt, max_tokens
         self.samples = samples if samples is not None else Samples()
@@ -112,8 +118,13 @@ class ClosedLoopLoad:
             task.cancel()
 
 
-async def grow_until(load: ClosedLoopLoad, breached: Callable[[], bool], patience_s: float,
-                     most: int = MOST_CLIENTS, interval: float = 0.05) -> bool:
+async def grow_until(
+    load: ClosedLoopLoad,
+    breached: Callable[[], bool],
+    patience_s: float,
+    most: int = MOST_CLIENTS,
+    interval: float = 0.05,
+) -> bool:
     """Waits for `breached()`; each `patience_s` without it doubles the clients, up to `most`.
     False if it still has not breached after a full patience at `most` clients."""
     while True:

@@ -44,7 +44,9 @@ class LoopProbe:
     def __enter__(self) -> "LoopProbe":
         self._process = subprocess.Popen(
             [sys.executable, "-m", "bench.loop_probe", self.mode, self.target, str(self.path), self.headers],
-            cwd=Path(__file__).resolve().parent.parent, stdin=subprocess.DEVNULL)
+            cwd=Path(__file__).resolve().parent.parent,
+            stdin=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 60
         while len(self._samples()) < 3:  # connected and answering before anything is measured
             if self._process.poll() is not None or time.monotonic() > deadline:

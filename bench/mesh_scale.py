@@ -89,12 +89,27 @@ GOALS = (
     Goal("added TTFT p99 up to 100 streams (1 router)", "added_ttft_p99_ms_upto_100", 3.0, LOWER, " ms"),
     Goal("router CPU per 1k tokens, 64 over 4 workers (spread)", "cpu_per_token_spread", 0.2, LOWER),
     Goal("2 routers' relayed tokens/s over 1 router's", "two_router_scaling", 1.8, HIGHER, "x"),
-    Goal("router CPU per relayed token at 100 streams (1 router, most costly worker count)",
-         "cpu_ms_per_token_100", 0.05, LOWER, " ms"),
-    Goal("router CPU per relayed token at 10 streams (1 router, most costly worker count)",
-         "cpu_ms_per_token_10", 0.1, LOWER, " ms"),
-    Goal("each of 2 router processes on one port: CPU per token over one router's", "process_cpu_per_token_ratio",
-         1.1, LOWER, "x"),
+    Goal(
+        "router CPU per relayed token at 100 streams (1 router, most costly worker count)",
+        "cpu_ms_per_token_100",
+        0.05,
+        LOWER,
+        " ms",
+    ),
+    Goal(
+        "router CPU per relayed token at 10 streams (1 router, most costly worker count)",
+        "cpu_ms_per_token_10",
+        0.1,
+        LOWER,
+        " ms",
+    ),
+    Goal(
+        "each of 2 router processes on one port: CPU per token over one router's",
+        "process_cpu_per_token_ratio",
+        1.1,
+        LOWER,
+        "x",
+    ),
     Goal("router processes relaying through one address", "processes_serving", 2, HIGHER),
 )
 # Router processes on one port (router.processes) and the connections the clients spread over them.
@@ -105,8 +120,15 @@ PROCESS_CONNECTIONS = 8
 # -- load (runs in a process of its own) -------------------------------------------------------
 
 
-async def _stream_load(kind: str, targets: list[str], streams: int, seconds: float, prompt_ids: list[int],
-                       api_key: str, tokens_per_stream: int = TOKENS) -> dict:
+async def _stream_load(
+    kind: str,
+    targets: list[str],
+    streams: int,
+    seconds: float,
+    prompt_ids: list[int],
+    api_key: str,
+    tokens_per_stream: int = TOKENS,
+) -> dict:
     """`streams` closed-loop clients for `seconds`; TTFTs of streams started in the window."""
     import grpc
 
@@ -114,9 +136,12 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
 
     # A connection per channel (no subchannel shared between channels to one address): a
     # target named twice is two connections, which router processes on one port share.
-    channels = [grpc.aio.insecure_channel(t, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                      ("grpc.use_local_subchannel_pool", 1)])
-                for t in targets]
+    channels = [
+        grpc.aio.insecure_channel(
+            t, options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]
+        )
+        for t in targets
+    ]
     if kind == "direct":
         stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
     else:
@@ -135,13 +160,17 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
         stub = stubs[i % len(stubs)]
         if kind == "direct":
             # The router's default stream interval, so that every path sends the same messages.
-            request = worker_pb2.WorkerGenerateRequest(request_id=f"scale-{i}", tenant="local",
-                                                       prompt_ids=prompt_ids, sampling=sampling,
-                                                       flush_interval_ms=STREAM_INTERVAL_MS)
+            request = worker_pb2.WorkerGenerateRequest(
+                request_id=f"scale-{i}",
+                tenant="local",
+                prompt_ids=prompt_ids,
+                sampling=sampling,
+                flush_interval_ms=STREAM_INTERVAL_MS,
+            )
             return stub.Generate(request, timeout=60)
-        request = inference_pb2.GenerateRequest(request_id=f"scale-{i}", model="tiny", sampling=sampling,
-                                                prompt=PROMPT,
-                                                allow_degraded=False)
+        request = inference_pb2.GenerateRequest(
+            request_id=f"scale-{i}", model="tiny", sampling=sampling, prompt=PROMPT, allow_degraded=False
+        )
         return stub.Generate(request, metadata=metadata, timeout=60)
 
     async def client() -> None:
@@ -169,19 +198,36 @@ async def _stream_load(kind: str, targets: list[str], streams: int, seconds: flo
     await asyncio.gather(*(client() for _ in range(streams)))
     for channel in channels:
         await channel.close()
-    return {"ttft_ms": ttfts, "tokens": tokens, "messages": messages, "errors": errors, "error_codes": error_codes, "seconds": min(seconds, time.monotonic() - started)}
+    return {
+        "ttft_ms": ttfts,
+        "tokens": tokens,
+        "messages": messages,
+        "errors": errors,
+        "error_codes": error_codes,
+        "seconds": min(seconds, time.monotonic() - started),
+    }
 
 
 def _load_process(args: tuple, results) -> None:
     results.put(asyncio.run(_stream_load(*args)))
 
 
-def run_load(kind: str, targets: list[str], streams: int, seconds: float, prompt_ids: list[int],
-             api_key: str, tokens_per_stream: int = TOKENS) -> dict:
+def run_load(
+    kind: str,
+    targets: list[str],
+    streams: int,
+    seconds: float,
+    prompt_ids: list[int],
+    api_key: str,
+    tokens_per_stream: int = TOKENS,
+) -> dict:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    process = context.Process(target=_load_process,
-                              args=((kind, targets, streams, seconds, prompt_ids, api_key, tokens_per_stream), results), daemon=True)
+    process = context.Process(
+        target=_load_process,
+        args=((kind, targets, streams, seconds, prompt_ids, api_key, tokens_per_stream), results),
+        daemon=True,
+    )
     process.start()
     try:
         return results.get(timeout=seconds + 180)
@@ -240,7 +286,7 @@ async def routable_reason(metrics_port: int, worker_id: str) -> str | None:
     writer.close()
     for line in body.splitlines():
         if line.startswith("ballast_router_worker_routable{") and f'worker="{worker_id}"' in line:
-            for label in line[line.index("{") + 1:line.index("}")].split(","):
+            for label in line[line.index("{") + 1 : line.index("}")].split(","):
                 name, _, value = label.partition("=")
                 if name == "reason":
                     return value.strip('"')
@@ -280,8 +326,15 @@ async def _membership_change_s(mesh, worker_id: str, routers, reps: int = 3) -> 
     return statistics.median(times)
 
 
-def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[int], router_steps: list[int],
-                  out: Path, repeats: int = 3, tokens: int = TOKENS) -> int:
+def run_benchmark(
+    seconds: float,
+    worker_steps: list[int],
+    stream_steps: list[int],
+    router_steps: list[int],
+    out: Path,
+    repeats: int = 3,
+    tokens: int = TOKENS,
+) -> int:
     from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 
     model_dir = model_dir_for("tiny")
@@ -289,11 +342,16 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
     membership: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="ballast-mesh-scale-") as state:
         capacity = max(stream_steps)
-        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=0, engine="sim",
-                        worker_capacity=capacity,
-                        # Each worker takes every stream of a point: worker queueing would be
-                        # the same in both paths, but the point is the mesh's own cost.
-                        overrides={"worker": {"max_queue": capacity, **sim_worker_settings()}})
+        spec = MeshSpec(
+            state_dir=Path(state),
+            model_dir=model_dir,
+            workers=0,
+            engine="sim",
+            worker_capacity=capacity,
+            # Each worker takes every stream of a point: worker queueing would be
+            # the same in both paths, but the point is the mesh's own cost.
+            overrides={"worker": {"max_queue": capacity, **sim_worker_settings()}},
+        )
         mesh = Mesh(spec).start()
         try:
             for _ in range(max(router_steps) - 1):
@@ -310,12 +368,14 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                 membership[target] = asyncio.run(_membership_change_s(mesh, workers[0].id, routers))
                 if relay is not None:
                     relay.stop()
-                relay, relay_address = start_bare_relay([w.address for w in workers],
-                                                        Path(state) / "logs" / f"bare-relay-{target}.log")
+                relay, relay_address = start_bare_relay(
+                    [w.address for w in workers], Path(state) / "logs" / f"bare-relay-{target}.log"
+                )
                 for streams in stream_steps:
                     settle()
-                    direct = run_load("direct", [w.address for w in workers], streams, seconds, prompt_ids, LOCAL_API_KEY,
-                                      tokens)
+                    direct = run_load(
+                        "direct", [w.address for w in workers], streams, seconds, prompt_ids, LOCAL_API_KEY, tokens
+                    )
                     assert relay.pid is not None
                     relay_cpu_before = cpu_seconds(relay.pid)
                     settle()
@@ -331,8 +391,15 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                             time.sleep(HEARTBEAT_SETTLE_S)
                             cpu_before = [cpu_seconds(r.pid) for r in chosen]
                             busy_before = machine_busy()
-                            routed = run_load("router", [r.address for r in chosen], streams, seconds, prompt_ids,
-                                              LOCAL_API_KEY, tokens)
+                            routed = run_load(
+                                "router",
+                                [r.address for r in chosen],
+                                streams,
+                                seconds,
+                                prompt_ids,
+                                LOCAL_API_KEY,
+                                tokens,
+                            )
                             busy_after = machine_busy()
                             cpu = sum(cpu_seconds(r.pid) - b for r, b in zip(chosen, cpu_before))
                             run = _row(target, streams, count, direct, routed, cpu, busy_before, busy_after, bare)
@@ -340,14 +407,18 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
                             runs.append(run)
                         row = median_row(runs)
                         rows.append(row)
-                        print(f"workers {target:3d} streams {streams:5d} routers {count}: "
-                              f"added TTFT p50 {row['added_ttft_p50_ms']:.2f} ms p99 {row['added_ttft_p99_ms']:.2f} ms "
-                              f"(bare relay {row['relay_added_ttft_p50_ms']:.2f} / {row['relay_added_ttft_p99_ms']:.2f}), "
-                              f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok "
-                              f"at {row['tokens_per_message']:.1f} tok/msg, "
-                              f"machine busy {row['cpu_busy']:.0%} (settled in {settled:.1f} s)", flush=True)
-            processes = _processes_point(mesh, routers[0], workers, min(100, max(stream_steps)), seconds, prompt_ids,
-                                         tokens, repeats)
+                        print(
+                            f"workers {target:3d} streams {streams:5d} routers {count}: "
+                            f"added TTFT p50 {row['added_ttft_p50_ms']:.2f} ms p99 {row['added_ttft_p99_ms']:.2f} ms "
+                            f"(bare relay {row['relay_added_ttft_p50_ms']:.2f} / {row['relay_added_ttft_p99_ms']:.2f}), "
+                            f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok "
+                            f"at {row['tokens_per_message']:.1f} tok/msg, "
+                            f"machine busy {row['cpu_busy']:.0%} (settled in {settled:.1f} s)",
+                            flush=True,
+                        )
+            processes = _processes_point(
+                mesh, routers[0], workers, min(100, max(stream_steps)), seconds, prompt_ids, tokens, repeats
+            )
         finally:
             if relay is not None:
                 relay.stop()
@@ -355,8 +426,9 @@ def run_benchmark(seconds: float, worker_steps: list[int], stream_steps: list[in
     return _report(rows, membership, seconds, out, tokens, processes)
 
 
-def _processes_point(mesh, single, workers: list, streams: int, seconds: float, prompt_ids: list[int], tokens: int,
-                     repeats: int) -> dict:
+def _processes_point(
+    mesh, single, workers: list, streams: int, seconds: float, prompt_ids: list[int], tokens: int, repeats: int
+) -> dict:
     """One router of PROCESSES processes on one port beside a one-process router, the same
     load on each (clients spread over PROCESS_CONNECTIONS connections), alternating `repeats`
     times: each process's CPU per relayed token (its own CPU over the tokens its metrics say it
@@ -371,31 +443,54 @@ def _processes_point(mesh, single, workers: list, streams: int, seconds: float, 
         for _ in range(repeats):
             settle()
             before = cpu_seconds(single.pid)
-            load = run_load("router", [single.address] * PROCESS_CONNECTIONS, streams, seconds, prompt_ids,
-                            LOCAL_API_KEY, tokens)
+            load = run_load(
+                "router", [single.address] * PROCESS_CONNECTIONS, streams, seconds, prompt_ids, LOCAL_API_KEY, tokens
+            )
             single_runs.append((cpu_seconds(single.pid) - before) / max(1, load["tokens"]) * 1000)
             settle()
             cpu = {pid: cpu_seconds(pid) for pid, _ in children}
             relayed = {pid: metric_sum(port, ["ballast_router_streamed_tokens_total"]) or 0.0 for pid, port in children}
-            load = run_load("router", [group.address] * PROCESS_CONNECTIONS, streams, seconds, prompt_ids,
-                            LOCAL_API_KEY, tokens)
-            group_runs.append([
-                {"pid": pid, "cpu_s": cpu_seconds(pid) - cpu[pid],
-                 "tokens": (metric_sum(port, ["ballast_router_streamed_tokens_total"]) or 0.0) - relayed[pid]}
-                for pid, port in children])
+            load = run_load(
+                "router", [group.address] * PROCESS_CONNECTIONS, streams, seconds, prompt_ids, LOCAL_API_KEY, tokens
+            )
+            group_runs.append(
+                [
+                    {
+                        "pid": pid,
+                        "cpu_s": cpu_seconds(pid) - cpu[pid],
+                        "tokens": (metric_sum(port, ["ballast_router_streamed_tokens_total"]) or 0.0) - relayed[pid],
+                    }
+                    for pid, port in children
+                ]
+            )
     finally:
         group.process.stop()
     single_ms = statistics.median(single_runs)
-    per_process = [statistics.median(run[i]["cpu_s"] / run[i]["tokens"] * 1000 if run[i]["tokens"] else math.nan
-                                     for run in group_runs) for i in range(len(children))]
-    shares = [statistics.median(run[i]["tokens"] / max(1.0, sum(p["tokens"] for p in run)) for run in group_runs)
-              for i in range(len(children))]
-    print(f"{PROCESSES} router processes on one port, {streams} streams over {PROCESS_CONNECTIONS} connections: "
-          f"CPU per token {', '.join(f'{v:.4f}' for v in per_process)} ms (one router: {single_ms:.4f} ms), "
-          f"token shares {', '.join(f'{v:.0%}' for v in shares)}", flush=True)
-    return {"streams": streams, "connections": PROCESS_CONNECTIONS, "single_cpu_ms_per_token": single_ms,
-            "single_runs": single_runs, "process_cpu_ms_per_token": per_process, "process_token_shares": shares,
-            "group_runs": group_runs}
+    per_process = [
+        statistics.median(
+            run[i]["cpu_s"] / run[i]["tokens"] * 1000 if run[i]["tokens"] else math.nan for run in group_runs
+        )
+        for i in range(len(children))
+    ]
+    shares = [
+        statistics.median(run[i]["tokens"] / max(1.0, sum(p["tokens"] for p in run)) for run in group_runs)
+        for i in range(len(children))
+    ]
+    print(
+        f"{PROCESSES} router processes on one port, {streams} streams over {PROCESS_CONNECTIONS} connections: "
+        f"CPU per token {', '.join(f'{v:.4f}' for v in per_process)} ms (one router: {single_ms:.4f} ms), "
+        f"token shares {', '.join(f'{v:.0%}' for v in shares)}",
+        flush=True,
+    )
+    return {
+        "streams": streams,
+        "connections": PROCESS_CONNECTIONS,
+        "single_cpu_ms_per_token": single_ms,
+        "single_runs": single_runs,
+        "process_cpu_ms_per_token": per_process,
+        "process_token_shares": shares,
+        "group_runs": group_runs,
+    }
 
 
 def _process_lines(log_path: Path) -> list[tuple[int, int]]:
@@ -426,32 +521,55 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
-def _row(workers: int, streams: int, routers: int, direct: dict, routed: dict, cpu: float,
-         busy_before: tuple[float, float], busy_after: tuple[float, float], bare: dict) -> dict:
+def _row(
+    workers: int,
+    streams: int,
+    routers: int,
+    direct: dict,
+    routed: dict,
+    cpu: float,
+    busy_before: tuple[float, float],
+    busy_after: tuple[float, float],
+    bare: dict,
+) -> dict:
     d50, d99 = percentile(direct["ttft_ms"], 50), percentile(direct["ttft_ms"], 99)
     r50, r99 = percentile(routed["ttft_ms"], 50), percentile(routed["ttft_ms"], 99)
     b50, b99 = percentile(bare["ttft_ms"], 50), percentile(bare["ttft_ms"], 99)
     tokens_per_s = routed["tokens"] / routed["seconds"] if routed["seconds"] else math.nan
     busy = (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
     return {
-        "workers": workers, "streams": streams, "routers": routers,
-        "direct_ttft_p50_ms": d50, "direct_ttft_p99_ms": d99, "routed_ttft_p50_ms": r50, "routed_ttft_p99_ms": r99,
-        "added_ttft_p50_ms": r50 - d50, "added_ttft_p99_ms": r99 - d99,
-        "router_cpu_s": cpu, "router_cpu_s_per_1k_tokens": cpu / routed["tokens"] * 1000 if routed["tokens"] else math.nan,
-        "tokens_per_s": tokens_per_s, "tokens_per_s_per_router": tokens_per_s / routers,
+        "workers": workers,
+        "streams": streams,
+        "routers": routers,
+        "direct_ttft_p50_ms": d50,
+        "direct_ttft_p99_ms": d99,
+        "routed_ttft_p50_ms": r50,
+        "routed_ttft_p99_ms": r99,
+        "added_ttft_p50_ms": r50 - d50,
+        "added_ttft_p99_ms": r99 - d99,
+        "router_cpu_s": cpu,
+        "router_cpu_s_per_1k_tokens": cpu / routed["tokens"] * 1000 if routed["tokens"] else math.nan,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_router": tokens_per_s / routers,
         # Tokens per message the clients received: what the per-token CPU is amortised over.
         "tokens_per_message": routed["tokens"] / routed["messages"] if routed["messages"] else math.nan,
         "relay_tokens_per_message": bare["tokens"] / bare["messages"] if bare["messages"] else math.nan,
         "direct_tokens_per_s": direct["tokens"] / direct["seconds"] if direct["seconds"] else math.nan,
         # The bare relay (bench.bare_relay: one Python gRPC hop, none of Ballast's work) on the
         # same workers and load: the floor under the router's added latency and CPU.
-        "relay_ttft_p50_ms": b50, "relay_ttft_p99_ms": b99,
-        "relay_added_ttft_p50_ms": b50 - d50, "relay_added_ttft_p99_ms": b99 - d99,
+        "relay_ttft_p50_ms": b50,
+        "relay_ttft_p99_ms": b99,
+        "relay_added_ttft_p50_ms": b50 - d50,
+        "relay_added_ttft_p99_ms": b99 - d99,
         "relay_tokens_per_s": bare["tokens"] / bare["seconds"] if bare["seconds"] else math.nan,
         "relay_cpu_s_per_1k_tokens": bare["cpu_s"] / bare["tokens"] * 1000 if bare["tokens"] else math.nan,
-        "errors": routed["errors"], "direct_errors": direct["errors"], "relay_errors": bare["errors"],
+        "errors": routed["errors"],
+        "direct_errors": direct["errors"],
+        "relay_errors": bare["errors"],
         "error_codes": routed["error_codes"],
-        "samples": len(routed["ttft_ms"]), "direct_samples": len(direct["ttft_ms"]), "cpu_busy": busy,
+        "samples": len(routed["ttft_ms"]),
+        "direct_samples": len(direct["ttft_ms"]),
+        "cpu_busy": busy,
     }
 
 
@@ -459,21 +577,58 @@ def _pick(rows: list[dict], **match) -> list[dict]:
     return [r for r in rows if all(r[k] == v for k, v in match.items())]
 
 
-def _report(rows: list[dict], membership: dict[int, float], seconds: float, out: Path, tokens: int,
-            processes: dict) -> int:
-    print_table(["workers", "streams", "routers", "added p50 ms", "added p99 ms", "bare p50 ms", "bare p99 ms",
-                 "CPU s/1k tok", "tok/msg", "bare CPU", "tok/s", "bare tok/s", "tok/s/router", "busy", "errors"],
-                [[r["workers"], r["streams"], r["routers"], r["added_ttft_p50_ms"], r["added_ttft_p99_ms"],
-                  r["relay_added_ttft_p50_ms"], r["relay_added_ttft_p99_ms"],
-                  r["router_cpu_s_per_1k_tokens"], r["tokens_per_message"], r["relay_cpu_s_per_1k_tokens"], r["tokens_per_s"],
-                  r["relay_tokens_per_s"], r["tokens_per_s_per_router"], f"{r['cpu_busy']:.0%}", r["errors"]]
-                 for r in rows])
+def _report(
+    rows: list[dict], membership: dict[int, float], seconds: float, out: Path, tokens: int, processes: dict
+) -> int:
+    print_table(
+        [
+            "workers",
+            "streams",
+            "routers",
+            "added p50 ms",
+            "added p99 ms",
+            "bare p50 ms",
+            "bare p99 ms",
+            "CPU s/1k tok",
+            "tok/msg",
+            "bare CPU",
+            "tok/s",
+            "bare tok/s",
+            "tok/s/router",
+            "busy",
+            "errors",
+        ],
+        [
+            [
+                r["workers"],
+                r["streams"],
+                r["routers"],
+                r["added_ttft_p50_ms"],
+                r["added_ttft_p99_ms"],
+                r["relay_added_ttft_p50_ms"],
+                r["relay_added_ttft_p99_ms"],
+                r["router_cpu_s_per_1k_tokens"],
+                r["tokens_per_message"],
+                r["relay_cpu_s_per_1k_tokens"],
+                r["tokens_per_s"],
+                r["relay_tokens_per_s"],
+                r["tokens_per_s_per_router"],
+                f"{r['cpu_busy']:.0%}",
+                r["errors"],
+            ]
+            for r in rows
+        ],
+    )
     print("bare: the same load through a bare Python gRPC relay (bench.bare_relay), the floor under any relay")
-    print("membership change reaching every router: "
-          + ", ".join(f"{w} workers {s * 1000:.0f} ms" for w, s in membership.items()))
+    print(
+        "membership change reaching every router: "
+        + ", ".join(f"{w} workers {s * 1000:.0f} ms" for w, s in membership.items())
+    )
     small = [r for r in rows if r["streams"] <= 100 and r["routers"] == 1]
     mid = max((s for s in {r["streams"] for r in rows} if s <= 100), default=None)
-    per_token = {r["workers"]: r["router_cpu_s_per_1k_tokens"] for r in rows if r["streams"] == mid and r["routers"] == 1}
+    per_token = {
+        r["workers"]: r["router_cpu_s_per_1k_tokens"] for r in rows if r["streams"] == mid and r["routers"] == 1
+    }
     spread_points = [v for w, v in per_token.items() if w >= 4]
     top_w, top_s = max(r["workers"] for r in rows), max(r["streams"] for r in rows)
     one = _pick(rows, workers=top_w, streams=top_s, routers=1)
@@ -485,27 +640,42 @@ def _report(rows: list[dict], membership: dict[int, float], seconds: float, out:
         "two_router_scaling": (two[0]["tokens_per_s"] / one[0]["tokens_per_s"]) if one and two else math.nan,
         "cpu_ms_per_token_100": _worst_cpu_per_token(rows, 100),
         "cpu_ms_per_token_10": _worst_cpu_per_token(rows, 10),
-        "process_cpu_per_token_ratio": (max(processes["process_cpu_ms_per_token"]) / processes["single_cpu_ms_per_token"]
-                                        if processes["process_cpu_ms_per_token"] else math.nan),
+        "process_cpu_per_token_ratio": (
+            max(processes["process_cpu_ms_per_token"]) / processes["single_cpu_ms_per_token"]
+            if processes["process_cpu_ms_per_token"]
+            else math.nan
+        ),
         "processes_serving": sum(1 for share in processes["process_token_shares"] if share > 0),
     }
     # Context for the goals, not goals: what one bare Python gRPC hop costs on this machine.
     floor = {
         "relay_added_ttft_p50_ms_upto_100": max((r["relay_added_ttft_p50_ms"] for r in small), default=math.nan),
         "relay_added_ttft_p99_ms_upto_100": max((r["relay_added_ttft_p99_ms"] for r in small), default=math.nan),
-        "relay_peak_tokens_per_s": max((r["relay_tokens_per_s"] for r in _pick(rows, workers=top_w, routers=1)),
-                                       default=math.nan),
+        "relay_peak_tokens_per_s": max(
+            (r["relay_tokens_per_s"] for r in _pick(rows, workers=top_w, routers=1)), default=math.nan
+        ),
     }
     one_router = sorted(_pick(rows, workers=top_w, routers=1), key=lambda r: r["streams"])
     saturation = max(one_router, key=lambda r: r["tokens_per_s"]) if one_router else None
-    result = {"rows": rows, "membership_change_s": {str(k): v for k, v in membership.items()}, "seconds": seconds,
-              "processes": processes, "stream_interval_ms": STREAM_INTERVAL_MS,
-              "engine": "sim", "tokens_per_stream": tokens, **measured, **floor,
-              "one_router_peak": saturation, **judge(GOALS, measured)}
+    result = {
+        "rows": rows,
+        "membership_change_s": {str(k): v for k, v in membership.items()},
+        "seconds": seconds,
+        "processes": processes,
+        "stream_interval_ms": STREAM_INTERVAL_MS,
+        "engine": "sim",
+        "tokens_per_stream": tokens,
+        **measured,
+        **floor,
+        "one_router_peak": saturation,
+        **judge(GOALS, measured),
+    }
     # Not mesh_scale.png: bench.report draws that one (the goals).
     _plot(rows, out.with_name(out.stem + "_cost.png"))
-    print(f"bare relay, up to 100 streams: added TTFT p50 {floor['relay_added_ttft_p50_ms_upto_100']:.2f} ms, "
-          f"p99 {floor['relay_added_ttft_p99_ms_upto_100']:.2f} ms; its peak {floor['relay_peak_tokens_per_s']:.0f} tok/s")
+    print(
+        f"bare relay, up to 100 streams: added TTFT p50 {floor['relay_added_ttft_p50_ms_upto_100']:.2f} ms, "
+        f"p99 {floor['relay_added_ttft_p99_ms_upto_100']:.2f} ms; its peak {floor['relay_peak_tokens_per_s']:.0f} tok/s"
+    )
     print_goals(result)
     print(f"wrote {write_result(out, result)}")
     return 0 if result["met"] else 1
@@ -526,14 +696,22 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, (cost, rate) = plt.subplots(1, 2, figsize=(11, 4))
     for workers in sorted({r["workers"] for r in rows}):
         line = sorted(_pick(rows, workers=workers, routers=1), key=lambda r: r["streams"])
-        cost.plot([r["streams"] for r in line], [r["router_cpu_s_per_1k_tokens"] for r in line], marker="o",
-                  label=f"{workers} workers")
+        cost.plot(
+            [r["streams"] for r in line],
+            [r["router_cpu_s_per_1k_tokens"] for r in line],
+            marker="o",
+            label=f"{workers} workers",
+        )
     for routers in sorted({r["routers"] for r in rows}):
         top = max(r["workers"] for r in rows)
         line = sorted(_pick(rows, workers=top, routers=routers), key=lambda r: r["streams"])
-        rate.plot([r["streams"] for r in line], [r["tokens_per_s"] for r in line], marker="o", label=f"{routers} routers")
-    for axis, title, label in ((cost, "router CPU per 1000 relayed tokens (1 router)", "CPU s / 1k tokens"),
-                               (rate, "relayed tokens/s (most workers)", "tokens/s")):
+        rate.plot(
+            [r["streams"] for r in line], [r["tokens_per_s"] for r in line], marker="o", label=f"{routers} routers"
+        )
+    for axis, title, label in (
+        (cost, "router CPU per 1000 relayed tokens (1 router)", "CPU s / 1k tokens"),
+        (rate, "relayed tokens/s (most workers)", "tokens/s"),
+    ):
         axis.set_xscale("log")
         axis.set_xlabel("concurrent streams")
         axis.set_ylabel(label)
@@ -555,15 +733,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=_ints, default=[1, 4, 16, 64])
     parser.add_argument("--streams", type=_ints, default=[10, 100, 1000])
     parser.add_argument("--routers", type=_ints, default=[1, 2, 4])
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="loads per one-router point up to 100 streams (the goals' points); each judged "
-                             "number is the median")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="loads per one-router point up to 100 streams (the goals' points); each judged number is the median",
+    )
     parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per stream")
     parser.add_argument("--out", type=Path, default=Path("bench/results/mesh_scale.json"))
     args = parser.parse_args(argv)
     stop_on_sigterm()
-    return run_benchmark(args.seconds, sorted(args.workers), sorted(args.streams), sorted(args.routers), args.out,
-                         max(1, args.repeats), args.tokens)
+    return run_benchmark(
+        args.seconds,
+        sorted(args.workers),
+        sorted(args.streams),
+        sorted(args.routers),
+        args.out,
+        max(1, args.repeats),
+        args.tokens,
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,17 @@ GOALS = (
     Goal("router tokens/s over direct tokens/s", "relay_ratio", 0.95, HIGHER),
     Goal("added TTFT p50 of HTTP/SSE over gRPC, same router", "http_added_ttft_p50_ms", 1.0, LOWER, " ms"),
 )
-REPEATED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_e2e_p50_ms", "added_e2e_p99_ms", "relay_ratio",
-            "http_added_ttft_p50_ms", "http_added_ttft_p99_ms", "bare_added_ttft_p50_ms", "router_over_bare_ttft_p50_ms")
+REPEATED = (
+    "added_ttft_p50_ms",
+    "added_ttft_p99_ms",
+    "added_e2e_p50_ms",
+    "added_e2e_p99_ms",
+    "relay_ratio",
+    "http_added_ttft_p50_ms",
+    "http_added_ttft_p99_ms",
+    "bare_added_ttft_p50_ms",
+    "router_over_bare_ttft_p50_ms",
+)
 
 PROMPTS = [
     "Where is my order? I paid for a blue phone case yesterday.",
@@ -92,8 +101,12 @@ async def _measure(mesh: Mesh, requests: int, max_tokens: int, bare_address: str
     import aiohttp
 
     worker = mesh.workers()[0]
-    async with open_channel(worker.address) as wchan, open_channel(mesh.router_address) as rchan, \
-            open_channel(bare_address) as bchan, aiohttp.ClientSession() as http:
+    async with (
+        open_channel(worker.address) as wchan,
+        open_channel(mesh.router_address) as rchan,
+        open_channel(bare_address) as bchan,
+        aiohttp.ClientSession() as http,
+    ):
         worker_stub = worker_pb2_grpc.WorkerStub(wchan)
         bare_stub = worker_pb2_grpc.WorkerStub(bchan)
         router_stub = inference_pb2_grpc.InferenceStub(rchan)
@@ -101,7 +114,8 @@ async def _measure(mesh: Mesh, requests: int, max_tokens: int, bare_address: str
         routed_requests = [chat_request(p, max_tokens=max_tokens, raw_prompt=True) for p in PROMPTS]
         direct_requests = [
             worker_pb2.WorkerGenerateRequest(
-                request_id=f"direct-{i}", tenant="local",
+                request_id=f"direct-{i}",
+                tenant="local",
                 prompt_ids=tokenizer.tokenizer.encode(p).ids,
                 sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
                 # The router's default stream interval: every path sends the same messages.
@@ -109,8 +123,10 @@ async def _measure(mesh: Mesh, requests: int, max_tokens: int, bare_address: str
             )
             for i, p in enumerate(PROMPTS)
         ]
-        http_bodies = [{"model": "tiny", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-                       for p in PROMPTS]
+        http_bodies = [
+            {"model": "tiny", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+            for p in PROMPTS
+        ]
         http_url = f"{mesh.http_base_url}/completions"
         metadata = (("x-api-key", LOCAL_API_KEY),)
         samples: dict[str, list[tuple[float, float, int]]] = {"direct": [], "bare": [], "router": [], "http": []}
@@ -118,14 +134,16 @@ async def _measure(mesh: Mesh, requests: int, max_tokens: int, bare_address: str
         paths = tuple(samples)
         for i in range(requests + warmup):
             k = i % len(PROMPTS)
-            order = paths[i % len(paths):] + paths[:i % len(paths)]
+            order = paths[i % len(paths) :] + paths[: i % len(paths)]
             for path in order:
                 if path == "direct":
                     sample = await _timed(lambda: worker_stub.Generate(direct_requests[k], timeout=30))
                 elif path == "bare":
                     sample = await _timed(lambda: bare_stub.Generate(direct_requests[k], timeout=30))
                 elif path == "router":
-                    sample = await _timed(lambda: router_stub.Generate(routed_requests[k], metadata=metadata, timeout=30))
+                    sample = await _timed(
+                        lambda: router_stub.Generate(routed_requests[k], metadata=metadata, timeout=30)
+                    )
                 else:
                     sample = await _timed_http(http, http_url, http_bodies[k])
                 if i >= warmup:
@@ -140,9 +158,12 @@ def _summarise(samples: dict) -> dict:
         e2e = [r[1] for r in rows]
         tokens = sum(r[2] for r in rows)
         out[path] = {
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
-            "tokens_per_s": tokens / (sum(e2e) / 1000), "requests": len(rows),
+            "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p99_ms": percentile(ttft, 99),
+            "e2e_p50_ms": percentile(e2e, 50),
+            "e2e_p99_ms": percentile(e2e, 99),
+            "tokens_per_s": tokens / (sum(e2e) / 1000),
+            "requests": len(rows),
         }
     d, b, r, h = out["direct"], out["bare"], out["router"], out["http"]
     return {
@@ -168,8 +189,13 @@ def _summarise(samples: dict) -> dict:
     }
 
 
-def run_benchmark(requests: int = 200, max_tokens: int = 32, preset: str = "tiny",
-                  out: Path = Path("bench/results/overhead.json"), reps: int = 3) -> int:
+def run_benchmark(
+    requests: int = 200,
+    max_tokens: int = 32,
+    preset: str = "tiny",
+    out: Path = Path("bench/results/overhead.json"),
+    reps: int = 3,
+) -> int:
     model_dir = model_dir_for(preset)
     runs = []
     with tempfile.TemporaryDirectory(prefix="ballast-bench-") as state:
@@ -189,22 +215,50 @@ def run_benchmark(requests: int = 200, max_tokens: int = 32, preset: str = "tiny
     result = dict(runs_by_p99[len(runs_by_p99) // 2])
     measured = {key: [run[key] for run in runs] for key in REPEATED}
     # Beside the goals, not goals: the floor and the router's own share, medians of the runs.
-    floor = {f"{key}_median": statistics.median(measured[key])
-             for key in ("bare_added_ttft_p50_ms", "router_over_bare_ttft_p50_ms")}
-    result.update({"requests": requests, "reps": reps, "max_tokens": max_tokens, "preset": preset,
-                   "engine": "torch", "runs": runs, **floor, **judge(GOALS, measured)})
+    floor = {
+        f"{key}_median": statistics.median(measured[key])
+        for key in ("bare_added_ttft_p50_ms", "router_over_bare_ttft_p50_ms")
+    }
+    result.update(
+        {
+            "requests": requests,
+            "reps": reps,
+            "max_tokens": max_tokens,
+            "preset": preset,
+            "engine": "torch",
+            "runs": runs,
+            **floor,
+            **judge(GOALS, measured),
+        }
+    )
     rows = []
     for metric in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
         d, b = result["direct"][metric], result["bare"][metric]
         r, h = result["router"][metric], result["http"][metric]
         rows.append([metric, d, b, b - d, r, r - d, r - b, h, h - r])
-    print(f"\nrouter overhead: {reps} x {requests} requests per path, {max_tokens} tokens each, {preset} model "
-          "(the median run)")
-    print_table(["metric", "direct", "bare relay", "added", "gRPC router", "added", "over bare", "HTTP router",
-                 "HTTP over gRPC"], rows)
+    print(
+        f"\nrouter overhead: {reps} x {requests} requests per path, {max_tokens} tokens each, {preset} model "
+        "(the median run)"
+    )
+    print_table(
+        [
+            "metric",
+            "direct",
+            "bare relay",
+            "added",
+            "gRPC router",
+            "added",
+            "over bare",
+            "HTTP router",
+            "HTTP over gRPC",
+        ],
+        rows,
+    )
     print("bare relay: one Python gRPC hop doing nothing else (bench.bare_relay), the floor under any relay")
-    print(f"added TTFT p50, median of {reps} runs: the bare relay {floor['bare_added_ttft_p50_ms_median']:.2f} ms, "
-          f"the router's own work above it {floor['router_over_bare_ttft_p50_ms_median']:.2f} ms")
+    print(
+        f"added TTFT p50, median of {reps} runs: the bare relay {floor['bare_added_ttft_p50_ms_median']:.2f} ms, "
+        f"the router's own work above it {floor['router_over_bare_ttft_p50_ms_median']:.2f} ms"
+    )
     print_goals(result)
     print(f"wrote {write_result(out, result)}")
     return 0 if result["met"] else 1

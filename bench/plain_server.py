@@ -86,17 +86,27 @@ class ServerSettings:
 
     def ballast_config(self) -> BallastConfig:
         """The config `make_engine` reads: only the worker section matters."""
-        worker = WorkerConfig(engine=self.engine, model_dir=str(self.model_dir), model_name=self.model_name,
-                              max_concurrency=self.max_concurrency, sim_profile=self.sim_profile)
+        worker = WorkerConfig(
+            engine=self.engine,
+            model_dir=str(self.model_dir),
+            model_name=self.model_name,
+            max_concurrency=self.max_concurrency,
+            sim_profile=self.sim_profile,
+        )
         return BallastConfig(worker=worker)
 
 
 def model_tokenizer(model: ModelDescription) -> ModelTokenizer:
     """The router's tokenizer and chat template for `model`. ModelTokenizer reads a worker's
     ModelInfo; a ModelDescription holds the same fields, with the version under another name."""
-    info = SimpleNamespace(model_version=model.version, max_context=model.max_context,
-                           tokenizer_json=model.tokenizer_json, chat_template=model.chat_template,
-                           bos_token=model.bos_token, eos_token=model.eos_token)
+    info = SimpleNamespace(
+        model_version=model.version,
+        max_context=model.max_context,
+        tokenizer_json=model.tokenizer_json,
+        chat_template=model.chat_template,
+        bos_token=model.bos_token,
+        eos_token=model.eos_token,
+    )
     return ModelTokenizer.from_model_info(info)
 
 
@@ -129,14 +139,23 @@ class Completion:
             self.finish = delta.finish_reason
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def response(self) -> dict:
         message = {"role": "assistant", "content": "".join(self.parts)}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(self.finish)}
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        }
 
     def chunk(self, delta: dict, finish: FinishReason | None = None) -> dict:
         reason = finish_reason(finish) if finish is not None else None
@@ -146,8 +165,13 @@ class Completion:
         return {**self._chunk([]), "usage": self.usage()}
 
     def _chunk(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
 
 class EngineCollector:
@@ -159,13 +183,15 @@ class EngineCollector:
     def collect(self):
         stats = self._stats()
         yield GaugeMetricFamily("plain_requests_running", "Sequences the engine is generating.", value=stats.running)
-        yield GaugeMetricFamily("plain_requests_waiting", "Requests queued in the engine for a slot.",
-                                value=stats.waiting)
+        yield GaugeMetricFamily(
+            "plain_requests_waiting", "Requests queued in the engine for a slot.", value=stats.waiting
+        )
         yield GaugeMetricFamily("plain_kv_used_ratio", "Share of the KV cache in use.", value=stats.kv_used)
         fragmentation = stats.extra.get("kv_fragmentation")
         if fragmentation is not None:
-            yield GaugeMetricFamily("plain_kv_fragmentation_ratio", "Share of allocated KV blocks left unused.",
-                                    value=fragmentation)
+            yield GaugeMetricFamily(
+                "plain_kv_fragmentation_ratio", "Share of allocated KV blocks left unused.", value=fragmentation
+            )
 
 
 class PlainServer:
@@ -190,8 +216,9 @@ class PlainServer:
         """Listens on host:port (0 picks one); returns the port."""
         # handler_cancellation: a client that leaves cancels its handler, which closes the
         # engine's stream and frees its slot at once.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=SHUTDOWN_GRACE_S)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, shutdown_timeout=SHUTDOWN_GRACE_S)
         await site.start()
@@ -221,8 +248,15 @@ class PlainServer:
         return web.Response(text="ok" if self.serving else "stopping", status=200 if self.serving else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "plain",
-                 "max_model_len": self.engine.model.max_context}]
+        data = [
+            {
+                "id": self.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "plain",
+                "max_model_len": self.engine.model.max_context,
+            }
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -236,8 +270,11 @@ class PlainServer:
         engine_request = self._engine_request(request_from_pb(generate_request, "", self.limits))
         # The engine checks the request here, before anything starts: bad input is a 400.
         deltas = self.engine.generate(engine_request)
-        completion = Completion(id=f"chatcmpl-{engine_request.request_id}", model=self.model_name,
-                                prompt_tokens=len(engine_request.prompt_ids))
+        completion = Completion(
+            id=f"chatcmpl-{engine_request.request_id}",
+            model=self.model_name,
+            prompt_tokens=len(engine_request.prompt_ids),
+        )
         if shape.stream:
             return await self._stream(request, deltas, completion, shape.include_usage)
         return await self._whole(deltas, completion)
@@ -253,8 +290,14 @@ class PlainServer:
     def _engine_request(self, chat: InferenceRequest) -> EngineRequest:
         prompt_ids = self.tokenizer.encode(chat)
         self.tokenizer.check_fits(len(prompt_ids), chat.sampling.max_tokens)
-        return EngineRequest(request_id=chat.request_id, prompt_ids=tuple(prompt_ids), generated_ids=(),
-                             sampling=chat.sampling, response_format=chat.response_format, priority=PRIORITY)
+        return EngineRequest(
+            request_id=chat.request_id,
+            prompt_ids=tuple(prompt_ids),
+            generated_ids=(),
+            sampling=chat.sampling,
+            response_format=chat.response_format,
+            priority=PRIORITY,
+        )
 
     async def _whole(self, deltas: AsyncIterator[TokenDelta], completion: Completion) -> web.Response:
         async with contextlib.aclosing(deltas):
@@ -262,8 +305,9 @@ class PlainServer:
                 completion.feed(delta)
         return web.json_response(completion.response())
 
-    async def _stream(self, request: web.Request, deltas: AsyncIterator[TokenDelta], completion: Completion,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, deltas: AsyncIterator[TokenDelta], completion: Completion, include_usage: bool
+    ) -> web.StreamResponse:
         """Server-sent events. The 200 waits for the engine's first delta (as vLLM's role chunk
         does), so an engine that fails before it still answers with its own status."""
         response: web.StreamResponse | None = None
@@ -304,6 +348,7 @@ class PlainServer:
 
 # -- process ----------------------------------------------------------------------------------
 
+
 async def serve(settings: ServerSettings) -> None:
     config = settings.ballast_config()
     # The same process settings as a Ballast worker of this engine, so the comparison is fair.
@@ -332,12 +377,17 @@ def parse_args(argv: list[str] | None = None) -> ServerSettings:
     parser.add_argument("--model-dir", type=Path, required=True, help="Hugging Face model folder.")
     parser.add_argument("--port", type=int, required=True, help="Port to listen on; 0 picks one.")
     parser.add_argument("--host", default="127.0.0.1", help="Bind address.")
-    parser.add_argument("--max-concurrency", type=int, default=8,
-                        help="Sequences the engine generates at once; more wait in the engine.")
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=8,
+        help="Sequences the engine generates at once; more wait in the engine.",
+    )
     # The sim benchmarks' profile by default, so a baseline sim server times tokens as Ballast's
     # sim workers in the same benchmark do.
-    parser.add_argument("--sim-profile", type=Path, default=SIM_PROFILE,
-                        help="sim engine: JSON timing profile (default: %(default)s).")
+    parser.add_argument(
+        "--sim-profile", type=Path, default=SIM_PROFILE, help="sim engine: JSON timing profile (default: %(default)s)."
+    )
     parser.add_argument("--model-name", default="", help="Model name clients ask for (default: the folder's name).")
     args = parser.parse_args(argv)
     if args.max_concurrency < 1:
@@ -345,8 +395,12 @@ def parse_args(argv: list[str] | None = None) -> ServerSettings:
     if args.engine == "sim" and not args.sim_profile.is_file():
         parser.error(f"--sim-profile: no such file: {args.sim_profile}")
     return ServerSettings(
-        engine=args.engine, model_dir=args.model_dir, model_name=args.model_name or args.model_dir.resolve().name,
-        host=args.host, port=args.port, max_concurrency=args.max_concurrency,
+        engine=args.engine,
+        model_dir=args.model_dir,
+        model_name=args.model_name or args.model_dir.resolve().name,
+        host=args.host,
+        port=args.port,
+        max_concurrency=args.max_concurrency,
         sim_profile=str(args.sim_profile.resolve()) if args.engine == "sim" else "",
     )
 

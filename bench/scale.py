@@ -32,7 +32,12 @@ from pathlib import Path
 from bench.common import model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from bench.goals import LOWER, Goal, judge, print_goals
 from bench.load_step import (
-    ClosedLoopLoad, Samples, clients_for_queue_wait, grow_until, median_service_ms, timed_stream,
+    ClosedLoopLoad,
+    Samples,
+    clients_for_queue_wait,
+    grow_until,
+    median_service_ms,
+    timed_stream,
 )
 from ballast.v1 import inference_pb2_grpc
 from services.cli.client import chat_request, open_channel
@@ -59,10 +64,15 @@ GOALS = (
 
 def policy(target_ms: float, standby: int) -> dict:
     return {
-        "min_replicas": 1, "max_replicas": 2, "standby_replicas": standby,
-        "target_p99_ttft_ms": target_ms, "calm_p99_ttft_ms": target_ms / 2,
-        "latency_window_s": WINDOW_S, "min_samples": MIN_SAMPLES,
-        "scale_out_cooldown_s": COOLDOWN_S, "calm_for_s": 600,
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "standby_replicas": standby,
+        "target_p99_ttft_ms": target_ms,
+        "calm_p99_ttft_ms": target_ms / 2,
+        "latency_window_s": WINDOW_S,
+        "min_samples": MIN_SAMPLES,
+        "scale_out_cooldown_s": COOLDOWN_S,
+        "calm_for_s": 600,
     }
 
 
@@ -124,8 +134,12 @@ async def _phase(mesh: Mesh, name: str, standby: int, clients: int | None, targe
         async def scale_out() -> dict | None:
             got = await etcd.get(decision_key(config.etcd.prefix, "primary").encode())
             decision = None if got is None else json.loads(got.value)
-            if decision and decision["at"] > phase_start and decision["action"] == "scale_out" \
-                    and decision["serving"] >= 2:
+            if (
+                decision
+                and decision["at"] > phase_start
+                and decision["action"] == "scale_out"
+                and decision["serving"] >= 2
+            ):
                 return decision
             return None
 
@@ -138,8 +152,11 @@ async def _phase(mesh: Mesh, name: str, standby: int, clients: int | None, targe
             await asyncio.sleep(COOLDOWN_S + 2)
             await quiet.finish()
             unloaded_p99 = _p99(samples, time.time() - WINDOW_S, time.time())
-            service_ms = await median_service_ms(lambda: timed_stream(
-                stub, chat_request(PROMPT, max_tokens=MAX_TOKENS, raw_prompt=True), METADATA, Samples()))
+            service_ms = await median_service_ms(
+                lambda: timed_stream(
+                    stub, chat_request(PROMPT, max_tokens=MAX_TOKENS, raw_prompt=True), METADATA, Samples()
+                )
+            )
             step = clients or clients_for_queue_wait(service_ms, STEP_WAIT_TARGETS * target_ms, slots=1)
 
             print(f"[{name}] service time {service_ms:.0f} ms unloaded; load step: {step} clients", flush=True)
@@ -193,8 +210,12 @@ async def _phase(mesh: Mesh, name: str, standby: int, clients: int | None, targe
 def _overrides(target_ms: float, standby: int) -> dict:
     return {
         "autoscaler": {
-            "enabled": True, "executor": "local", "tick_s": 0.5, "report_interval_s": 0.5,
-            "pools": {"primary": policy(target_ms, standby)}, "local": {"stop_grace_s": 5},
+            "enabled": True,
+            "executor": "local",
+            "tick_s": 0.5,
+            "report_interval_s": 0.5,
+            "pools": {"primary": policy(target_ms, standby)},
+            "local": {"stop_grace_s": 5},
         },
         "worker": {"drain_grace_s": 2},
     }
@@ -212,8 +233,14 @@ def _one_run(clients: int | None, target_ms: float) -> dict:
     results = {}
     with tempfile.TemporaryDirectory(prefix="ballast-scale-") as state:
         # The router's own executor starts every worker: the mesh starts none.
-        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=0, worker_capacity=1, lease_ttl_s=3,
-                        overrides=_overrides(target_ms, standby=0))
+        spec = MeshSpec(
+            state_dir=Path(state),
+            model_dir=model_dir,
+            workers=0,
+            worker_capacity=1,
+            lease_ttl_s=3,
+            overrides=_overrides(target_ms, standby=0),
+        )
         mesh = Mesh(spec)
         try:
             mesh.start()
@@ -234,15 +261,46 @@ def run_benchmark(clients: int | None, target_ms: float, out: Path, reps: int = 
     for rep in range(reps):
         print(f"\n-- repetition {rep + 1} of {reps}", flush=True)
         runs.append(_one_run(clients, target_ms))
-    rows = [[rep + 1, r["phase"], "promotion" if r["promoted"] else "cold start", r["breach_to_serving_s"],
-             r["breach_to_decision_s"], r["decision_to_serving_s"], r["p99_unloaded_ms"], r["p99_before_ms"],
-             r["p99_after_ms"], r["requests"], r["degraded"], r["errors"]]
-            for rep, results in enumerate(runs) for r in results.values()]
-    steps = "; ".join(", ".join(f"{r['phase']} {r['clients_first_step']} -> {r['clients_at_breach']}"
-                                for r in results.values()) for results in runs)
+    rows = [
+        [
+            rep + 1,
+            r["phase"],
+            "promotion" if r["promoted"] else "cold start",
+            r["breach_to_serving_s"],
+            r["breach_to_decision_s"],
+            r["decision_to_serving_s"],
+            r["p99_unloaded_ms"],
+            r["p99_before_ms"],
+            r["p99_after_ms"],
+            r["requests"],
+            r["degraded"],
+            r["errors"],
+        ]
+        for rep, results in enumerate(runs)
+        for r in results.values()
+    ]
+    steps = "; ".join(
+        ", ".join(f"{r['phase']} {r['clients_first_step']} -> {r['clients_at_breach']}" for r in results.values())
+        for results in runs
+    )
     print(f"\nnew capacity under a load step (clients: {steps}; target p99 TTFT {target_ms:.0f} ms)")
-    print_table(["run", "phase", "how", "breach->serving s", "breach->decision s", "decision->serving s",
-                 "p99 unloaded ms", "p99 before ms", "p99 after ms", "requests", "degraded", "errors"], rows)
+    print_table(
+        [
+            "run",
+            "phase",
+            "how",
+            "breach->serving s",
+            "breach->decision s",
+            "decision->serving s",
+            "p99 unloaded ms",
+            "p99 before ms",
+            "p99 after ms",
+            "requests",
+            "degraded",
+            "errors",
+        ],
+        rows,
+    )
     cold_s = [results["cold"]["breach_to_serving_s"] for results in runs]
     warm_s = [results["warm"]["breach_to_serving_s"] for results in runs]
     middle = sorted(runs, key=lambda results: results["cold"]["breach_to_serving_s"])[len(runs) // 2]["cold"]
@@ -267,11 +325,16 @@ def run_benchmark(clients: int | None, target_ms: float, out: Path, reps: int = 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=None,
-                        help="a fixed first load step (default: sized from the measured service time)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="a fixed first load step (default: sized from the measured service time)",
+    )
     parser.add_argument("--target-ms", type=float, default=300.0)
-    parser.add_argument("--reps", type=int, default=3,
-                        help="repetitions, each on a fresh mesh; the times are judged on the median")
+    parser.add_argument(
+        "--reps", type=int, default=3, help="repetitions, each on a fresh mesh; the times are judged on the median"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     args = parser.parse_args(argv)
     stop_on_sigterm()

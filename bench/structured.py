@@ -57,24 +57,55 @@ PRODUCT = {
 }
 SCHEMAS = {
     "product": PRODUCT,
-    "product_sku": {**PRODUCT, "properties": {**PRODUCT["properties"],
-                                              "product_id": {"type": "string", "pattern": "^P-[0-9]{3,6}$"}}},
-    "order": {"type": "object", "properties": {
-        "order_id": {"type": "integer"}, "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
-        "gift": {"type": "boolean"}}, "required": ["order_id", "status", "gift"], "additionalProperties": False},
-    "cart": {"type": "object", "properties": {
-        "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                                      "vip": {"type": "boolean"}},
-                     "required": ["name", "vip"], "additionalProperties": False},
-        "items": {"type": "array", "maxItems": 3, "items": {
-            "type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
-                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["sku", "qty"], "additionalProperties": False}}},
-        "required": ["customer", "items"], "additionalProperties": False},
-    "sentiment": {"type": "object", "properties": {
-        "label": {"enum": ["positive", "neutral", "negative"]},
-        "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
-        "required": ["label", "confidence"], "additionalProperties": False},
+    "product_sku": {
+        **PRODUCT,
+        "properties": {**PRODUCT["properties"], "product_id": {"type": "string", "pattern": "^P-[0-9]{3,6}$"}},
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "integer"},
+            "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
+            "gift": {"type": "boolean"},
+        },
+        "required": ["order_id", "status", "gift"],
+        "additionalProperties": False,
+    },
+    "cart": {
+        "type": "object",
+        "properties": {
+            "customer": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 16}, "vip": {"type": "boolean"}},
+                "required": ["name", "vip"],
+                "additionalProperties": False,
+            },
+            "items": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        "required": ["customer", "items"],
+        "additionalProperties": False,
+    },
+    "sentiment": {
+        "type": "object",
+        "properties": {
+            "label": {"enum": ["positive", "neutral", "negative"]},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["label", "confidence"],
+        "additionalProperties": False,
+    },
 }
 QUESTIONS = {
     "product": "Is the phone case in stock? Reply in JSON with product_id, price and stock_status.",
@@ -122,13 +153,17 @@ class Decoder:
         self.temperature = temperature
 
     def prompt_ids(self, question: str) -> list[int]:
-        chat = self.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                  chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=True)
+        chat = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}],
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         return self.tokenizer.encode(chat, add_special_tokens=False)
 
-    def run(self, prompt: list[int], seeds: list[int], max_tokens: int, schema_text: str | None,
-            ignore_eos: bool = False) -> Generation:
+    def run(
+        self, prompt: list[int], seeds: list[int], max_tokens: int, schema_text: str | None, ignore_eos: bool = False
+    ) -> Generation:
         """Generates one row per seed; `ignore_eos` (unguided only) makes every row run to
         max_tokens, so raw and guided throughput compare equal lengths."""
         rows = len(seeds)
@@ -155,8 +190,7 @@ class Decoder:
                             t0 = time.thread_time()
                             logits = guides[row].apply(logits)
                             result.guide_cpu_seconds += time.thread_time() - t0
-                        token = select_token(logits, self.temperature, 1.0,
-                                             position_generator(seeds[row], position))
+                        token = select_token(logits, self.temperature, 1.0, position_generator(seeds[row], position))
                         if guides:
                             t0 = time.thread_time()
                             guides[row].advance(token)
@@ -215,9 +249,13 @@ def _score(texts_by_mode: dict[str, list[tuple[str, object]]]) -> dict:
             parsed += ok_parse
             valid += ok_valid
         count = max(1, len(items))
-        entry = {"parse_rate": parsed / count, "schema_valid_rate": valid / count, "requests": len(items),
-                 "fates": {fate: fates[fate] for fate in FATES},
-                 "valid_rate": (fates["valid_as_generated"] + fates["repaired_without_fill"]) / count}
+        entry = {
+            "parse_rate": parsed / count,
+            "schema_valid_rate": valid / count,
+            "requests": len(items),
+            "fates": {fate: fates[fate] for fate in FATES},
+            "valid_rate": (fates["valid_as_generated"] + fates["repaired_without_fill"]) / count,
+        }
         if statuses:
             entry["statuses"] = dict(statuses)
             entry["repairs_by_kind"] = dict(kinds)
@@ -255,8 +293,9 @@ def _throughput(decoder: Decoder, batch: int, single: int, max_tokens: int = 64)
         for run in range(2 * runs):
             order = (("raw", None), ("guided", schema.text))
             for mode, text in order if run % 2 == 0 else order[::-1]:
-                gen = decoder.run(prompt, [20_000 + run * rows + r for r in range(rows)], max_tokens, text,
-                                  ignore_eos=text is None)
+                gen = decoder.run(
+                    prompt, [20_000 + run * rows + r for r in range(rows)], max_tokens, text, ignore_eos=text is None
+                )
                 total = sums[mode]
                 total.tokens += gen.tokens
                 total.seconds += gen.seconds
@@ -284,8 +323,9 @@ def _entity_rate(items: list[tuple[str, object]], entity: str) -> float:
     return hits / max(1, len(items))
 
 
-def run_benchmark(requests: int, batch: int, out: Path, single: int = 10, model: str = "smollm2",
-                  temperature: float = 0.7) -> int:
+def run_benchmark(
+    requests: int, batch: int, out: Path, single: int = 10, model: str = "smollm2", temperature: float = 0.7
+) -> int:
     torch.set_num_threads(1)  # a second intra-op thread only adds spinning on 2 shared cores
     decoder = Decoder(model_dir_for(model), temperature)
     schemas = {name: check_schema(json.dumps(doc)) for name, doc in SCHEMAS.items()}
@@ -311,14 +351,18 @@ def run_benchmark(requests: int, batch: int, out: Path, single: int = 10, model:
             pairs = [(t, schema) for t in source.texts]
             texts[mode] += pairs
             by_schema[name][mode] += pairs
-        print(f"batch {b + 1}/{len(batches)}: {name}, max_tokens {max_tokens}, "
-              f"{time.perf_counter() - started:.0f}s", flush=True)
+        print(
+            f"batch {b + 1}/{len(batches)}: {name}, max_tokens {max_tokens}, {time.perf_counter() - started:.0f}s",
+            flush=True,
+        )
 
     modes = _score(texts)
     schema_rows = {name: _score(per) for name, per in by_schema.items()}
     throughput = _throughput(decoder, batch, single)
-    entities = {name: {mode: _entity_rate(by_schema[name][mode], entity) for mode in ("raw", "guided")}
-                for name, entity in ENTITIES.items()}
+    entities = {
+        name: {mode: _entity_rate(by_schema[name][mode], entity) for mode in ("raw", "guided")}
+        for name, entity in ENTITIES.items()
+    }
     result = {
         "model": model,
         "temperature": temperature,
@@ -327,33 +371,72 @@ def run_benchmark(requests: int, batch: int, out: Path, single: int = 10, model:
         "schemas": names,
         "max_tokens": list(budgets),
         "modes": modes,
-        "by_schema": {name: {m: {k: v for k, v in e.items() if k.endswith("rate")} for m, e in per.items()}
-                      for name, per in schema_rows.items()},
+        "by_schema": {
+            name: {m: {k: v for k, v in e.items() if k.endswith("rate")} for m, e in per.items()}
+            for name, per in schema_rows.items()
+        },
         "throughput": throughput,
         "guided_stopped_rate": stopped / requests,
         "answer_tokens": {mode: {"p50": percentile(v, 50), "p99": percentile(v, 99)} for mode, v in lengths.items()},
         "seconds": time.perf_counter() - started,
     }
-    print(f"\nstructured output: {requests} requests, schemas {', '.join(names)}, model {model}, "
-          f"temperature {temperature}")
-    print_table(["mode", "parse_rate", "schema_valid_rate", "statuses"],
-                [[m, modes[m]["parse_rate"], modes[m]["schema_valid_rate"],
-                  " ".join(f"{k}={v}" for k, v in sorted(modes[m].get("statuses", {}).items()))] for m in MODES])
+    print(
+        f"\nstructured output: {requests} requests, schemas {', '.join(names)}, model {model}, "
+        f"temperature {temperature}"
+    )
+    print_table(
+        ["mode", "parse_rate", "schema_valid_rate", "statuses"],
+        [
+            [
+                m,
+                modes[m]["parse_rate"],
+                modes[m]["schema_valid_rate"],
+                " ".join(f"{k}={v}" for k, v in sorted(modes[m].get("statuses", {}).items())),
+            ]
+            for m in MODES
+        ],
+    )
     print()
-    print_table(["schema", *(f"{m} valid" for m in MODES)],
-                [[n, *(schema_rows[n][m]["schema_valid_rate"] for m in MODES)] for n in names])
+    print_table(
+        ["schema", *(f"{m} valid" for m in MODES)],
+        [[n, *(schema_rows[n][m]["schema_valid_rate"] for m in MODES)] for n in names],
+    )
     print()
-    print_table(["decode", "raw tok/s", "guided tok/s", "cost", "raw tok/cpu-s", "guided tok/cpu-s", "cpu cost",
-                 "guide us/token"],
-                [[f"{label} ({t['rows']} rows)", t["raw_tokens_per_s"], t["guided_tokens_per_s"], t["guidance_cost"],
-                  t["raw_tokens_per_cpu_s"], t["guided_tokens_per_cpu_s"], t["guidance_cpu_cost"],
-                  t["guide_cpu_us_per_token"]] for label, t in throughput.items()])
+    print_table(
+        [
+            "decode",
+            "raw tok/s",
+            "guided tok/s",
+            "cost",
+            "raw tok/cpu-s",
+            "guided tok/cpu-s",
+            "cpu cost",
+            "guide us/token",
+        ],
+        [
+            [
+                f"{label} ({t['rows']} rows)",
+                t["raw_tokens_per_s"],
+                t["guided_tokens_per_s"],
+                t["guidance_cost"],
+                t["raw_tokens_per_cpu_s"],
+                t["guided_tokens_per_cpu_s"],
+                t["guidance_cpu_cost"],
+                t["guide_cpu_us_per_token"],
+            ]
+            for label, t in throughput.items()
+        ],
+    )
     print(f"guided answers that ended on their own: {result['guided_stopped_rate']:.3f}")
-    print_table(["mode", *FATES, "valid (no fills)"],
-                [[m, *(modes[m]["fates"][f] for f in FATES), modes[m]["valid_rate"]] for m in MODES])
+    print_table(
+        ["mode", *FATES, "valid (no fills)"],
+        [[m, *(modes[m]["fates"][f] for f in FATES), modes[m]["valid_rate"]] for m in MODES],
+    )
     for name, rates in entities.items():
-        print(f"{name} answers carrying the question's {ENTITIES[name]}: raw {rates['raw']:.2f}, "
-              f"guided {rates['guided']:.2f}")
+        print(
+            f"{name} answers carrying the question's {ENTITIES[name]}: raw {rates['raw']:.2f}, "
+            f"guided {rates['guided']:.2f}"
+        )
     result["engine"] = "torch (in-process batched decode)"
     result["guided_repair_valid_rate"] = modes["guided_repair"]["valid_rate"]
     result.update(judge(GOALS, result))
@@ -364,8 +447,12 @@ def run_benchmark(requests: int, batch: int, out: Path, single: int = 10, model:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
-                        help="smollm2 (a trained instruct model) or tiny (Ballast's small untrained-ish model)")
+    parser.add_argument(
+        "--model",
+        choices=["smollm2", "tiny"],
+        default="smollm2",
+        help="smollm2 (a trained instruct model) or tiny (Ballast's small untrained-ish model)",
+    )
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--batch", type=int, default=25, help="rows decoded together")
     parser.add_argument("--single", type=int, default=2, help="requests for the one-sequence tokens/s check")

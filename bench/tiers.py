@@ -122,8 +122,9 @@ async def _s_stream(stub, seconds: float, interval: float, out: dict) -> None:
 
 
 async def _b_request(stub, name: str, out: dict) -> None:
-    request = chat_request(f"Summarise the archive of customer {name}.", max_tokens=96, raw_prompt=True, tier="B",
-                           allow_degraded=False)
+    request = chat_request(
+        f"Summarise the archive of customer {name}.", max_tokens=96, raw_prompt=True, tier="B", allow_degraded=False
+    )
     try:
         ttft, _ = await _ttft(stub, request, timeout=60)
         out["b_ttft"].append(ttft)
@@ -136,8 +137,18 @@ async def _b_request(stub, name: str, out: dict) -> None:
 
 
 def _new_out() -> dict:
-    return {"s_ttft": [], "s_errors": 0, "s_error_codes": [], "s_degraded": 0,
-            "b_ttft": [], "b_done": 0, "b_refused": 0, "b_errors": 0, "b_offered": 0, "b_shed_by_client": 0}
+    return {
+        "s_ttft": [],
+        "s_errors": 0,
+        "s_error_codes": [],
+        "s_degraded": 0,
+        "b_ttft": [],
+        "b_done": 0,
+        "b_refused": 0,
+        "b_errors": 0,
+        "b_offered": 0,
+        "b_shed_by_client": 0,
+    }
 
 
 async def _b_capacity(address: str, seconds: float, slots: int) -> float:
@@ -206,9 +217,11 @@ async def _phase(address: str, seconds: float, flood_rate: float = 0.0, setup: S
     if flood_rate:
         context = multiprocessing.get_context("spawn")
         started, results = context.Event(), context.Queue()
-        process = context.Process(target=_flood_process,
-                                  args=(address, seconds, flood_rate, started, results, setup.max_b_in_flight),
-                                  daemon=True)
+        process = context.Process(
+            target=_flood_process,
+            args=(address, seconds, flood_rate, started, results, setup.max_b_in_flight),
+            daemon=True,
+        )
         process.start()
         await asyncio.to_thread(started.wait, 60)
     out = _new_out()
@@ -239,8 +252,11 @@ def _router_metrics(mesh: Mesh) -> str:
 
 
 def _preemptions(text: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("ballast_router_preemptions_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ballast_router_preemptions_total")
+    )
 
 
 ROUTER_TTFT = "ballast_router_ttft_milliseconds"  # its handler starting to the first token it sends
@@ -267,16 +283,29 @@ def bucket_percentile(before: dict[float, float], after: dict[float, float], q: 
     return next(bound for bound, count in counts if count >= total * q / 100)
 
 
-def _run_mode(mode: str, model_dir: Path, seconds: float, with_unloaded: bool, reps: int,
-              flood_rate: float | None = None, setup: Setup = TORCH) -> dict:
+def _run_mode(
+    mode: str,
+    model_dir: Path,
+    seconds: float,
+    with_unloaded: bool,
+    reps: int,
+    flood_rate: float | None = None,
+    setup: Setup = TORCH,
+) -> dict:
     """One mesh in `mode`, `reps` repetitions of its phases; measures the B capacity first
     when `flood_rate` is not given."""
     with tempfile.TemporaryDirectory(prefix=f"ballast-tiers-{mode}-") as state:
-        spec = MeshSpec(state_dir=Path(state), model_dir=model_dir, workers=WORKERS,
-                        worker_capacity=setup.capacity_per_worker, engine=setup.engine,
-                        overrides={"router": {"scheduling": {"mode": mode}},
-                                   "worker": {"model_name": "tiny",
-                                              **(sim_worker_settings() if setup.engine == "sim" else {})}})
+        spec = MeshSpec(
+            state_dir=Path(state),
+            model_dir=model_dir,
+            workers=WORKERS,
+            worker_capacity=setup.capacity_per_worker,
+            engine=setup.engine,
+            overrides={
+                "router": {"scheduling": {"mode": mode}},
+                "worker": {"model_name": "tiny", **(sim_worker_settings() if setup.engine == "sim" else {})},
+            },
+        )
         mesh = Mesh(spec).start()
         try:
             result = {}
@@ -285,7 +314,8 @@ def _run_mode(mode: str, model_dir: Path, seconds: float, with_unloaded: bool, r
             asyncio.run(_phase(mesh.router_address, 2.0, setup=setup))
             if flood_rate is None:
                 result["b_capacity_per_s"] = asyncio.run(
-                    _b_capacity(mesh.router_address, CAPACITY_SECONDS, setup.capacity_per_worker * WORKERS))
+                    _b_capacity(mesh.router_address, CAPACITY_SECONDS, setup.capacity_per_worker * WORKERS)
+                )
                 flood_rate = FLOOD_FACTOR * result["b_capacity_per_s"]
             result["flood_rate_per_s"] = flood_rate
             result["runs"] = []
@@ -299,8 +329,10 @@ def _run_mode(mode: str, model_dir: Path, seconds: float, with_unloaded: bool, r
                 run["loaded"] = asyncio.run(_phase(mesh.router_address, seconds, flood_rate, setup))
                 after = _router_metrics(mesh)
                 run["loaded"]["router_s_ttft"] = (s_tier_buckets(before), s_tier_buckets(after))
-                run["loaded"]["router_s_queue_wait"] = (s_tier_buckets(before, ROUTER_QUEUE_WAIT),
-                                                        s_tier_buckets(after, ROUTER_QUEUE_WAIT))
+                run["loaded"]["router_s_queue_wait"] = (
+                    s_tier_buckets(before, ROUTER_QUEUE_WAIT),
+                    s_tier_buckets(after, ROUTER_QUEUE_WAIT),
+                )
                 run["preemptions"] = _preemptions(after) - _preemptions(before)
                 result["runs"].append(run)
             return result
@@ -315,19 +347,31 @@ def _summary(tiered_run: dict, fifo_run: dict, seconds: float) -> dict:
     s_loaded = percentile(loaded["s_ttft"], 99)
     s_fifo = percentile(baseline["s_ttft"], 99)
     return {
-        "s_p99_unloaded_ms": s_unloaded, "s_p99_loaded_ms": s_loaded, "s_p99_fifo_ms": s_fifo,
+        "s_p99_unloaded_ms": s_unloaded,
+        "s_p99_loaded_ms": s_loaded,
+        "s_p99_fifo_ms": s_fifo,
         "s_p50_loaded_ms": percentile(loaded["s_ttft"], 50),
         # With about 150 S requests per minute of phase, p99 is one of the slowest two; p95
         # moves less from run to run.
-        "s_p95_unloaded_ms": percentile(unloaded["s_ttft"], 95), "s_p95_loaded_ms": percentile(loaded["s_ttft"], 95),
-        "s_samples_unloaded": len(unloaded["s_ttft"]), "s_samples_loaded": len(loaded["s_ttft"]),
-        "s_errors": loaded["s_errors"], "s_errors_fifo": baseline["s_errors"],
-        "s_degraded": loaded["s_degraded"], "s_degraded_fifo": baseline["s_degraded"],
-        "b_p99_loaded_ms": percentile(loaded["b_ttft"], 99), "b_p99_fifo_ms": percentile(baseline["b_ttft"], 99),
-        "b_offered": loaded["b_offered"], "b_completed": loaded["b_done"], "b_refused": loaded["b_refused"],
-        "b_failed": loaded["b_errors"], "b_shed_by_client": loaded["b_shed_by_client"],
-        "b_offered_fifo": baseline["b_offered"], "b_completed_fifo": baseline["b_done"],
-        "b_refused_fifo": baseline["b_refused"], "b_failed_fifo": baseline["b_errors"],
+        "s_p95_unloaded_ms": percentile(unloaded["s_ttft"], 95),
+        "s_p95_loaded_ms": percentile(loaded["s_ttft"], 95),
+        "s_samples_unloaded": len(unloaded["s_ttft"]),
+        "s_samples_loaded": len(loaded["s_ttft"]),
+        "s_errors": loaded["s_errors"],
+        "s_errors_fifo": baseline["s_errors"],
+        "s_degraded": loaded["s_degraded"],
+        "s_degraded_fifo": baseline["s_degraded"],
+        "b_p99_loaded_ms": percentile(loaded["b_ttft"], 99),
+        "b_p99_fifo_ms": percentile(baseline["b_ttft"], 99),
+        "b_offered": loaded["b_offered"],
+        "b_completed": loaded["b_done"],
+        "b_refused": loaded["b_refused"],
+        "b_failed": loaded["b_errors"],
+        "b_shed_by_client": loaded["b_shed_by_client"],
+        "b_offered_fifo": baseline["b_offered"],
+        "b_completed_fifo": baseline["b_done"],
+        "b_refused_fifo": baseline["b_refused"],
+        "b_failed_fifo": baseline["b_errors"],
         "preemptions": tiered_run["preemptions"],
         # The router's own measure of the same S requests, from its handler starting to the
         # first token leaving it (the upper bound of the histogram bucket holding the p99):
@@ -342,42 +386,98 @@ def _summary(tiered_run: dict, fifo_run: dict, seconds: float) -> dict:
     }
 
 
-def run_benchmark(seconds: float = 20.0, preset: str = "bench", out: Path = Path("bench/results/tiers.json"),
-                  reps: int = 3, engine: str = "torch") -> int:
+def run_benchmark(
+    seconds: float = 20.0,
+    preset: str = "bench",
+    out: Path = Path("bench/results/tiers.json"),
+    reps: int = 3,
+    engine: str = "torch",
+) -> int:
     model_dir = model_dir_for(preset)
     setup = SIM if engine == "sim" else TORCH
     tiered = _run_mode("tiered", model_dir, seconds, with_unloaded=True, reps=reps, setup=setup)
     # FIFO gets the same offered load: the capacity is the hardware's, not the mode's.
-    fifo = _run_mode("fifo", model_dir, seconds, with_unloaded=False, reps=reps,
-                     flood_rate=tiered["flood_rate_per_s"], setup=setup)
+    fifo = _run_mode(
+        "fifo", model_dir, seconds, with_unloaded=False, reps=reps, flood_rate=tiered["flood_rate_per_s"], setup=setup
+    )
     runs = [_summary(t, f, seconds) for t, f in zip(tiered["runs"], fifo["runs"])]
-    print(f"\nS-tier TTFT under a B flood ({reps} x {seconds:.0f}s per phase, {WORKERS} {engine} workers x "
-          f"{setup.capacity_per_worker} slots, {preset} model)")
-    print(f"B capacity {tiered['b_capacity_per_s']:.1f} requests/s; open-loop flood "
-          f"{tiered['flood_rate_per_s']:.1f} requests/s")
+    print(
+        f"\nS-tier TTFT under a B flood ({reps} x {seconds:.0f}s per phase, {WORKERS} {engine} workers x "
+        f"{setup.capacity_per_worker} slots, {preset} model)"
+    )
+    print(
+        f"B capacity {tiered['b_capacity_per_s']:.1f} requests/s; open-loop flood "
+        f"{tiered['flood_rate_per_s']:.1f} requests/s"
+    )
     rows = []
     for i, (t, f) in enumerate(zip(tiered["runs"], fifo["runs"])):
-        for name, data, pre in (("S unloaded", t["unloaded"], 0), ("tiered + flood", t["loaded"], t["preemptions"]),
-                                ("fifo + flood", f["loaded"], f["preemptions"])):
-            rows.append([i + 1, name, percentile(data["s_ttft"], 50), percentile(data["s_ttft"], 99),
-                         len(data["s_ttft"]), data["s_errors"], data["s_degraded"], percentile(data["b_ttft"], 99),
-                         data["b_offered"], data["b_done"], data["b_refused"], data["b_errors"], pre])
-    print_table(["run", "phase", "S p50 ms", "S p99 ms", "S done", "S errors", "S degraded", "B p99 ms",
-                 "B offered", "B done", "B refused", "B failed", "preemptions"], rows)
+        for name, data, pre in (
+            ("S unloaded", t["unloaded"], 0),
+            ("tiered + flood", t["loaded"], t["preemptions"]),
+            ("fifo + flood", f["loaded"], f["preemptions"]),
+        ):
+            rows.append(
+                [
+                    i + 1,
+                    name,
+                    percentile(data["s_ttft"], 50),
+                    percentile(data["s_ttft"], 99),
+                    len(data["s_ttft"]),
+                    data["s_errors"],
+                    data["s_degraded"],
+                    percentile(data["b_ttft"], 99),
+                    data["b_offered"],
+                    data["b_done"],
+                    data["b_refused"],
+                    data["b_errors"],
+                    pre,
+                ]
+            )
+    print_table(
+        [
+            "run",
+            "phase",
+            "S p50 ms",
+            "S p99 ms",
+            "S done",
+            "S errors",
+            "S degraded",
+            "B p99 ms",
+            "B offered",
+            "B done",
+            "B refused",
+            "B failed",
+            "preemptions",
+        ],
+        rows,
+    )
     for i, r in enumerate(runs):
-        print(f"run {i + 1}: the router's own S p99 (its handler to the first token, histogram bucket bound): "
-              f"unloaded <= {r['s_router_p99_bound_unloaded_ms']:g} ms, under the flood <= "
-              f"{r['s_router_p99_bound_loaded_ms']:g} ms (waiting for a slot <= {r['s_queue_wait_p99_bound_loaded_ms']:g} ms); "
-              f"the client saw {r['s_p99_unloaded_ms']:.1f} and {r['s_p99_loaded_ms']:.1f} ms")
+        print(
+            f"run {i + 1}: the router's own S p99 (its handler to the first token, histogram bucket bound): "
+            f"unloaded <= {r['s_router_p99_bound_unloaded_ms']:g} ms, under the flood <= "
+            f"{r['s_router_p99_bound_loaded_ms']:g} ms (waiting for a slot <= {r['s_queue_wait_p99_bound_loaded_ms']:g} ms); "
+            f"the client saw {r['s_p99_unloaded_ms']:.1f} and {r['s_p99_loaded_ms']:.1f} ms"
+        )
     # The run whose loaded/unloaded ratio is the median stands for the headline numbers.
     result = dict(sorted(runs, key=lambda r: r["loaded_vs_unloaded"])[len(runs) // 2])
-    measured = {"loaded_vs_unloaded": [r["loaded_vs_unloaded"] for r in runs],
-                "fifo_vs_tiered": [r["fifo_vs_tiered"] for r in runs],
-                "s_errors": sum(r["s_errors"] for r in runs)}
-    result.update({"runs": runs, "reps": reps, "seconds": seconds, "preset": preset, "engine": engine,
-                   "s_arrivals": "closed loop, 0.25 s apart" if setup.s_rate is None else f"open loop, {setup.s_rate:g}/s",
-                   "b_capacity_per_s": tiered["b_capacity_per_s"], "flood_rate_per_s": tiered["flood_rate_per_s"],
-                   **judge(GOALS, measured)})
+    measured = {
+        "loaded_vs_unloaded": [r["loaded_vs_unloaded"] for r in runs],
+        "fifo_vs_tiered": [r["fifo_vs_tiered"] for r in runs],
+        "s_errors": sum(r["s_errors"] for r in runs),
+    }
+    result.update(
+        {
+            "runs": runs,
+            "reps": reps,
+            "seconds": seconds,
+            "preset": preset,
+            "engine": engine,
+            "s_arrivals": "closed loop, 0.25 s apart" if setup.s_rate is None else f"open loop, {setup.s_rate:g}/s",
+            "b_capacity_per_s": tiered["b_capacity_per_s"],
+            "flood_rate_per_s": tiered["flood_rate_per_s"],
+            **judge(GOALS, measured),
+        }
+    )
     print_goals(result)
     print(f"wrote {write_result(out, result)}")
     return 0 if result["met"] else 1

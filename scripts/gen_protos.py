@@ -63,7 +63,9 @@ def check() -> int:
         generate(fresh)
         expected = _generated_files(fresh)
         committed = _generated_files(PROTO_ROOT)
-        stale = [str(p) for p in expected if p not in committed or not filecmp.cmp(fresh / p, PROTO_ROOT / p, shallow=False)]
+        stale = [
+            str(p) for p in expected if p not in committed or not filecmp.cmp(fresh / p, PROTO_ROOT / p, shallow=False)
+        ]
         extra = [str(p) for p in committed if p not in expected]
         if stale or extra:
             print("generated stubs are stale; run: python scripts/gen_protos.py", file=sys.stderr)

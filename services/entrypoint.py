@@ -17,8 +17,12 @@ from services.config import load_config
 
 
 def run_main(
-    prog: str, description: str | None, serve: Callable[[Any], Awaitable[None]], argv: list[str] | None,
-    launch: Callable[[Any], int] | None = None, role: str | None = None,
+    prog: str,
+    description: str | None,
+    serve: Callable[[Any], Awaitable[None]],
+    argv: list[str] | None,
+    launch: Callable[[Any], int] | None = None,
+    role: str | None = None,
 ) -> int:
     """The shared `main()`: parse args, load typed config (fail fast naming the field), serve.
     `launch(config)`, when given, runs the service instead of `serve` on a fresh event loop.

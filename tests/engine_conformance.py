@@ -48,14 +48,18 @@ OTHER = "Support answered the question about the running shoes"
 # Every document of this schema is short (a bounded integer, an enum, a string of at most 12
 # characters), so a stream that follows its grammar completes one within GUIDED_BUDGET tokens
 # however weak the model: the guided cases hold on the untrained tiny model too.
-ORDER_SCHEMA = json.dumps({
-    "type": "object",
-    "properties": {"order": {"type": "integer", "minimum": 1, "maximum": 9999},
-                   "status": {"type": "string", "enum": ["shipped", "late"]},
-                   "note": {"type": "string", "maxLength": 12}},
-    "required": ["order", "status", "note"],
-    "additionalProperties": False,
-})
+ORDER_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "order": {"type": "integer", "minimum": 1, "maximum": 9999},
+            "status": {"type": "string", "enum": ["shipped", "late"]},
+            "note": {"type": "string", "maxLength": 12},
+        },
+        "required": ["order", "status", "note"],
+        "additionalProperties": False,
+    }
+)
 GUIDED_PROMPT = "Reply in JSON about order 7041:"
 GUIDED_BUDGET = 128
 
@@ -88,8 +92,9 @@ def torch_factory(device: str = "auto", name: str = "torch") -> EngineFactory:
     def make(model_dir: Path, eos_token_ids: Sequence[int] | None = None, max_concurrency: int = 4) -> Engine:
         from services.worker.torch.engine import TorchEngine
 
-        return TorchEngine(model_dir, "conformance", max_concurrency=max_concurrency, device=device,
-                           eos_token_ids=eos_token_ids)
+        return TorchEngine(
+            model_dir, "conformance", max_concurrency=max_concurrency, device=device, eos_token_ids=eos_token_ids
+        )
 
     return EngineFactory(name, make)
 
@@ -117,12 +122,18 @@ class Result:
         return None
 
 
-async def run(engine: Engine, prompt: str | Sequence[int], generated: Sequence[int] = (),
-              response_format: str = "", **sampling: Any) -> Result:
+async def run(
+    engine: Engine,
+    prompt: str | Sequence[int],
+    generated: Sequence[int] = (),
+    response_format: str = "",
+    **sampling: Any,
+) -> Result:
     ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     sampling.setdefault("temperature", 0.0)
-    request = EngineRequest("conformance", tuple(ids), tuple(generated), Sampling(**sampling),
-                            response_format=response_format)
+    request = EngineRequest(
+        "conformance", tuple(ids), tuple(generated), Sampling(**sampling), response_format=response_format
+    )
     result = Result()
     async for delta in engine.generate(request):
         assert result.finish is None, "a delta after the finishing one"
@@ -244,8 +255,11 @@ class EngineConformance:
     # --- stop strings ------------------------------------------------------------------------
     async def test_stop_string_ends_the_stream_before_it(self, endless):
         full = await run(endless, PROSE, max_tokens=40)
-        stop = next(full.text[i:i + 3] for i in range(8, len(full.text) - 3)
-                    if "\ufffd" not in full.text[i:i + 3] and full.text[i:i + 3].strip())
+        stop = next(
+            full.text[i : i + 3]
+            for i in range(8, len(full.text) - 3)
+            if "\ufffd" not in full.text[i : i + 3] and full.text[i : i + 3].strip()
+        )
         got = await run(endless, PROSE, max_tokens=40, stop=(stop, "never-appears"))
         assert got.finish == FinishReason.STOP
         assert got.text == full.text[: full.text.index(stop)]
@@ -293,8 +307,7 @@ class EngineConformance:
         assert [r.tokens for r in concurrent] == [r.tokens for r in sequential]
 
     # --- errors ----------------------------------------------------------------------------
-    @pytest.mark.parametrize("case", ["empty", "vocabulary", "context", "max_tokens", "temperature",
-                                      "top_p", "stop"])
+    @pytest.mark.parametrize("case", ["empty", "vocabulary", "context", "max_tokens", "temperature", "top_p", "stop"])
     async def test_invalid_requests_are_rejected(self, conf_engine, engine_factory, case):
         prompt, generated, sampling = [5], (), {"max_tokens": 4}
         if case == "empty":
@@ -304,8 +317,14 @@ class EngineConformance:
         elif case == "context":
             prompt = [5] * conf_engine.model.max_context
         else:
-            sampling.update({"max_tokens": {"max_tokens": -1}, "temperature": {"temperature": -0.5},
-                             "top_p": {"top_p": 0.0}, "stop": {"stop": ("",)}}[case])
+            sampling.update(
+                {
+                    "max_tokens": {"max_tokens": -1},
+                    "temperature": {"temperature": -0.5},
+                    "top_p": {"top_p": 0.0},
+                    "stop": {"stop": ("",)},
+                }[case]
+            )
         request = EngineRequest("bad", tuple(prompt), generated, Sampling(**sampling))
         with pytest.raises(InvalidArgument):
             async for _ in conf_engine.generate(request):
@@ -314,8 +333,13 @@ class EngineConformance:
 
     # --- guided decoding (response_format) ------------------------------------------------------
     async def guided(self, engine: Engine, generated: Sequence[int] = (), max_tokens: int = GUIDED_BUDGET) -> Result:
-        return await run(engine, GUIDED_PROMPT, generated=generated, response_format=ORDER_SCHEMA,
-                         max_tokens=max_tokens - len(generated))
+        return await run(
+            engine,
+            GUIDED_PROMPT,
+            generated=generated,
+            response_format=ORDER_SCHEMA,
+            max_tokens=max_tokens - len(generated),
+        )
 
     async def test_guided_answer_is_a_complete_document_of_the_schema(self, conf_engine, endless):
         got = await self.guided(conf_engine)

@@ -31,8 +31,7 @@ def _await_chain(coro) -> list[str]:
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
         if frame is not None:
             lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-        coro = (getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-                or getattr(coro, "ag_await", None))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
     return lines
 
 

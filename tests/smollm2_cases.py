@@ -38,8 +38,9 @@ def chat_ids(smollm2_model_dir):
     template = (smollm2_model_dir / "chat_template.jinja").read_text()
 
     def render(messages):
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text).input_ids
 
     return render
@@ -47,8 +48,9 @@ def chat_ids(smollm2_model_dir):
 
 async def generate(engine, prompt_ids, generated=(), response_format="", **sampling):
     sampling.setdefault("temperature", 0.0)
-    request = EngineRequest("smollm2", tuple(prompt_ids), tuple(generated), Sampling(**sampling),
-                            response_format=response_format)
+    request = EngineRequest(
+        "smollm2", tuple(prompt_ids), tuple(generated), Sampling(**sampling), response_format=response_format
+    )
     tokens, text, finish = [], "", None
     async for delta in engine.generate(request):
         tokens += delta.token_ids
@@ -66,13 +68,14 @@ class SmolLM2Cases:
         tokens, text, _ = await generate(engine, prompt, max_tokens=12)
         model = LlamaForCausalLM.from_pretrained(str(smollm2_model_dir), dtype=torch.float32)
         with torch.no_grad():
-            reference = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
-        expected = [t for t in reference.tolist() if t != 2][:len(tokens)]  # EOS (<|im_end|>) is never emitted
+            reference = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
+        expected = [t for t in reference.tolist() if t != 2][: len(tokens)]  # EOS (<|im_end|>) is never emitted
         assert tokens == expected
         assert "Paris" in text  # a trained model: the answer means something
 
-    @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 7}],
-                             ids=["greedy", "seeded"])
+    @pytest.mark.parametrize(
+        "sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 7}], ids=["greedy", "seeded"]
+    )
     async def test_resumed_stream_continues_exactly(self, engine, chat_ids, sampling):
         prompt = chat_ids([{"role": "user", "content": "Name three colours of the rainbow."}])
         whole, _, _ = await generate(engine, prompt, max_tokens=16, **sampling)
@@ -81,8 +84,9 @@ class SmolLM2Cases:
             assert whole[:cut] + rest == whole, cut
 
     async def test_guided_json_is_valid(self, engine, chat_ids):
-        prompt = chat_ids([{"role": "user", "content":
-                            "Order 4521 was shipped to Lyon. Reply with JSON: order_id, status, city."}])
+        prompt = chat_ids(
+            [{"role": "user", "content": "Order 4521 was shipped to Lyon. Reply with JSON: order_id, status, city."}]
+        )
         _, text, finish = await generate(engine, prompt, response_format=json.dumps(ORDER_SCHEMA), max_tokens=48)
         assert finish is FinishReason.STOP, text  # the document ended on its own, not cut by max_tokens
         jsonschema.validate(json.loads(text), ORDER_SCHEMA)

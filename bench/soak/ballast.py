@@ -20,8 +20,21 @@ from typing import ContextManager
 
 from bench.common import metric_sum
 from bench.soak.faults import (
-    COOL_C, ETCD_RESTART, HOT_C, KAFKA_DOWN, MESH_FAULTS, REDIS_RESTART, ROUTER_KILL, WORKER_FAULTS, WORKER_HOT,
-    WORKER_KILL, WORKER_STALL, ScheduledFault, Throttle, Victims, signal_tree,
+    COOL_C,
+    ETCD_RESTART,
+    HOT_C,
+    KAFKA_DOWN,
+    MESH_FAULTS,
+    REDIS_RESTART,
+    ROUTER_KILL,
+    WORKER_FAULTS,
+    WORKER_HOT,
+    WORKER_KILL,
+    WORKER_STALL,
+    ScheduledFault,
+    Throttle,
+    Victims,
+    signal_tree,
 )
 from services.cli.mesh import Mesh, MeshSpec, ServiceProcess
 from services.common.processes import ProcessStartError
@@ -41,20 +54,39 @@ def autoscaler_overrides(workers: int, target_ms: float) -> dict:
     policy = {
         # Room for the promoted standby and a fresh one behind it, so a worker that drops out
         # and comes back (its keeper) does not have a standby started and stopped meanwhile.
-        "min_replicas": workers, "max_replicas": workers + 2, "standby_replicas": 1,
-        "target_p99_ttft_ms": target_ms, "calm_p99_ttft_ms": target_ms / 2,
-        "latency_window_s": 8.0, "min_samples": 10,
+        "min_replicas": workers,
+        "max_replicas": workers + 2,
+        "standby_replicas": 1,
+        "target_p99_ttft_ms": target_ms,
+        "calm_p99_ttft_ms": target_ms / 2,
+        "latency_window_s": 8.0,
+        "min_samples": 10,
         # One scale-out per soak, as the baseline's autoscaler makes; no scale-in during it.
-        "scale_out_cooldown_s": 3600, "calm_for_s": 3600,
+        "scale_out_cooldown_s": 3600,
+        "calm_for_s": 3600,
     }
-    return {"enabled": True, "executor": "local", "tick_s": 0.5, "report_interval_s": 0.5,
-            "pools": {POOL: policy}, "local": {"stop_grace_s": 5}}
+    return {
+        "enabled": True,
+        "executor": "local",
+        "tick_s": 0.5,
+        "report_interval_s": 0.5,
+        "pools": {POOL: policy},
+        "local": {"stop_grace_s": 5},
+    }
 
 
 def mesh_spec(state_dir: Path, model_dir: Path, engine: str, workers: int, worker_extra: dict) -> MeshSpec:
-    return MeshSpec(state_dir=state_dir, model_dir=model_dir, engine=engine, workers=workers, routers=2,
-                    worker_capacity=8, lease_ttl_s=3, worker_test_files=True,
-                    overrides={"worker": {"respawn": True, **worker_extra}})
+    return MeshSpec(
+        state_dir=state_dir,
+        model_dir=model_dir,
+        engine=engine,
+        workers=workers,
+        routers=2,
+        worker_capacity=8,
+        lease_ttl_s=3,
+        worker_test_files=True,
+        overrides={"worker": {"respawn": True, **worker_extra}},
+    )
 
 
 def enable_autoscaler(mesh: Mesh, workers: int, target_ms: float) -> None:
@@ -99,9 +131,15 @@ class BallastSide:
         return None
 
     def apply(self, fault: ScheduledFault) -> tuple[str, float | None]:
-        handlers = {WORKER_KILL: self._kill_worker, WORKER_STALL: self._stall_worker, WORKER_HOT: self._heat_worker,
-                    ROUTER_KILL: self._kill_router, REDIS_RESTART: self._restart_redis,
-                    KAFKA_DOWN: self._broker_down, ETCD_RESTART: self._restart_etcd}
+        handlers = {
+            WORKER_KILL: self._kill_worker,
+            WORKER_STALL: self._stall_worker,
+            WORKER_HOT: self._heat_worker,
+            ROUTER_KILL: self._kill_router,
+            REDIS_RESTART: self._restart_redis,
+            KAFKA_DOWN: self._broker_down,
+            ETCD_RESTART: self._restart_etcd,
+        }
         return handlers[fault.kind](fault)
 
     def _kill_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
@@ -171,8 +209,11 @@ class BallastSide:
         return "etcd", time.monotonic()
 
     def fragmentation(self) -> list[float]:
-        values = [metric_sum(w.metrics_port, ("ballast_worker_kv_fragmentation_ratio",))
-                  for w in self.mesh.workers() if w.process.alive()]
+        values = [
+            metric_sum(w.metrics_port, ("ballast_worker_kv_fragmentation_ratio",))
+            for w in self.mesh.workers()
+            if w.process.alive()
+        ]
         return [v for v in values if v is not None]
 
 

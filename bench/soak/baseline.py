@@ -29,7 +29,14 @@ from pathlib import Path
 from bench.common import metric_sum
 from bench.soak.clients import RoundRobinTransport
 from bench.soak.faults import (
-    WORKER_FAULTS, WORKER_HOT, WORKER_KILL, WORKER_STALL, ScheduledFault, Throttle, Victims, signal_tree,
+    WORKER_FAULTS,
+    WORKER_HOT,
+    WORKER_KILL,
+    WORKER_STALL,
+    ScheduledFault,
+    Throttle,
+    Victims,
+    signal_tree,
 )
 from services.common.processes import ManagedProcess, ProcessStartError, free_ports, wait_until_ready
 
@@ -75,8 +82,15 @@ def kv_fragmentation(port: int) -> float | None:
 class PlainFleet:
     """N plain servers, their balancer's rotation, restarts and the plain autoscaler."""
 
-    def __init__(self, engine: str, model_dir: Path, model_name: str, state_dir: Path, sim_profile: Path | None,
-                 transport: RoundRobinTransport) -> None:
+    def __init__(
+        self,
+        engine: str,
+        model_dir: Path,
+        model_name: str,
+        state_dir: Path,
+        sim_profile: Path | None,
+        transport: RoundRobinTransport,
+    ) -> None:
         self.engine, self.model_dir, self.model_name = engine, Path(model_dir).resolve(), model_name
         self.state_dir = Path(state_dir)
         self.sim_profile = sim_profile
@@ -90,12 +104,40 @@ class PlainFleet:
 
     def _argv(self, port: int) -> list[str]:
         if self.engine == "vllm":
-            return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                    "--served-model-name", self.model_name, "--dtype", "float32", "--enforce-eager",
-                    "--enable-prefix-caching", "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1",
-                    "--port", str(port)]
-        argv = [sys.executable, "-m", "bench.plain_server", "--engine", self.engine, "--model-dir", str(self.model_dir),
-                "--model-name", self.model_name, "--port", str(port), "--max-concurrency", str(MAX_NUM_SEQS)]
+            return [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(self.model_dir),
+                "--served-model-name",
+                self.model_name,
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--enable-prefix-caching",
+                "--max-num-seqs",
+                str(MAX_NUM_SEQS),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ]
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.plain_server",
+            "--engine",
+            self.engine,
+            "--model-dir",
+            str(self.model_dir),
+            "--model-name",
+            self.model_name,
+            "--port",
+            str(port),
+            "--max-concurrency",
+            str(MAX_NUM_SEQS),
+        ]
         if self.sim_profile is not None:
             argv += ["--sim-profile", str(self.sim_profile)]
         return argv
@@ -108,8 +150,13 @@ class PlainFleet:
 
     def _wait_healthy(self, server: PlainServer) -> float:
         """Waits for the server's health check; returns the monotonic time it answered."""
-        wait_until_ready(server.process, lambda: _get(f"http://127.0.0.1:{server.port}/health") is not None,
-                         READY_TIMEOUT_S[self.engine], interval=0.2, what="healthy")
+        wait_until_ready(
+            server.process,
+            lambda: _get(f"http://127.0.0.1:{server.port}/health") is not None,
+            READY_TIMEOUT_S[self.engine],
+            interval=0.2,
+            what="healthy",
+        )
         return time.monotonic()
 
     def _new_server(self) -> PlainServer:
@@ -117,8 +164,9 @@ class PlainFleet:
         with self._lock:
             index = len(self.servers)
             name, port, core = f"plain-{index + 1}", free_ports(1)[0], index % (os.cpu_count() or 1)
-            process = ManagedProcess(name, self._argv(port), log_path=self.state_dir / f"{name}.log",
-                                     env=self._env(core))
+            process = ManagedProcess(
+                name, self._argv(port), log_path=self.state_dir / f"{name}.log", env=self._env(core)
+            )
             server = PlainServer(name=name, port=port, process=process)
             self.servers.append(server)
         server.process.start()
@@ -144,8 +192,9 @@ class PlainFleet:
 
     async def _probe_forever(self) -> None:
         while True:
-            answers = await asyncio.gather(*(asyncio.to_thread(_get, f"http://127.0.0.1:{s.port}/health")
-                                             for s in self.servers))
+            answers = await asyncio.gather(
+                *(asyncio.to_thread(_get, f"http://127.0.0.1:{s.port}/health") for s in self.servers)
+            )
             self.transport.set_ports([s.port for s, answer in zip(self.servers, answers) if answer is not None])
             await asyncio.sleep(HEALTH_PERIOD_S)
 

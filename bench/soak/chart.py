@@ -52,18 +52,31 @@ def draw(result: dict, out: Path) -> Path | None:
             if fault["kind"] == "surge":
                 continue
             axis.axvline(fault["injected_at"], color="purple", linewidth=0.8, linestyle="--")
-            axis.text(fault["injected_at"], top * 0.6, fault["kind"].replace("_", " "), rotation=90, fontsize=7,
-                      va="top", ha="right", color="purple")
+            axis.text(
+                fault["injected_at"],
+                top * 0.6,
+                fault["kind"].replace("_", " "),
+                rotation=90,
+                fontsize=7,
+                va="top",
+                ha="right",
+                color="purple",
+            )
         row = result[key]
-        axis.set_title(f"{title}: p99 {row['p99_ms']:.0f} ms, errors {row['error_rate'] * 100:.2f} %, "
-                       f"sessions interrupted {row['session_interruption_rate'] * 100:.1f} %", fontsize=10)
+        axis.set_title(
+            f"{title}: p99 {row['p99_ms']:.0f} ms, errors {row['error_rate'] * 100:.2f} %, "
+            f"sessions interrupted {row['session_interruption_rate'] * 100:.1f} %",
+            fontsize=10,
+        )
         axis.set_ylabel("end to end, ms (per 5 s)")
         axis.set_yscale("log")
         axis.set_ylim(top=top)
     axes[0].legend(loc="lower left", fontsize=7, ncol=4)
     axes[1].set_xlabel("seconds into the soak")
-    figure.suptitle(f"Chaos soak, {result['engine']} engine, {result['workers']} workers, "
-                    f"commit {result['commit']['sha'][:10]}", fontsize=11)
+    figure.suptitle(
+        f"Chaos soak, {result['engine']} engine, {result['workers']} workers, commit {result['commit']['sha'][:10]}",
+        fontsize=11,
+    )
     figure.tight_layout()
     figure.savefig(out, dpi=110)
     plt.close(figure)

@@ -79,8 +79,7 @@ class RoundRobinTransport(httpx.AsyncBaseTransport):
     def __init__(self) -> None:
         self._ports: list[int] = []
         self._next = 0
-        self._inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2000,
-                                                                   max_keepalive_connections=500))
+        self._inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500))
 
     @property
     def ports(self) -> list[int]:
@@ -114,14 +113,27 @@ def _response_format(turn: TurnPlan) -> dict | openai.NotGiven:
     return {"type": "json_schema", "json_schema": {"name": turn.schema_name, "schema": turn.schema}}
 
 
-async def baseline_turn(client: openai.AsyncOpenAI, model: str, session: str, turn: TurnPlan, messages: list[dict],
-                        clock: Callable[[], float]) -> tuple[RequestSample, str]:
+async def baseline_turn(
+    client: openai.AsyncOpenAI,
+    model: str,
+    session: str,
+    turn: TurnPlan,
+    messages: list[dict],
+    clock: Callable[[], float],
+) -> tuple[RequestSample, str]:
     sample = RequestSample(session=session, turn=turn.index, tier=turn.tier, start=clock(), end=0.0, ok=False)
     text = ""
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=turn.max_tokens, temperature=1.0, seed=turn.seed,
-            stream=True, stream_options={"include_usage": True}, response_format=_response_format(turn))
+            model=model,
+            messages=messages,
+            max_tokens=turn.max_tokens,
+            temperature=1.0,
+            seed=turn.seed,
+            stream=True,
+            stream_options={"include_usage": True},
+            response_format=_response_format(turn),
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 if sample.ttft is None:
@@ -143,22 +155,26 @@ async def baseline_turn(client: openai.AsyncOpenAI, model: str, session: str, tu
 
 
 def balanced_channel(addresses: list[str]) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel("ipv4:" + ",".join(addresses),
-                                     options=[("grpc.lb_policy_name", "round_robin")])
+    return grpc.aio.insecure_channel("ipv4:" + ",".join(addresses), options=[("grpc.lb_policy_name", "round_robin")])
 
 
 def ballast_request(model: str, session: str, turn: TurnPlan, messages: list[dict]) -> inference_pb2.GenerateRequest:
     request = inference_pb2.GenerateRequest(
-        request_id=f"{session}-{turn.index}-{uuid.uuid4().hex[:8]}", session_id=session, model=model,
+        request_id=f"{session}-{turn.index}-{uuid.uuid4().hex[:8]}",
+        session_id=session,
+        model=model,
         sampling=common_pb2.SamplingParams(max_tokens=turn.max_tokens, temperature=1.0, seed=turn.seed),
-        tier=TIER_TO_PB[turn.tier], response_format=turn.schema_text)
+        tier=TIER_TO_PB[turn.tier],
+        response_format=turn.schema_text,
+    )
     for message in messages:
         request.conversation.messages.add(role=message["role"], content=message["content"])
     return request
 
 
-async def ballast_turn(stub, metadata, model: str, session: str, turn: TurnPlan, messages: list[dict],
-                       clock: Callable[[], float]) -> tuple[RequestSample, str]:
+async def ballast_turn(
+    stub, metadata, model: str, session: str, turn: TurnPlan, messages: list[dict], clock: Callable[[], float]
+) -> tuple[RequestSample, str]:
     sample = RequestSample(session=session, turn=turn.index, tier=turn.tier, start=clock(), end=0.0, ok=False)
     request = ballast_request(model, session, turn, messages)
     pieces: dict[int, str] = {}  # first token index of an event -> its text

@@ -86,8 +86,9 @@ async def _run_session(plan: SessionPlan, send: SendTurn, clock, samples: list[R
             conversation.record(turn, answer)
 
 
-async def _open_loop(sessions: list[SessionPlan], send: SendTurn, clock, samples: list[RequestSample],
-                     ends_at: float) -> None:
+async def _open_loop(
+    sessions: list[SessionPlan], send: SendTurn, clock, samples: list[RequestSample], ends_at: float
+) -> None:
     """Starts each session at its planned offset, whatever the others are doing."""
     tasks = []
     for plan in sessions:
@@ -98,8 +99,9 @@ async def _open_loop(sessions: list[SessionPlan], send: SendTurn, clock, samples
     await asyncio.gather(*tasks)
 
 
-async def _closed_loop(sessions: list[SessionPlan], send: SendTurn, clock, samples: list[RequestSample],
-                       ends_at: float, clients: int = 2) -> None:
+async def _closed_loop(
+    sessions: list[SessionPlan], send: SendTurn, clock, samples: list[RequestSample], ends_at: float, clients: int = 2
+) -> None:
     """Sessions one after another on each of `clients` clients: the unloaded measurement."""
     queue = list(sessions)
 
@@ -110,8 +112,9 @@ async def _closed_loop(sessions: list[SessionPlan], send: SendTurn, clock, sampl
     await asyncio.gather(*(client() for _ in range(clients)))
 
 
-async def _chaos(target: FaultTarget, schedule: list[ScheduledFault], clock, origin: float,
-                 records: list[FaultRecord]) -> None:
+async def _chaos(
+    target: FaultTarget, schedule: list[ScheduledFault], clock, origin: float, records: list[FaultRecord]
+) -> None:
     """Strikes each fault at its moment, whatever the earlier ones are still doing (a worker
     may take minutes to serve again): faults overlap as they would in production."""
 
@@ -122,10 +125,14 @@ async def _chaos(target: FaultTarget, schedule: list[ScheduledFault], clock, ori
         injected = clock()
         print(f"  [{injected:6.1f}s] {fault.kind}" + (f" for {fault.hold_s:g}s" if fault.hold_s else ""), flush=True)
         name, recovered = await asyncio.to_thread(target.apply, fault)
-        records.append(FaultRecord(fault.kind, name, injected, None if recovered is None else recovered - origin,
-                                   fault.hold_s))
-        print(f"  [{clock():6.1f}s] {fault.kind} on {name}: "
-              + ("served again" if recovered is not None else "NOT observed to serve again"), flush=True)
+        records.append(
+            FaultRecord(fault.kind, name, injected, None if recovered is None else recovered - origin, fault.hold_s)
+        )
+        print(
+            f"  [{clock():6.1f}s] {fault.kind} on {name}: "
+            + ("served again" if recovered is not None else "NOT observed to serve again"),
+            flush=True,
+        )
 
     await asyncio.gather(*(strike(fault) for fault in schedule))
     records.sort(key=lambda record: record.injected_at)
@@ -138,8 +145,16 @@ ScaleOut = Callable[[], Awaitable[float | None]]
 Decided = Callable[[], float | None]
 
 
-async def _watch_breach(samples: list[RequestSample], clock, origin: float, target_ms: float,
-                        scale_out: ScaleOut, decided: Decided, outcome: PhaseOutcome, ends_at: float) -> None:
+async def _watch_breach(
+    samples: list[RequestSample],
+    clock,
+    origin: float,
+    target_ms: float,
+    scale_out: ScaleOut,
+    decided: Decided,
+    outcome: PhaseOutcome,
+    ends_at: float,
+) -> None:
     """Waits for the breach: the clients' rolling p99 TTFT at 90 % of the target, or the
     phase's own autoscaler deciding first; then has the phase add capacity and notes when it
     serves."""
@@ -162,8 +177,9 @@ async def _watch_breach(samples: list[RequestSample], clock, origin: float, targ
         return
 
 
-async def _sample_fragmentation(measure: Callable[[], list[float]], outcome: PhaseOutcome, clock,
-                                ends_at: float) -> None:
+async def _sample_fragmentation(
+    measure: Callable[[], list[float]], outcome: PhaseOutcome, clock, ends_at: float
+) -> None:
     while clock() < ends_at:
         outcome.fragmentation += await asyncio.to_thread(measure)
         await asyncio.sleep(FRAGMENTATION_PERIOD_S)
@@ -175,16 +191,24 @@ async def _sample_cpu(meter: CpuMeter, clock, ends_at: float) -> None:
         await asyncio.sleep(CPU_PERIOD_S)
 
 
-async def drive_phase(name: str, plan: Plan, send: SendTurn, target: FaultTarget, scale_out: ScaleOut,
-                      decided: Decided, fragmentation: Callable[[], list[float]]) -> PhaseOutcome:
+async def drive_phase(
+    name: str,
+    plan: Plan,
+    send: SendTurn,
+    target: FaultTarget,
+    scale_out: ScaleOut,
+    decided: Decided,
+    fragmentation: Callable[[], list[float]],
+) -> PhaseOutcome:
     """The unloaded S measurement, then the soak with its faults, on one phase's parts."""
     outcome = PhaseOutcome()
     print(f"[{name}] unloaded S-tier latency for {plan.unloaded_s:.0f}s", flush=True)
     start = time.monotonic()
     await _closed_loop(plan.unloaded, send, lambda: time.monotonic() - start, outcome.unloaded, plan.unloaded_s)
     schedule = fault_schedule(plan.seed, plan.duration_s, target.kinds())
-    print(f"[{name}] soak: {len(plan.sessions)} sessions over {plan.duration_s:.0f}s, "
-          f"{len(schedule)} faults", flush=True)
+    print(
+        f"[{name}] soak: {len(plan.sessions)} sessions over {plan.duration_s:.0f}s, {len(schedule)} faults", flush=True
+    )
     origin = time.monotonic()
 
     def clock() -> float:
@@ -193,16 +217,20 @@ async def drive_phase(name: str, plan: Plan, send: SendTurn, target: FaultTarget
     ends_at = plan.duration_s
     meter = CpuMeter()
     meter.start()
-    helpers = [asyncio.create_task(_watch_breach(outcome.samples, clock, origin, plan.target_ms, scale_out,
-                                                 decided, outcome, ends_at)),
-               asyncio.create_task(_sample_fragmentation(fragmentation, outcome, clock, ends_at)),
-               asyncio.create_task(_sample_cpu(meter, clock, ends_at))]
+    helpers = [
+        asyncio.create_task(
+            _watch_breach(outcome.samples, clock, origin, plan.target_ms, scale_out, decided, outcome, ends_at)
+        ),
+        asyncio.create_task(_sample_fragmentation(fragmentation, outcome, clock, ends_at)),
+        asyncio.create_task(_sample_cpu(meter, clock, ends_at)),
+    ]
     chaos = asyncio.create_task(_chaos(target, schedule, clock, origin, outcome.faults))
     await _open_loop(plan.sessions, send, clock, outcome.samples, ends_at)
     await asyncio.to_thread(meter.sample)
     outcome.cpu_s, outcome.busy_share = meter.by_part(), meter.machine_busy_share()
-    print(f"[{name}] CPU seconds by part over the soak: {outcome.cpu_s}; "
-          f"cores busy {outcome.busy_share:.0%}", flush=True)
+    print(
+        f"[{name}] CPU seconds by part over the soak: {outcome.cpu_s}; cores busy {outcome.busy_share:.0%}", flush=True
+    )
     try:
         await asyncio.wait_for(chaos, timeout=DRAIN_LIMIT_S)
     except asyncio.TimeoutError:
@@ -211,4 +239,3 @@ async def drive_phase(name: str, plan: Plan, send: SendTurn, target: FaultTarget
         task.cancel()
     await asyncio.gather(*helpers, return_exceptions=True)
     return outcome
-

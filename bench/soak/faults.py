@@ -37,8 +37,15 @@ T = TypeVar("T")
 # Where in the soak (fraction of its length) each fault strikes; the surge takes 0.42-0.58
 # and one kill lands inside it.
 _LAYOUT = (
-    (0.08, WORKER_KILL), (0.18, WORKER_STALL), (0.28, WORKER_KILL), (0.35, WORKER_HOT), (0.50, WORKER_KILL),
-    (0.64, ROUTER_KILL), (0.72, REDIS_RESTART), (0.80, KAFKA_DOWN), (0.90, ETCD_RESTART),
+    (0.08, WORKER_KILL),
+    (0.18, WORKER_STALL),
+    (0.28, WORKER_KILL),
+    (0.35, WORKER_HOT),
+    (0.50, WORKER_KILL),
+    (0.64, ROUTER_KILL),
+    (0.72, REDIS_RESTART),
+    (0.80, KAFKA_DOWN),
+    (0.90, ETCD_RESTART),
 )
 SURGE_SPAN = (0.42, 0.58)
 JITTER = 0.02
@@ -71,8 +78,11 @@ def fault_schedule(seed: int, duration_s: float, kinds: Sequence[str]) -> list[S
     """The faults of `kinds` in the layout, each jittered by up to 2 % of the soak (the same
     jitter for a fault whatever kinds are asked, so both phases share their common faults)."""
     rng = random.Random(seed)
-    holds = {WORKER_STALL: _hold(STALL_HOLD_S, duration_s), WORKER_HOT: _hold(HOT_HOLD_S, duration_s),
-             KAFKA_DOWN: _hold(KAFKA_DOWN_S, duration_s)}
+    holds = {
+        WORKER_STALL: _hold(STALL_HOLD_S, duration_s),
+        WORKER_HOT: _hold(HOT_HOLD_S, duration_s),
+        KAFKA_DOWN: _hold(KAFKA_DOWN_S, duration_s),
+    }
     schedule = []
     for fraction, kind in _LAYOUT:
         jitter = rng.uniform(-JITTER, JITTER)
@@ -81,8 +91,14 @@ def fault_schedule(seed: int, duration_s: float, kinds: Sequence[str]) -> list[S
     return schedule
 
 
-def settled_at(samples: Sequence[RequestSample], after: float, reference_ms: float, window_s: float = 5.0,
-               tolerance: float = 2.0, until: float | None = None) -> float | None:
+def settled_at(
+    samples: Sequence[RequestSample],
+    after: float,
+    reference_ms: float,
+    window_s: float = 5.0,
+    tolerance: float = 2.0,
+    until: float | None = None,
+) -> float | None:
     """The end of the first `window_s` window starting at or after `after` whose requests all
     succeeded with a TTFT p99 within `tolerance` x `reference_ms`: when the load had settled.
     None when it did not within the samples (or before `until`)."""

@@ -34,8 +34,11 @@ def _fault_line(kind: str, pair: dict) -> str:
         if row is None:
             return "no such part"
         recovery = row["recovery_s"]
-        recovered = ("not seen serving again" if recovery is None or math.isnan(recovery)
-                     else f"recovered in {_cell(recovery)} s")
+        recovered = (
+            "not seen serving again"
+            if recovery is None or math.isnan(recovery)
+            else f"recovered in {_cell(recovery)} s"
+        )
         return f"{row['requests_hit']} hit, {row['failed']} failed, {row['interrupted']} cut off, {recovered}"
 
     return f"| {kind.replace('_', ' ')} | {side(pair['baseline'])} | {side(pair['ballast'])} |"
@@ -53,35 +56,53 @@ def _cpu(row: dict) -> str:
     total = sum(parts.values())
     engines = parts.get("engine", 0.0)
     rest = ", ".join(f"{part} {seconds:.0f}" for part, seconds in parts.items() if part != "engine")
-    return (f"{total:.0f} CPU-s, of which the engines {engines:.0f} ({engines / total:.0%}); {rest}; "
-            f"cores busy {_cell(row.get('machine_busy_share', math.nan) * 100)} %")
+    return (
+        f"{total:.0f} CPU-s, of which the engines {engines:.0f} ({engines / total:.0%}); {rest}; "
+        f"cores busy {_cell(row.get('machine_busy_share', math.nan) * 100)} %"
+    )
 
 
 def render(result: dict) -> str:
     baseline, ballast = result["baseline"], result["ballast"]
     machine, stamp = result.get("machine", {}), result.get("commit", {})
-    lines = [BEGIN, "",
-             f"**Under the same traffic and the same faults** (`python -m bench.soak --engine {result['engine']}`, "
-             f"{result['minutes']:g} minutes per phase, {result['workers']} workers, "
-             f"{result['sessions_planned']} multi-turn sessions with a 3x surge; on {machine.get('cpus', '?')} "
-             f"CPU cores, no GPU; commit {stamp.get('sha', 'unknown')[:10]}):", "",
-             "| | plain servers, round-robin | Ballast |", "|---|---|---|"]
+    lines = [
+        BEGIN,
+        "",
+        f"**Under the same traffic and the same faults** (`python -m bench.soak --engine {result['engine']}`, "
+        f"{result['minutes']:g} minutes per phase, {result['workers']} workers, "
+        f"{result['sessions_planned']} multi-turn sessions with a 3x surge; on {machine.get('cpus', '?')} "
+        f"CPU cores, no GPU; commit {stamp.get('sha', 'unknown')[:10]}):",
+        "",
+        "| | plain servers, round-robin | Ballast |",
+        "|---|---|---|",
+    ]
     for key, label, unit in ROWS:
         lines.append(f"| {label} | {format_value(baseline[key], unit)} | {format_value(ballast[key], unit)} |")
-    lines += ["", f"Ballast answered {format_value(ballast.get('degraded_rate', math.nan), '%')} of its successful "
-                  f"requests degraded (light model or rules, marked so in the answer; the backfill delivers the "
-                  f"full model's later), the plain servers "
-                  f"{format_value(baseline.get('degraded_rate', math.nan), '%')}. "
-                  f"JSON answers Ballast repaired (counted apart from valid ones): "
-                  f"{format_value(ballast.get('json_repaired_rate', math.nan), '%')}. Failures as the clients saw them: "
-                  f"plain {_kinds(baseline)}; Ballast {_kinds(ballast)}.",
-              "", f"Where the CPU went during the soak: plain {_cpu(baseline)}. Ballast {_cpu(ballast)}.",
-              "", "| fault | plain servers | Ballast |", "|---|---|---|"]
+    lines += [
+        "",
+        f"Ballast answered {format_value(ballast.get('degraded_rate', math.nan), '%')} of its successful "
+        f"requests degraded (light model or rules, marked so in the answer; the backfill delivers the "
+        f"full model's later), the plain servers "
+        f"{format_value(baseline.get('degraded_rate', math.nan), '%')}. "
+        f"JSON answers Ballast repaired (counted apart from valid ones): "
+        f"{format_value(ballast.get('json_repaired_rate', math.nan), '%')}. Failures as the clients saw them: "
+        f"plain {_kinds(baseline)}; Ballast {_kinds(ballast)}.",
+        "",
+        f"Where the CPU went during the soak: plain {_cpu(baseline)}. Ballast {_cpu(ballast)}.",
+        "",
+        "| fault | plain servers | Ballast |",
+        "|---|---|---|",
+    ]
     lines += [_fault_line(kind, pair) for kind, pair in result["faults"].items()]
     missed = [g["name"] for g in result.get("goals", []) if not g["met"]]
-    lines += ["", ("Every goal met." if not missed else "Goals missed: " + "; ".join(missed) + "."),
-              "See [the soak](#the-chaos-soak) for how it is run and what limits it; "
-              "the chart of latency over time is `bench/results/soak_latency.png`.", "", END]
+    lines += [
+        "",
+        ("Every goal met." if not missed else "Goals missed: " + "; ".join(missed) + "."),
+        "See [the soak](#the-chaos-soak) for how it is run and what limits it; "
+        "the chart of latency over time is `bench/results/soak_latency.png`.",
+        "",
+        END,
+    ]
     return "\n".join(lines)
 
 
@@ -89,7 +110,7 @@ def replace_block(text: str, block: str) -> str:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ValueError(f"README has no soak block ({BEGIN!r} ... {END!r})")
-    return text[:start] + block + text[end + len(END):]
+    return text[:start] + block + text[end + len(END) :]
 
 
 def main(argv: list[str] | None = None) -> int:

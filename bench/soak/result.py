@@ -19,8 +19,11 @@ from bench.soak.traffic import Surge
 def surge_record(outcome: PhaseOutcome, surge: Surge) -> FaultRecord:
     """The surge as a fault: from its start until the load had settled after it (TTFT p99
     back within twice what it was before the surge, no errors, over 5 s)."""
-    before = [s.ttft * 1000.0 for s in outcome.samples
-              if s.ok and s.ttft is not None and surge.start_s - 30 <= s.start < surge.start_s]
+    before = [
+        s.ttft * 1000.0
+        for s in outcome.samples
+        if s.ok and s.ttft is not None and surge.start_s - 30 <= s.start < surge.start_s
+    ]
     reference = percentile(before, 99) if before else math.inf
     settled = settled_at(outcome.samples, surge.end_s, reference)
     return FaultRecord(SURGE, "traffic", surge.start_s, settled, surge.end_s - surge.start_s)
@@ -40,10 +43,16 @@ def timeline(samples: list[RequestSample], bucket_s: float = 5.0) -> list[dict]:
     buckets: dict[int, list[RequestSample]] = {}
     for sample in samples:
         buckets.setdefault(int(sample.start // bucket_s), []).append(sample)
-    return [{"t": index * bucket_s, "p99_ms": percentile([s.e2e_ms for s in group if s.ok], 99),
-             "s_p99_ms": percentile([s.e2e_ms for s in group if s.ok and s.tier == "S"], 99),
-             "requests": len(group), "errors": sum(not s.ok for s in group)}
-            for index, group in sorted(buckets.items())]
+    return [
+        {
+            "t": index * bucket_s,
+            "p99_ms": percentile([s.e2e_ms for s in group if s.ok], 99),
+            "s_p99_ms": percentile([s.e2e_ms for s in group if s.ok and s.tier == "S"], 99),
+            "requests": len(group),
+            "errors": sum(not s.ok for s in group),
+        }
+        for index, group in sorted(buckets.items())
+    ]
 
 
 def samples_path(result_path: Path) -> Path:
@@ -53,8 +62,10 @@ def samples_path(result_path: Path) -> Path:
 def write_samples(path: Path, baseline: PhaseOutcome, ballast: PhaseOutcome) -> Path:
     """Every request of both phases, unloaded and soak, one object each: what the table's
     rows are computed from, kept so a row can be explained after the run."""
-    phases = {name: {"unloaded": [asdict(s) for s in outcome.unloaded], "soak": [asdict(s) for s in outcome.samples]}
-              for name, outcome in (("baseline", baseline), ("ballast", ballast))}
+    phases = {
+        name: {"unloaded": [asdict(s) for s in outcome.unloaded], "soak": [asdict(s) for s in outcome.samples]}
+        for name, outcome in (("baseline", baseline), ("ballast", ballast))
+    }
     path.write_text(json.dumps(phases, separators=(",", ":")) + "\n")
     return path
 
@@ -67,8 +78,17 @@ def print_soak_table(baseline: dict, ballast: dict, faults: dict) -> None:
         for phase in ("baseline", "ballast"):
             row = pair[phase]
             if row is not None:
-                rows.append([kind, phase, row["applied"], row["observed"], row["requests_hit"], row["failed"],
-                             row["interrupted"], row["recovery_s"]])
+                rows.append(
+                    [
+                        kind,
+                        phase,
+                        row["applied"],
+                        row["observed"],
+                        row["requests_hit"],
+                        row["failed"],
+                        row["interrupted"],
+                        row["recovery_s"],
+                    ]
+                )
     print("\nper fault type")
     print_table(["fault", "phase", "applied", "observed", "requests hit", "failed", "interrupted", "recovery s"], rows)
-

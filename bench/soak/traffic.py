@@ -33,15 +33,20 @@ JSON_MAX_TOKENS = 48
 SCHEMAS = {
     "payment_confirmation": {
         "type": "object",
-        "properties": {"order_id": {"type": "string"}, "status": {"enum": ["paid", "declined", "pending"]},
-                       "amount": {"type": "number"}},
+        "properties": {
+            "order_id": {"type": "string"},
+            "status": {"enum": ["paid", "declined", "pending"]},
+            "amount": {"type": "number"},
+        },
         "required": ["order_id", "status", "amount"],
         "additionalProperties": False,
     },
     "ticket_triage": {
         "type": "object",
-        "properties": {"category": {"enum": ["billing", "shipping", "account", "other"]},
-                       "urgent": {"type": "boolean"}},
+        "properties": {
+            "category": {"enum": ["billing", "shipping", "account", "other"]},
+            "urgent": {"type": "boolean"},
+        },
         "required": ["category", "urgent"],
         "additionalProperties": False,
     },
@@ -54,12 +59,18 @@ SCHEMAS = {
 }
 
 _TASKS = {
-    "S": ("Confirm the payment for order {order} of {amount} euros.",
-          "Was card payment {order} for {amount} euros accepted?"),
-    "A": ("The customer on account {account} asks why order {order} has not shipped.",
-          "Account {account} wants to change the delivery address of order {order}."),
-    "B": ("Summarise the conversation so far about order {order} and list the open questions.",
-          "Write a short summary of account {account}'s last three orders, including {order}."),
+    "S": (
+        "Confirm the payment for order {order} of {amount} euros.",
+        "Was card payment {order} for {amount} euros accepted?",
+    ),
+    "A": (
+        "The customer on account {account} asks why order {order} has not shipped.",
+        "Account {account} wants to change the delivery address of order {order}.",
+    ),
+    "B": (
+        "Summarise the conversation so far about order {order} and list the open questions.",
+        "Write a short summary of account {account}'s last three orders, including {order}.",
+    ),
 }
 
 
@@ -133,18 +144,23 @@ def _tier(rng: random.Random, mix: tuple[tuple[str, float], ...]) -> str:
 def _turn(rng: random.Random, index: int, account: int, mix: tuple[tuple[str, float], ...]) -> TurnPlan:
     tier = _tier(rng, mix)
     schema_name = rng.choice(sorted(SCHEMAS)) if rng.random() < JSON_SHARE else None
-    text = rng.choice(_TASKS[tier]).format(order=rng.randint(1000, 9999), amount=rng.randint(5, 900),
-                                           account=account)
+    text = rng.choice(_TASKS[tier]).format(order=rng.randint(1000, 9999), amount=rng.randint(5, 900), account=account)
     if schema_name:
         text += f" Answer as JSON ({schema_name.replace('_', ' ')})."
-    return TurnPlan(index=index, tier=tier, text=text,
-                    max_tokens=JSON_MAX_TOKENS if schema_name else MAX_TOKENS[tier],
-                    schema_name=schema_name, seed=rng.randrange(1, 2**31),
-                    think_s=0.0 if index == 0 else round(rng.uniform(*THINK_S), 3))
+    return TurnPlan(
+        index=index,
+        tier=tier,
+        text=text,
+        max_tokens=JSON_MAX_TOKENS if schema_name else MAX_TOKENS[tier],
+        schema_name=schema_name,
+        seed=rng.randrange(1, 2**31),
+        think_s=0.0 if index == 0 else round(rng.uniform(*THINK_S), 3),
+    )
 
 
-def plan_sessions(seed: int, duration_s: float, base_rate: float, surge: Surge,
-                  mix: tuple[tuple[str, float], ...] = TIER_MIX) -> list[SessionPlan]:
+def plan_sessions(
+    seed: int, duration_s: float, base_rate: float, surge: Surge, mix: tuple[tuple[str, float], ...] = TIER_MIX
+) -> list[SessionPlan]:
     """The sessions of one soak, the same for every call with the same arguments. `mix`:
     each turn's tier and its share (the unloaded S measurement asks for S turns only)."""
     rng = random.Random(seed)
@@ -163,7 +179,7 @@ class Conversation:
     history: list[dict] = field(default_factory=list)
 
     def messages_for(self, turn: TurnPlan) -> list[dict]:
-        recent = self.history[-2 * CONTEXT_TURNS:]
+        recent = self.history[-2 * CONTEXT_TURNS :]
         return [*recent, {"role": "user", "content": turn.text}]
 
     def record(self, turn: TurnPlan, answer: str) -> None:

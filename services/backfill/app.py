@@ -120,8 +120,11 @@ class BackfillApp:
 
 def _redis_client(config: RedisConfig, timeout_s: float | None) -> AnyRedis:
     return make_client(
-        config, socket_timeout=timeout_s, socket_connect_timeout=timeout_s or 5.0,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2), health_check_interval=0,
+        config,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s or 5.0,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+        health_check_interval=0,
     )
 
 
@@ -129,8 +132,15 @@ async def _ensure_topics_once(kafka: KafkaConfig, settings: BackfillSettings, ti
     """One attempt to create any missing topic; False while the broker is away."""
     names = [settings.topic, settings.backfilled_topic, settings.deadletter_topic]
     try:
-        await asyncio.to_thread(ensure_topics, kafka.bootstrap, names, settings.topic_partitions,
-                                settings.topic_replication, timeout_s, kafka.security_properties())
+        await asyncio.to_thread(
+            ensure_topics,
+            kafka.bootstrap,
+            names,
+            settings.topic_partitions,
+            settings.topic_replication,
+            timeout_s,
+            kafka.security_properties(),
+        )
         return True
     except Exception as exc:  # noqa: BLE001 - broker away: the callers retry
         log.debug("cannot create topics now: %r", exc)
@@ -144,8 +154,9 @@ async def _ensure_topics_until_done(kafka: KafkaConfig, settings: BackfillSettin
         backoff = min(backoff * 2, 10.0)
 
 
-async def create_server(config: BallastConfig, settings: BackfillSettings | None = None,
-                        replayer: Replayer | None = None) -> BackfillApp:
+async def create_server(
+    config: BallastConfig, settings: BackfillSettings | None = None, replayer: Replayer | None = None
+) -> BackfillApp:
     """Starts the service; `settings` and `replayer` override the config (tests)."""
     settings = resolve_settings(config, settings)
     telemetry = Telemetry("backfill", config.telemetry)
@@ -154,12 +165,23 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     # Pub/sub blocks on reads by design: its own connection, without the command timeout.
     pubsub_client = _redis_client(config.redis, None)
     if config.redis.cluster:
-        store = ClusterAnswerStore(client, settings.redis_prefix, settings.answer_retention_s,
-                                   settings.session_index_max, settings.claim_lease_s, config.redis.wait_replicas,
-                                   config.redis.wait_timeout_ms)
+        store = ClusterAnswerStore(
+            client,
+            settings.redis_prefix,
+            settings.answer_retention_s,
+            settings.session_index_max,
+            settings.claim_lease_s,
+            config.redis.wait_replicas,
+            config.redis.wait_timeout_ms,
+        )
     else:
-        store = AnswerStore(client, settings.redis_prefix, settings.answer_retention_s, settings.session_index_max,
-                            settings.claim_lease_s)
+        store = AnswerStore(
+            client,
+            settings.redis_prefix,
+            settings.answer_retention_s,
+            settings.session_index_max,
+            settings.claim_lease_s,
+        )
     notices = Notices(pubsub_client, store.channel)
     servicer = BackfillServicer(settings, Authenticator(config.auth), store, notices, metrics)
     metrics.observe_subscribers(lambda: servicer.subscribers)
@@ -171,11 +193,15 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
     bind_health_port(server, settings.host, config.tls)
 
     kafka_security = config.kafka.security_properties()
-    producer = AsyncProducer(config.kafka.bootstrap, settings.delivery_timeout_s, "ballast-backfill",
-                             extra=kafka_security)
-    check_kafka = KafkaCheck(admin_client(config.kafka.bootstrap, kafka_security), producer, config.kafka.timeout_s,
-                             on_renewed=partial(_ensure_topics_once, config.kafka, settings,
-                                                config.kafka.timeout_s))
+    producer = AsyncProducer(
+        config.kafka.bootstrap, settings.delivery_timeout_s, "ballast-backfill", extra=kafka_security
+    )
+    check_kafka = KafkaCheck(
+        admin_client(config.kafka.bootstrap, kafka_security),
+        producer,
+        config.kafka.timeout_s,
+        on_renewed=partial(_ensure_topics_once, config.kafka, settings, config.kafka.timeout_s),
+    )
 
     async def check_redis() -> None:
         await ping_redis(client)
@@ -186,10 +212,22 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         await set_serving(health, [SERVICE_NAME], serving)
 
     probes = [
-        DependencyProbe("kafka", check_kafka, telemetry.dependencies, interval_s=2.0,
-                        timeout_s=config.kafka.timeout_s + 1, on_change=on_change),
-        DependencyProbe("redis", check_redis, telemetry.dependencies, interval_s=2.0,
-                        timeout_s=config.redis.timeout_s + 1, on_change=on_change),
+        DependencyProbe(
+            "kafka",
+            check_kafka,
+            telemetry.dependencies,
+            interval_s=2.0,
+            timeout_s=config.kafka.timeout_s + 1,
+            on_change=on_change,
+        ),
+        DependencyProbe(
+            "redis",
+            check_redis,
+            telemetry.dependencies,
+            interval_s=2.0,
+            timeout_s=config.redis.timeout_s + 1,
+            on_change=on_change,
+        ),
     ]
     await server.start()
     telemetry.start()
@@ -197,19 +235,37 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         await probe.start()
     await notices.start()
     await producer.start()
-    app = BackfillApp(config, settings, server, port, telemetry, health, client, store, notices, producer,
-                      probes, servicer, _pubsub_redis=pubsub_client)
+    app = BackfillApp(
+        config,
+        settings,
+        server,
+        port,
+        telemetry,
+        health,
+        client,
+        store,
+        notices,
+        producer,
+        probes,
+        servicer,
+        _pubsub_redis=pubsub_client,
+    )
     app.sweeper = RetentionSweeper(store, settings.retention_sweep_s)
     await app.sweeper.start()
     app._topics_task = asyncio.create_task(
-        _ensure_topics_until_done(config.kafka, settings, config.kafka.timeout_s), name="backfill-topics")
+        _ensure_topics_until_done(config.kafka, settings, config.kafka.timeout_s), name="backfill-topics"
+    )
 
     if replayer is None:
         try:
             address, api_key = replay_target(config, settings)
-            replayer = RouterReplayer(address, api_key, settings.replay_timeout_s,
-                                      flush_interval_ms=settings.replay_flush_ms,
-                                      tls=config.tls.towards_public_port())
+            replayer = RouterReplayer(
+                address,
+                api_key,
+                settings.replay_timeout_s,
+                flush_interval_ms=settings.replay_flush_ms,
+                tls=config.tls.towards_public_port(),
+            )
             log.info("replaying through router %s", address)
         except ReplayTargetError as exc:
             log.error("backfill will not consume degraded requests: %s", exc)
@@ -220,20 +276,34 @@ async def create_server(config: BallastConfig, settings: BackfillSettings | None
         await app.membership.start()
         app.quarantine_watch = QuarantineWatch(config.etcd, QuarantineStore(), app.etcd)
         await app.quarantine_watch.start()
-        app.processor = Processor(settings, store, replayer, producer, metrics,
-                                  pool_watch=PrimaryPoolWatch(app.membership),
-                                  quarantine=app.quarantine_watch.store,
-                                  parked=ParkedTickets(client, settings.redis_prefix),
-                                  ensure_topics=partial(_ensure_topics_once, config.kafka, settings,
-                                                        config.kafka.timeout_s))
+        app.processor = Processor(
+            settings,
+            store,
+            replayer,
+            producer,
+            metrics,
+            pool_watch=PrimaryPoolWatch(app.membership),
+            quarantine=app.quarantine_watch.store,
+            parked=ParkedTickets(client, settings.redis_prefix),
+            ensure_topics=partial(_ensure_topics_once, config.kafka, settings, config.kafka.timeout_s),
+        )
         metrics.observe_current_lag(app.processor.oldest_in_hand)
         metrics.observe_replaying(lambda: app.processor.replaying)
         app.consumer = ConsumerLoop(
-            consumer_config(config.kafka.bootstrap, settings.group_id, settings.session_timeout_ms,
-                            settings.heartbeat_interval_ms, settings.max_poll_interval_ms, kafka_security),
-            settings.topic, app.processor.handle,
+            consumer_config(
+                config.kafka.bootstrap,
+                settings.group_id,
+                settings.session_timeout_ms,
+                settings.heartbeat_interval_ms,
+                settings.max_poll_interval_ms,
+                kafka_security,
+            ),
+            settings.topic,
+            app.processor.handle,
             max_in_flight=RECORDS_IN_HAND_PER_REPLAY * settings.replay_concurrency,
         )
         await app.consumer.start()
-    log.info("backfill serving on %s (kafka %s, redis %s)", app.address, config.kafka.bootstrap, config.redis.display_url)
+    log.info(
+        "backfill serving on %s (kafka %s, redis %s)", app.address, config.kafka.bootstrap, config.redis.display_url
+    )
     return app

@@ -43,8 +43,14 @@ class Record:
 Handler = Callable[[Record], Awaitable[None]]
 
 
-def consumer_config(bootstrap: str, group_id: str, session_timeout_ms: int, heartbeat_interval_ms: int,
-                    max_poll_interval_ms: int, security: Mapping[str, str] | None = None) -> dict:
+def consumer_config(
+    bootstrap: str,
+    group_id: str,
+    session_timeout_ms: int,
+    heartbeat_interval_ms: int,
+    max_poll_interval_ms: int,
+    security: Mapping[str, str] | None = None,
+) -> dict:
     """librdkafka settings of the replay consumer; `security`: SASL and TLS properties."""
     return {
         **(security or {}),
@@ -84,8 +90,15 @@ class _Partition:
 
 
 class ConsumerLoop:
-    def __init__(self, config: dict, topic: str, handler: Handler, max_in_flight: int = 1,
-                 on_error: Callable[[str], None] | None = None, commit_interval_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        config: dict,
+        topic: str,
+        handler: Handler,
+        max_in_flight: int = 1,
+        on_error: Callable[[str], None] | None = None,
+        commit_interval_s: float = 0.5,
+    ) -> None:
         """Offsets of handled records are committed at most every `commit_interval_s` (and on
         stop and revoke): a synchronous commit per record would cap intake at the broker's
         round trip. A crash re-delivers at most that much, which handling by ticket absorbs."""
@@ -239,8 +252,14 @@ class ConsumerLoop:
                 return
             state.outstanding.add(offset)
             state.next_offset = max(state.next_offset or 0, offset + 1)
-        record = Record(message.topic(), partition, offset, message.key(), message.value(),
-                        tuple((k, v or b"") for k, v in (message.headers() or ())))
+        record = Record(
+            message.topic(),
+            partition,
+            offset,
+            message.key(),
+            message.value(),
+            tuple((k, v or b"") for k, v in (message.headers() or ())),
+        )
         self._backlog.append(record)
         self._start_waiting()
 

@@ -24,15 +24,17 @@ LOST_BROKER_TIMEOUT_S = 1.0
 
 def admin_client(bootstrap: str, security: Mapping[str, str] | None = None) -> AdminClient:
     # Reconnect soon after the broker is back: the check should not report an outage that is over.
-    return AdminClient({"bootstrap.servers": bootstrap, "log_level": 2, "reconnect.backoff.max.ms": 1000,
-                        **(security or {})})
+    return AdminClient(
+        {"bootstrap.servers": bootstrap, "log_level": 2, "reconnect.backoff.max.ms": 1000, **(security or {})}
+    )
 
 
 class KafkaCheck:
     """Raises while the broker is unreachable; a DependencyProbe calls it."""
 
-    def __init__(self, admin: AdminClient, producer: AsyncProducer, timeout_s: float,
-                 on_renewed: Callable[[], Awaitable[object]]) -> None:
+    def __init__(
+        self, admin: AdminClient, producer: AsyncProducer, timeout_s: float, on_renewed: Callable[[], Awaitable[object]]
+    ) -> None:
         self.admin = admin
         self.producer = producer
         self.timeout_s = timeout_s

@@ -24,13 +24,15 @@ class BackfillMetrics:
             "ballast_backfill_dead_lettered", description="Degraded requests given up on, by cause."
         )
         self.replays = meter.create_counter(
-            "ballast_backfill_replays", description="Replays on the full model, by result (ok, busy, unhealthy, config, failed)."
+            "ballast_backfill_replays",
+            description="Replays on the full model, by result (ok, busy, unhealthy, config, failed).",
         )
         self.delivered = meter.create_counter(
             "ballast_backfill_delivered", description="Better answers pushed to a subscription (once per ticket)."
         )
         self.lag = meter.create_histogram(
-            "ballast_backfill_completion_lag", unit="s",
+            "ballast_backfill_completion_lag",
+            unit="s",
             description="Seconds from the original request to its better answer being stored.",
             explicit_bucket_boundaries_advisory=list(LAG_BUCKETS_S),
         )
@@ -47,7 +49,9 @@ class BackfillMetrics:
             yield Observation(0.0 if oldest is None else max(0.0, time.time() - oldest))
 
         self._meter.create_observable_gauge(
-            "ballast_backfill_current_lag", callbacks=[observe], unit="s",
+            "ballast_backfill_current_lag",
+            callbacks=[observe],
+            unit="s",
             description="Seconds since the original timestamp of the oldest degraded request being handled.",
         )
 
@@ -56,7 +60,8 @@ class BackfillMetrics:
             yield Observation(count())
 
         self._meter.create_observable_gauge(
-            "ballast_backfill_replays_in_flight", callbacks=[observe],
+            "ballast_backfill_replays_in_flight",
+            callbacks=[observe],
             description="Replays running on the router now (at most backfill.replay_concurrency).",
         )
 

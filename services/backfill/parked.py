@@ -34,8 +34,14 @@ class ParkedTicket:
     def from_json(cls, raw: bytes | str) -> "ParkedTicket | None":
         try:
             data = json.loads(raw)
-            return cls(ticket=str(data["ticket"]), tenant=str(data["tenant"]), cause=str(data["cause"]),
-                       attempts=int(data["attempts"]), at=float(data["at"]), error=str(data.get("error", "")))
+            return cls(
+                ticket=str(data["ticket"]),
+                tenant=str(data["tenant"]),
+                cause=str(data["cause"]),
+                attempts=int(data["attempts"]),
+                at=float(data["at"]),
+                error=str(data.get("error", "")),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 

@@ -16,8 +16,10 @@ from services.common.membership import MembershipWatcher, WorkerRecord
 
 
 def routable_primary(workers: dict[str, WorkerRecord], model: str) -> bool:
-    return any(w.pool == "primary" and w.model == model and w.healthy and not w.draining
-               and not w.standby for w in workers.values())
+    return any(
+        w.pool == "primary" and w.model == model and w.healthy and not w.draining and not w.standby
+        for w in workers.values()
+    )
 
 
 class PrimaryPoolWatch:

@@ -57,11 +57,18 @@ INFRA_ERRORS = (RedisError, OSError, DeliveryFailed, asyncio.TimeoutError)
 
 
 class Processor:
-    def __init__(self, settings: BackfillSettings, store: AnswerStore, replayer: Replayer,
-                 producer: AsyncProducer, metrics: BackfillMetrics | None = None,
-                 pool_watch: PrimaryPoolWatch | None = None,
-                 ensure_topics: Callable[[], Awaitable[object]] | None = None,
-                 quarantine: QuarantineStore | None = None, parked: ParkedTickets | None = None) -> None:
+    def __init__(
+        self,
+        settings: BackfillSettings,
+        store: AnswerStore,
+        replayer: Replayer,
+        producer: AsyncProducer,
+        metrics: BackfillMetrics | None = None,
+        pool_watch: PrimaryPoolWatch | None = None,
+        ensure_topics: Callable[[], Awaitable[object]] | None = None,
+        quarantine: QuarantineStore | None = None,
+        parked: ParkedTickets | None = None,
+    ) -> None:
         """`ensure_topics` creates the topics the processor writes to when they are missing; it
         runs when a publish fails, since a broker replaced by a fresh one has lost them (the
         publish would otherwise time out again and again while replays wait behind it)."""
@@ -93,9 +100,15 @@ class Processor:
     async def handle(self, record: Record) -> str:
         """Settles one record; returns the outcome (stored, duplicate or dead_lettered)."""
         with TRACER.start_as_current_span(
-            "backfill.handle", context=tracing.context_from_headers(record.headers), kind=SpanKind.CONSUMER,
-            attributes={"messaging.system": "kafka", "messaging.destination.name": record.topic,
-                        "messaging.kafka.partition": record.partition, "messaging.kafka.offset": record.offset},
+            "backfill.handle",
+            context=tracing.context_from_headers(record.headers),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.destination.name": record.topic,
+                "messaging.kafka.partition": record.partition,
+                "messaging.kafka.offset": record.offset,
+            },
         ) as span:
             outcome = await self._handle(record)
             span.set_attribute("ballast.outcome", outcome)
@@ -147,8 +160,14 @@ class Processor:
         while True:
             if self._quarantined(degraded):
                 # Checked before every try: a quarantine may arrive while this one waits.
-                await self._dead_letter(record, "quarantined: the request killed the workers it ran on", 0,
-                                        cause="quarantined", ticket=degraded.ticket, tenant=degraded.tenant)
+                await self._dead_letter(
+                    record,
+                    "quarantined: the request killed the workers it ran on",
+                    0,
+                    cause="quarantined",
+                    ticket=degraded.ticket,
+                    tenant=degraded.tenant,
+                )
                 return None
             started = time.perf_counter()
             try:
@@ -156,18 +175,31 @@ class Processor:
             except ReplayError as error:
                 self._count("replays", result=error.kind.value)
                 if error.kind is ReplayErrorKind.QUARANTINED:
-                    await self._dead_letter(record, str(error), 0, cause="quarantined",
-                                            ticket=degraded.ticket, tenant=degraded.tenant)
+                    await self._dead_letter(
+                        record, str(error), 0, cause="quarantined", ticket=degraded.ticket, tenant=degraded.tenant
+                    )
                     return None
                 if error.kind is ReplayErrorKind.FAILED:
                     attempts = await self._infra(lambda: self.store.add_attempt(degraded.ticket), "count the attempt")
                     if attempts >= s.max_attempts:
-                        await self._dead_letter(record, str(error), attempts, cause="attempts",
-                                                ticket=degraded.ticket, tenant=degraded.tenant)
+                        await self._dead_letter(
+                            record,
+                            str(error),
+                            attempts,
+                            cause="attempts",
+                            ticket=degraded.ticket,
+                            tenant=degraded.tenant,
+                        )
                         return None
                     wait = min(s.retry_backoff_max_s, s.retry_backoff_s * 2 ** (attempts - 1))
-                    log.warning("replay of ticket %s failed (attempt %d of %d): %s; again in %.1fs",
-                                degraded.ticket, attempts, s.max_attempts, error, wait)
+                    log.warning(
+                        "replay of ticket %s failed (attempt %d of %d): %s; again in %.1fs",
+                        degraded.ticket,
+                        attempts,
+                        s.max_attempts,
+                        error,
+                        wait,
+                    )
                     await asyncio.sleep(wait)
                     continue
                 if error.kind is ReplayErrorKind.CONFIG:
@@ -209,11 +241,13 @@ class Processor:
         headers = [(CONTENT_TYPE_HEADER, BACKFILLED_CONTENT_TYPE)]
         await self._infra(
             lambda: self.producer.send(self.settings.backfilled_topic, answer.SerializeToString(), key, headers),
-            "publish the answer", reset_producer=True,
+            "publish the answer",
+            reset_producer=True,
         )
 
-    async def _dead_letter(self, record: Record, error: str, attempts: int, cause: str,
-                           ticket: str = "", tenant: str = "") -> None:
+    async def _dead_letter(
+        self, record: Record, error: str, attempts: int, cause: str, ticket: str = "", tenant: str = ""
+    ) -> None:
         headers = [
             *record.headers,
             (DLQ_ERROR_HEADER, error[:1000].encode()),
@@ -223,16 +257,27 @@ class Processor:
         await self._renew_producer()
         await self._infra(
             lambda: self.producer.send(self.settings.deadletter_topic, record.value or b"", record.key, headers),
-            "dead-letter the record", reset_producer=True,
+            "dead-letter the record",
+            reset_producer=True,
         )
         if self.parked is not None:
             parked = self.parked
-            await self._infra(lambda: parked.add(ticket or f"{record.topic}/{record.partition}/{record.offset}",
-                                                 tenant, cause, attempts, error), "list the parked ticket")
+            await self._infra(
+                lambda: parked.add(
+                    ticket or f"{record.topic}/{record.partition}/{record.offset}", tenant, cause, attempts, error
+                ),
+                "list the parked ticket",
+            )
         self._count("dead_lettered", cause=cause)
         self._count("processed", outcome="dead_lettered")
-        log.error("dead-lettered %s/%d@%d after %d attempts: %s", record.topic, record.partition,
-                  record.offset, attempts, error)
+        log.error(
+            "dead-lettered %s/%d@%d after %d attempts: %s",
+            record.topic,
+            record.partition,
+            record.offset,
+            attempts,
+            error,
+        )
 
     async def _infra(self, call: Callable[[], Awaitable[T]], what: str, reset_producer: bool = False) -> T:
         """Runs a call on Redis or Kafka until it works, backing off while they are away."""

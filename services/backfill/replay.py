@@ -68,8 +68,15 @@ def replay_error(error: grpc.aio.AioRpcError) -> ReplayError:
 class RouterReplayer:
     """Replays through ballast.v1.Inference/Generate with an internal API key."""
 
-    def __init__(self, address: str, api_key: str, timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
-                 flush_interval_ms: int = 0, tls: TLSConfig | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        api_key: str,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 5.0,
+        flush_interval_ms: int = 0,
+        tls: TLSConfig | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.flush_interval_ms = flush_interval_ms
@@ -106,10 +113,13 @@ class RouterReplayer:
                         # allow_degraded=false should make this impossible; never store it as "better".
                         raise ReplayError(ReplayErrorKind.FAILED, "the router degraded a replay")
                     return ReplayResult(
-                        text="".join(text), token_ids=ids, finish_reason=finished.reason,
+                        text="".join(text),
+                        token_ids=ids,
+                        finish_reason=finished.reason,
                         prompt_tokens=finished.usage.prompt_tokens,
                         completion_tokens=finished.usage.completion_tokens,
-                        model=model or request.model, model_version=model_version,
+                        model=model or request.model,
+                        model_version=model_version,
                     )
         except grpc.aio.AioRpcError as error:
             raise replay_error(error) from None

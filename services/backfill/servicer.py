@@ -37,8 +37,14 @@ CLAIM_BATCH = 64
 
 
 class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
-    def __init__(self, settings: BackfillSettings, auth: Authenticator, store: AnswerStore, notices: Notices,
-                 metrics: BackfillMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: BackfillSettings,
+        auth: Authenticator,
+        store: AnswerStore,
+        notices: Notices,
+        metrics: BackfillMetrics | None = None,
+    ) -> None:
         self.settings = settings
         self.auth = auth
         self.store = store
@@ -55,14 +61,16 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
         # Another tenant's ticket looks exactly like one that is not ready.
         state = await self._redis(self.store.state(ticket, tenant))
         if state is AnswerState.EXPIRED:
-            raise BackfillExpired(f"the answer for ticket {ticket} was kept for "
-                                  f"{self.settings.answer_retention_s} s and has expired")
+            raise BackfillExpired(
+                f"the answer for ticket {ticket} was kept for {self.settings.answer_retention_s} s and has expired"
+            )
         if state is AnswerState.LOST:
             raise BackfillLost(f"the answer for ticket {ticket} was stored and is no longer in the answer store")
         raise BackfillPending(f"no answer for ticket {ticket} yet")
 
-    async def Subscribe(self, request: backfill_pb2.SubscribeRequest,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[backfill_pb2.BackfilledAnswer]:
+    async def Subscribe(
+        self, request: backfill_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[backfill_pb2.BackfilledAnswer]:
         tenant = self.auth.tenant_for(context.invocation_metadata())
         which, target = subscription_target(request)
         if which == "ticket":
@@ -87,8 +95,7 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
                         return  # pushed to another subscription already; GetAnswer reads it
                     answers = [answer] if answer is not None else []
                 else:
-                    answers = await self._redis(
-                        self.store.claim_session(tenant, session_id, subscriber, CLAIM_BATCH))
+                    answers = await self._redis(self.store.claim_session(tenant, session_id, subscriber, CLAIM_BATCH))
                 for i, answer in enumerate(answers):
                     try:
                         yield answer
@@ -115,8 +122,9 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
             self.notices.unwatch(keys, wake)
             self.subscribers -= 1
 
-    async def _claim_ticket(self, tenant: str, ticket: str,
-                            subscriber: str) -> tuple[backfill_pb2.BackfilledAnswer | None, bool]:
+    async def _claim_ticket(
+        self, tenant: str, ticket: str, subscriber: str
+    ) -> tuple[backfill_pb2.BackfilledAnswer | None, bool]:
         """The ticket's answer if it is ready, the tenant's, and now claimed by this subscriber;
         and whether another subscription claimed it first."""
         answer = await self._redis(self.store.get(ticket))
@@ -135,8 +143,9 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
         while True:
             try:
                 if not await self.store.confirm(answer.ticket, subscriber):
-                    log.warning("the lease on %s expired before its push was confirmed; it may be pushed again",
-                                answer.ticket)
+                    log.warning(
+                        "the lease on %s expired before its push was confirmed; it may be pushed again", answer.ticket
+                    )
                 return
             except (RedisError, OSError) as exc:
                 if time.monotonic() + delay > deadline:
@@ -162,4 +171,3 @@ class BackfillServicer(backfill_pb2_grpc.BackfillServicer):
             if isinstance(exc, RedisError):
                 raise Unavailable(f"answer store unreachable: {exc}") from None
             raise
-

@@ -20,14 +20,18 @@ class BackfillSettings(Section):
     port: int = Field(50071, ge=0, le=65535, description="Port; 0 picks one.")
     # Kafka.
     topic: str = Field(DEGRADED_TOPIC, min_length=1, description="Topic of degraded requests (consumed).")
-    backfilled_topic: str = Field(BACKFILLED_TOPIC, min_length=1, description="Topic the better answers are published to.")
+    backfilled_topic: str = Field(
+        BACKFILLED_TOPIC, min_length=1, description="Topic the better answers are published to."
+    )
     deadletter_topic: str = Field(DEADLETTER_TOPIC, min_length=1, description="Topic of requests given up on.")
     topic_partitions: int = Field(3, ge=1, description="Partitions when the service creates a topic.")
     topic_replication: int = Field(1, ge=1, description="Replication factor when the service creates a topic.")
     group_id: str = Field("ballast-backfill", min_length=1, description="Kafka consumer group.")
     session_timeout_ms: int = Field(10_000, ge=1000, description="Consumer group session timeout.")
     heartbeat_interval_ms: int = Field(1000, ge=100, description="Consumer heartbeat interval.")
-    max_poll_interval_ms: int = Field(300_000, ge=10_000, description="Longest gap between polls before the group drops us.")
+    max_poll_interval_ms: int = Field(
+        300_000, ge=10_000, description="Longest gap between polls before the group drops us."
+    )
     delivery_timeout_s: float = Field(10.0, gt=0, description="How long a published record may wait for the broker.")
     # Replay.
     router_address: str = Field("", description="Router host:port to replay through; empty: router.host:router.port.")
@@ -36,14 +40,22 @@ class BackfillSettings(Section):
     )
     replay_tenant: str = Field("ballast-backfill", min_length=1, description="Tenant whose key replays use by default.")
     replay_concurrency: int = Field(
-        1, ge=1, le=64, description="Replays at once. They run at tier B through the router, which "
-                                   "serves live traffic first; this bounds what they queue there. "
-                                   "Twice as many records are in hand: storing and publishing one "
-                                   "answer overlaps other replays.")
+        1,
+        ge=1,
+        le=64,
+        description="Replays at once. They run at tier B through the router, which "
+        "serves live traffic first; this bounds what they queue there. "
+        "Twice as many records are in hand: storing and publishing one "
+        "answer overlaps other replays.",
+    )
     replay_timeout_s: float = Field(120.0, gt=0, description="Deadline of one replay.")
     replay_flush_ms: int = Field(
-        1000, ge=0, le=10_000, description="GenerateRequest.flush_interval_ms of a replay: the backfill "
-                                           "stores whole answers, so their tokens come in a few messages, not one each.")
+        1000,
+        ge=0,
+        le=10_000,
+        description="GenerateRequest.flush_interval_ms of a replay: the backfill "
+        "stores whole answers, so their tokens come in a few messages, not one each.",
+    )
     max_attempts: int = Field(5, ge=1, le=100, description="Failed replays of one request before it is dead-lettered.")
     retry_backoff_s: float = Field(2.0, gt=0, description="Wait after a failed replay; doubles per attempt.")
     retry_backoff_max_s: float = Field(60.0, gt=0, description="Longest wait between failed replays.")
@@ -53,14 +65,21 @@ class BackfillSettings(Section):
     # Storage and delivery.
     redis_prefix: str = Field("ballast:backfill:", min_length=1, description="Prefix of every backfill key in Redis.")
     answer_retention_s: int = Field(
-        3 * 86400, ge=60, description="How long better answers (and their delivery marks) are kept after they are "
-                                      "stored; enforced by the backfill's sweep, never by Redis memory pressure.")
+        3 * 86400,
+        ge=60,
+        description="How long better answers (and their delivery marks) are kept after they are "
+        "stored; enforced by the backfill's sweep, never by Redis memory pressure.",
+    )
     retention_sweep_s: float = Field(60.0, gt=0, description="How often the backfill removes answers past retention.")
-    session_index_max: int = Field(1000, ge=1, description="Answers remembered per session for Subscribe; oldest go first.")
+    session_index_max: int = Field(
+        1000, ge=1, description="Answers remembered per session for Subscribe; oldest go first."
+    )
     # Notices wake subscriptions, and all of them re-read when the notice listener reconnects;
     # this timer only bounds what an unforeseen loss could delay. Each re-read is a Redis call
     # per open subscription, so a short timer costs the most where subscriptions are many.
-    subscribe_poll_s: float = Field(30.0, gt=0, description="Subscriptions re-check Redis this often even without a notice.")
+    subscribe_poll_s: float = Field(
+        30.0, gt=0, description="Subscriptions re-check Redis this often even without a notice."
+    )
     subscribe_max_s: float = Field(3600.0, gt=0, description="Longest life of one subscription stream.")
     # A subscription that dies between taking an answer and pushing it (its process killed, its
     # Redis reply lost) holds the answer this long; then the next subscription's read pushes it.
@@ -97,7 +116,9 @@ def replay_target(config: Any, settings: BackfillSettings) -> tuple[str, str]:
     address = settings.router_address
     if not address:
         if not config.router.port:
-            raise ReplayTargetError("backfill.router_address is empty and router.port is 0: set backfill.router_address")
+            raise ReplayTargetError(
+                "backfill.router_address is empty and router.port is 0: set backfill.router_address"
+            )
         address = f"{config.router.host}:{config.router.port}"
     key = settings.router_api_key
     if not key and config.auth.enabled:

@@ -86,28 +86,36 @@ end
 
 # KEYS[1]: a delivery mark. ARGV: this subscriber's lease, its length (s). Takes the mark when
 # it is free, ours, or a lease that ran out (1), else leaves it (0).
-_CLAIM = _MARKS + """
+_CLAIM = (
+    _MARKS
+    + """
 local now = now_ms()
 if held_by_other(redis.call('GET', KEYS[1]), ARGV[1], now) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1] .. '@' .. (now + tonumber(ARGV[2]) * 1000))
 return 1
 """
+)
 
 # KEYS[1]: a delivery mark. ARGV: this subscriber's lease, its sent mark. The push was written:
 # the lease becomes the sent mark, kept as long as the answer (1); 0 if the mark is another's
 # (this lease ran out and another subscription took it).
-_CONFIRM = _MARKS + """
+_CONFIRM = (
+    _MARKS
+    + """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[2] then return 1 end
 if not is_mine(holder, ARGV[1]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[2])
 return 1
 """
+)
 
 # Deletes the delivery mark only if this subscriber's lease holds it (an unclaim after a failed
 # write), then announces the answer again (ARGV[2]: channel, ARGV[3]: notice) so a waiting
 # subscription takes it now.
-_UNCLAIM = _MARKS + """
+_UNCLAIM = (
+    _MARKS
+    + """
 if is_mine(redis.call('GET', KEYS[1]), ARGV[1]) then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[2], ARGV[3])
@@ -115,13 +123,16 @@ if is_mine(redis.call('GET', KEYS[1]), ARGV[1]) then
 end
 return 0
 """
+)
 
 
 # KEYS: the answer's key, its state, the retention index, and its session's index when it has
 # a session. ARGV: the answer, ticket, original timestamp (ms), index size, notice channel,
 # notice, state. Stores the answer unless one is (1 when stored; its retention runs from now),
 # indexes and announces it either way.
-_PUT_ONCE = _MARKS + """
+_PUT_ONCE = (
+    _MARKS
+    + """
 local stored = redis.call('SET', KEYS[1], ARGV[1], 'NX')
 if stored then
   redis.call('SET', KEYS[2], ARGV[7])
@@ -136,13 +147,16 @@ redis.call('PUBLISH', ARGV[5], ARGV[6])
 if stored then return 1 end
 return 0
 """
+)
 
 
 # KEYS[1]: a session's index. ARGV: key prefix, this subscriber's lease, lease length (s), most
 # answers to take. Returns ticket, answer, ticket, answer, ...: the stored answers of the session
 # not delivered yet (no mark, this lease's, or a lease that ran out), oldest original request
 # first, each now held by this lease.
-_CLAIM_SESSION = _MARKS + """
+_CLAIM_SESSION = (
+    _MARKS
+    + """
 local taken = {}
 local limit = tonumber(ARGV[4])
 local now = now_ms()
@@ -161,6 +175,7 @@ for _, ticket in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
 end
 return taken
 """
+)
 
 
 # Warn at most this often that writes went out without reaching their replicas.
@@ -199,8 +214,9 @@ def _text(raw: bytes | str | None) -> str | None:
 
 
 class AnswerStore:
-    def __init__(self, client: AnyRedis, prefix: str, retention_s: int, index_max: int = 1000,
-                 claim_lease_s: float = 30.0) -> None:
+    def __init__(
+        self, client: AnyRedis, prefix: str, retention_s: int, index_max: int = 1000, claim_lease_s: float = 30.0
+    ) -> None:
         self.redis = client
         self.prefix = prefix
         self.retention_s = retention_s
@@ -246,9 +262,18 @@ class AnswerStore:
         keys = [self._answer(answer.ticket), self._state(answer.ticket), self.retained_key]
         if answer.session_id:
             keys.append(self._session(answer.tenant, answer.session_id))
-        stored = await self._put_once(keys=keys, args=[
-            answer.SerializeToString(), answer.ticket, answer.received_at.ToMilliseconds(),
-            self.index_max, self.channel, self._notice(answer), self._stored_state(answer)])
+        stored = await self._put_once(
+            keys=keys,
+            args=[
+                answer.SerializeToString(),
+                answer.ticket,
+                answer.received_at.ToMilliseconds(),
+                self.index_max,
+                self.channel,
+                self._notice(answer),
+                self._stored_state(answer),
+            ],
+        )
         return bool(stored)
 
     @staticmethod
@@ -272,13 +297,16 @@ class AnswerStore:
             return AnswerState.LOST
         return AnswerState.PENDING
 
-    async def claim_session(self, tenant: str, session_id: str, subscriber: str,
-                            limit: int) -> list[backfill_pb2.BackfilledAnswer]:
+    async def claim_session(
+        self, tenant: str, session_id: str, subscriber: str, limit: int
+    ) -> list[backfill_pb2.BackfilledAnswer]:
         """Takes the delivery marks of up to `limit` stored, undelivered answers of the session
         (oldest original request first) as leases and returns those answers. The index is per
         tenant, so they are the tenant's own."""
-        reply = await self._claim_session(keys=[self._session(tenant, session_id)],
-                                          args=[self.prefix, lease_mark(subscriber), self.claim_lease_s, limit])
+        reply = await self._claim_session(
+            keys=[self._session(tenant, session_id)],
+            args=[self.prefix, lease_mark(subscriber), self.claim_lease_s, limit],
+        )
         answers = []
         for ticket, raw in zip(reply[::2], reply[1::2]):
             try:
@@ -287,26 +315,33 @@ class AnswerStore:
                 # Not written by put_once. Marked for good, so no subscription of the session
                 # trips on it again; the rest go out.
                 await self.confirm(ticket.decode(errors="replace"), subscriber)
-                log.error("unreadable answer %s in session %s of %s; skipped",
-                          ticket.decode(errors="replace"), session_id, tenant)
+                log.error(
+                    "unreadable answer %s in session %s of %s; skipped",
+                    ticket.decode(errors="replace"),
+                    session_id,
+                    tenant,
+                )
         return answers
 
     async def claim(self, ticket: str, subscriber: str) -> bool:
         """Takes the delivery mark as a lease; True for the one caller that may push this ticket
         (again True for the same subscriber while its lease holds)."""
-        return bool(await self._claim(keys=[self._delivered(ticket)],
-                                      args=[lease_mark(subscriber), self.claim_lease_s]))
+        return bool(
+            await self._claim(keys=[self._delivered(ticket)], args=[lease_mark(subscriber), self.claim_lease_s])
+        )
 
     async def confirm(self, ticket: str, subscriber: str) -> bool:
         """The push was written: the mark is kept with the answer, so no one pushes it again.
         False if the lease had run out and another subscription holds the mark."""
-        return bool(await self._confirm(keys=[self._delivered(ticket)],
-                                        args=[lease_mark(subscriber), sent_mark(subscriber)]))
+        return bool(
+            await self._confirm(keys=[self._delivered(ticket)], args=[lease_mark(subscriber), sent_mark(subscriber)])
+        )
 
     async def unclaim(self, answer: backfill_pb2.BackfilledAnswer, subscriber: str) -> None:
         """Gives a claimed answer back (the push did not reach the stream) and announces it again."""
-        await self._unclaim(keys=[self._delivered(answer.ticket)],
-                            args=[lease_mark(subscriber), self.channel, self._notice(answer)])
+        await self._unclaim(
+            keys=[self._delivered(answer.ticket)], args=[lease_mark(subscriber), self.channel, self._notice(answer)]
+        )
 
     async def add_attempt(self, ticket: str) -> int:
         # Indexed for retention from the first attempt, so the count of a request never
@@ -327,23 +362,24 @@ class AnswerStore:
         Each step may be repeated after a crash. Returns the tickets swept."""
         now_ms = (time.time() if now_s is None else now_s) * 1000
         cutoff = now_ms - self.retention_s * 1000
-        tickets = [_text(t) for t in await self.redis.zrangebyscore(self.retained_key, "-inf", cutoff,
-                                                                     start=0, num=batch)]
+        tickets = [
+            _text(t) for t in await self.redis.zrangebyscore(self.retained_key, "-inf", cutoff, start=0, num=batch)
+        ]
         for ticket in tickets:
             state = _text(await self.redis.get(self._state(ticket)))
             kind, _, rest = (state or "").partition("\0")
             if kind == STORED:
                 tenant, _, session_id = rest.partition("\0")
                 # The tombstone first: a crash after it leaves "expired", never "lost".
-                await self._write(self._state(ticket), lambda pipe, t=ticket, n=tenant: pipe.set(
-                    self._state(t), f"{EXPIRED}\0{n}"))
+                await self._write(
+                    self._state(ticket), lambda pipe, t=ticket, n=tenant: pipe.set(self._state(t), f"{EXPIRED}\0{n}")
+                )
                 await self.redis.zadd(self.expired_key, {ticket: now_ms})
                 if session_id:
                     await self.redis.zrem(self._session(tenant, session_id), ticket)
             await self.redis.delete(self._answer(ticket), self._delivered(ticket), self._attempts(ticket))
             await self.redis.zrem(self.retained_key, ticket)
-        gone = [_text(t) for t in await self.redis.zrangebyscore(self.expired_key, "-inf", cutoff,
-                                                                  start=0, num=batch)]
+        gone = [_text(t) for t in await self.redis.zrangebyscore(self.expired_key, "-inf", cutoff, start=0, num=batch)]
         for ticket in gone:
             await self.redis.delete(self._state(ticket))
             await self.redis.zrem(self.expired_key, ticket)
@@ -436,8 +472,16 @@ class ClusterAnswerStore(AnswerStore):
     index entry, a delivery mark) goes out in one pipeline with a WAIT on the same master and
     connection, and returns once that many replicas have it (or after `wait_timeout_ms`)."""
 
-    def __init__(self, client: AnyRedis, prefix: str, retention_s: int, index_max: int = 1000,
-                 claim_lease_s: float = 30.0, wait_replicas: int = 0, wait_timeout_ms: int = 500) -> None:
+    def __init__(
+        self,
+        client: AnyRedis,
+        prefix: str,
+        retention_s: int,
+        index_max: int = 1000,
+        claim_lease_s: float = 30.0,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 500,
+    ) -> None:
         if "{" in prefix or "}" in prefix:
             # A brace in the prefix would become the hash tag and put every key in one slot.
             raise ValueError(f"the backfill key prefix {prefix!r} may not contain braces on a Redis Cluster")
@@ -458,15 +502,21 @@ class ClusterAnswerStore(AnswerStore):
         if not self.wait_replicas:
             return (await pipe.execute())[0]
         await self.redis.initialize()  # the slot map, for the master of `key`
-        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms,
-                             target_nodes=self.redis.get_node_from_key(key))
+        pipe.execute_command(
+            "WAIT", self.wait_replicas, self.wait_timeout_ms, target_nodes=self.redis.get_node_from_key(key)
+        )
         *results, acked = await pipe.execute()
         if int(acked) < self.wait_replicas:
             now = time.monotonic()
             if now - self._warned_at >= _WARN_EVERY_S:
                 self._warned_at = now
-                log.warning("a backfill write reached %s of %d replicas within %d ms: a failover of "
-                            "its master now could lose it", acked, self.wait_replicas, self.wait_timeout_ms)
+                log.warning(
+                    "a backfill write reached %s of %d replicas within %d ms: a failover of "
+                    "its master now could lose it",
+                    acked,
+                    self.wait_replicas,
+                    self.wait_timeout_ms,
+                )
         return results[0]
 
     async def _write(self, key: str, write) -> object:
@@ -482,8 +532,10 @@ class ClusterAnswerStore(AnswerStore):
         # answer must not leave it unswept. A stored answer restarts the retention clock.
         state = self._state(answer.ticket)
         await self._replicated(state, lambda pipe: pipe.set(state, self._stored_state(answer)))
-        await self._replicated(self.retained_key, lambda pipe: pipe.zadd(
-            self.retained_key, {answer.ticket: time.time() * 1000}, nx=not stored))
+        await self._replicated(
+            self.retained_key,
+            lambda pipe: pipe.zadd(self.retained_key, {answer.ticket: time.time() * 1000}, nx=not stored),
+        )
         if answer.session_id:
             index = self._session(answer.tenant, answer.session_id)
             await self._replicated(index, lambda pipe: self._index(pipe, index, answer))
@@ -498,16 +550,23 @@ class ClusterAnswerStore(AnswerStore):
 
     async def claim(self, ticket: str, subscriber: str) -> bool:
         key = self._delivered(ticket)
-        return bool(await self._replicated(key, lambda pipe: pipe.eval(
-            _CLAIM, 1, key, lease_mark(subscriber), self.claim_lease_s)))
+        return bool(
+            await self._replicated(
+                key, lambda pipe: pipe.eval(_CLAIM, 1, key, lease_mark(subscriber), self.claim_lease_s)
+            )
+        )
 
     async def confirm(self, ticket: str, subscriber: str) -> bool:
         key = self._delivered(ticket)
-        return bool(await self._replicated(key, lambda pipe: pipe.eval(
-            _CONFIRM, 1, key, lease_mark(subscriber), sent_mark(subscriber))))
+        return bool(
+            await self._replicated(
+                key, lambda pipe: pipe.eval(_CONFIRM, 1, key, lease_mark(subscriber), sent_mark(subscriber))
+            )
+        )
 
-    async def claim_session(self, tenant: str, session_id: str, subscriber: str,
-                            limit: int) -> list[backfill_pb2.BackfilledAnswer]:
+    async def claim_session(
+        self, tenant: str, session_id: str, subscriber: str, limit: int
+    ) -> list[backfill_pb2.BackfilledAnswer]:
         tickets = [t.decode() for t in await self.redis.zrange(self._session(tenant, session_id), 0, -1)]
         if not tickets:
             return []

@@ -65,15 +65,21 @@ class EvictionWatch:
             policy = str(memory.get("maxmemory_policy", ""))
             if not int(memory.get("maxmemory", 0)) or policy == "noeviction":
                 # Blocks then only leave by TTL, and a full Redis refuses new ones (rejected blocks).
-                log.warning("redis has no memory bound with eviction (maxmemory=%s, policy=%s); "
-                            "set maxmemory and the volatile-lru policy for the KV cache",
-                            memory.get("maxmemory"), policy)
+                log.warning(
+                    "redis has no memory bound with eviction (maxmemory=%s, policy=%s); "
+                    "set maxmemory and the volatile-lru policy for the KV cache",
+                    memory.get("maxmemory"),
+                    policy,
+                )
                 return
             if policy.startswith("allkeys-"):
                 # Every KV block carries a TTL and the backfill's answers none: only a volatile-*
                 # policy keeps cache pressure off the answers users were promised.
-                log.warning("redis evicts with %s: KV traffic can evict the backfill's better answers; "
-                            "set maxmemory-policy volatile-lru", policy)
+                log.warning(
+                    "redis evicts with %s: KV traffic can evict the backfill's better answers; "
+                    "set maxmemory-policy volatile-lru",
+                    policy,
+                )
                 return
 
 
@@ -126,11 +132,11 @@ async def create_server(config: BallastConfig) -> CacheApp:
     client = redis_client(config.redis)
     metrics = CacheMetrics(telemetry)
     cache = config.cache
-    store = RedisKVStore(client, StoreLimits(cache.key_prefix, cache.ttl_s, cache.max_ttl_s, cache.batch_bytes),
-                         metrics)
+    store = RedisKVStore(
+        client, StoreLimits(cache.key_prefix, cache.ttl_s, cache.max_ttl_s, cache.batch_bytes), metrics
+    )
     server = new_server(tls=config.tls)
-    kvcache_pb2_grpc.add_KVCacheServicer_to_server(
-        KVCacheServicer(store, cache, config.redis, metrics), server)
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(store, cache, config.redis, metrics), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, cache.host, cache.port, server_credentials(config.tls, "cache"))
     bind_health_port(server, cache.host, config.tls)
@@ -139,8 +145,11 @@ async def create_server(config: BallastConfig) -> CacheApp:
         await set_serving(health, [SERVICE_NAME], up)
 
     probe = DependencyProbe(
-        "redis", EvictionWatch(client, metrics).check, telemetry.dependencies,
-        timeout_s=config.redis.timeout_s, on_change=on_change,
+        "redis",
+        EvictionWatch(client, metrics).check,
+        telemetry.dependencies,
+        timeout_s=config.redis.timeout_s,
+        on_change=on_change,
     )
     await server.start()
     telemetry.start()

@@ -30,8 +30,9 @@ def chain_seed(scope: KVScope, block_tokens: int) -> bytes:
     return digest.digest()
 
 
-def chain_hashes(scope: KVScope, block_tokens: int, token_ids: Sequence[int],
-                 max_blocks: int | None = None) -> list[bytes]:
+def chain_hashes(
+    scope: KVScope, block_tokens: int, token_ids: Sequence[int], max_blocks: int | None = None
+) -> list[bytes]:
     """Names of the full blocks of `token_ids` (at most `max_blocks`), in order."""
     state = chain_seed(scope, block_tokens)
     count = len(token_ids) // block_tokens
@@ -40,7 +41,7 @@ def chain_hashes(scope: KVScope, block_tokens: int, token_ids: Sequence[int],
     names = []
     pack = struct.Struct(f"<{block_tokens}i").pack
     for i in range(count):
-        block = token_ids[i * block_tokens:(i + 1) * block_tokens]
+        block = token_ids[i * block_tokens : (i + 1) * block_tokens]
         # The full 32-byte state carries forward; only the stored name is truncated.
         state = hashlib.sha256(state + pack(*block)).digest()
         names.append(state[:BLOCK_HASH_BYTES])

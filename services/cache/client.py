@@ -78,7 +78,7 @@ class FetchedBlocks:
 
     def payload(self, i: int) -> memoryview:
         size = self.layout.block_bytes
-        return memoryview(self.buffer)[i * size:(i + 1) * size]
+        return memoryview(self.buffer)[i * size : (i + 1) * size]
 
     def verified_prefix(self) -> int:
         """Leading blocks whose bytes match their checksum (CPU work: call it off the loop)."""
@@ -103,8 +103,7 @@ class KVCacheClient:
     async def healthy(self, timeout_s: float) -> bool:
         """True when the service answers SERVING (it does only while its Redis is up)."""
         try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                             timeout=timeout_s)
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s)
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -112,7 +111,8 @@ class KVCacheClient:
     async def lookup(self, scope: KVScope, hashes: Sequence[bytes], timeout_s: float) -> int:
         try:
             reply = await self._stub.Lookup(
-                kvcache_pb2.KVLookupRequest(scope=scope.to_pb(), block_hashes=list(hashes)), timeout=timeout_s)
+                kvcache_pb2.KVLookupRequest(scope=scope.to_pb(), block_hashes=list(hashes)), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         return min(reply.cached_blocks, len(hashes))
@@ -120,7 +120,8 @@ class KVCacheClient:
     async def delete(self, scope: KVScope, hashes: Sequence[bytes], timeout_s: float) -> int:
         try:
             reply = await self._stub.Delete(
-                kvcache_pb2.KVDeleteRequest(scope=scope.to_pb(), block_hashes=list(hashes)), timeout=timeout_s)
+                kvcache_pb2.KVDeleteRequest(scope=scope.to_pb(), block_hashes=list(hashes)), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         return reply.deleted_blocks
@@ -131,13 +132,14 @@ class KVCacheClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
 
-    async def get(self, scope: KVScope, hashes: Sequence[bytes], layout: KVLayout,
-                  timeout_s: float) -> FetchedBlocks:
+    async def get(self, scope: KVScope, hashes: Sequence[bytes], layout: KVLayout, timeout_s: float) -> FetchedBlocks:
         """The longest servable prefix of `hashes`; never raises for a broken stream."""
         size = layout.block_bytes
         fetched = FetchedBlocks(layout, bytearray(len(hashes) * size))
-        call = self._stub.Get(kvcache_pb2.KVGetRequest(scope=scope.to_pb(), block_hashes=list(hashes),
-                                                       layout=layout.to_pb()), timeout=timeout_s)
+        call = self._stub.Get(
+            kvcache_pb2.KVGetRequest(scope=scope.to_pb(), block_hashes=list(hashes), layout=layout.to_pb()),
+            timeout=timeout_s,
+        )
         announced: list[BlockHeader] = []
         received = 0  # bytes of announced blocks, written back to back into the buffer
         try:
@@ -145,16 +147,21 @@ class KVCacheClient:
                 for pb in reply.headers:
                     header = BlockHeader.from_pb(pb)
                     i = len(announced)
-                    if (i >= len(hashes) or header.block_index != i or header.block_hash != hashes[i]
-                            or header.layout != layout or header.size != size):
+                    if (
+                        i >= len(hashes)
+                        or header.block_index != i
+                        or header.block_hash != hashes[i]
+                        or header.layout != layout
+                        or header.size != size
+                    ):
                         raise _Broken(f"kv cache sent an unexpected block header at block {i}")
                     announced.append(header)
                 data = reply.data
                 if received + len(data) > len(announced) * size:
                     raise _Broken("kv cache sent bytes for a block it did not announce")
-                fetched.buffer[received:received + len(data)] = data
+                fetched.buffer[received : received + len(data)] = data
                 received += len(data)
-                fetched.headers = announced[:received // size]
+                fetched.headers = announced[: received // size]
         except _Broken as broken:
             fetched.error = Unavailable(str(broken))
         except grpc.aio.AioRpcError as exc:
@@ -163,8 +170,9 @@ class KVCacheClient:
             call.cancel()  # no-op when finished; frees the server's work when we stopped early
         return fetched
 
-    async def put(self, scope: KVScope, layout: KVLayout, blocks: Sequence[PutBlock], ttl_s: int,
-                  timeout_s: float) -> PutResult:
+    async def put(
+        self, scope: KVScope, layout: KVLayout, blocks: Sequence[PutBlock], ttl_s: int, timeout_s: float
+    ) -> PutResult:
         async def requests() -> AsyncIterator[kvcache_pb2.KVPutRequest]:
             for message in put_messages(scope, layout, blocks, ttl_s, self._chunk):
                 yield message
@@ -176,12 +184,21 @@ class KVCacheClient:
         return PutResult(reply.stored_blocks, reply.stored_bytes, reply.rejected_blocks)
 
 
-def put_messages(scope: KVScope, layout: KVLayout, blocks: Sequence[PutBlock], ttl_s: int,
-                 chunk_bytes: int) -> Iterator[kvcache_pb2.KVPutRequest]:
+def put_messages(
+    scope: KVScope, layout: KVLayout, blocks: Sequence[PutBlock], ttl_s: int, chunk_bytes: int
+) -> Iterator[kvcache_pb2.KVPutRequest]:
     """The Put stream: `open` in the first message, then the blocks framed by framing.pack."""
     layout_pb = layout.to_pb()
-    headers = (kvcache_pb2.KVBlockHeader(block_hash=b.block_hash, block_index=b.index, layout=layout_pb,
-                                         size=memoryview(b.payload).nbytes, crc32=b.crc32) for b in blocks)
+    headers = (
+        kvcache_pb2.KVBlockHeader(
+            block_hash=b.block_hash,
+            block_index=b.index,
+            layout=layout_pb,
+            size=memoryview(b.payload).nbytes,
+            crc32=b.crc32,
+        )
+        for b in blocks
+    )
     open_ = kvcache_pb2.KVPutOpen(scope=scope.to_pb(), ttl_s=ttl_s)
     first = True
     for message_headers, data in pack(zip(headers, (b.payload for b in blocks)), chunk_bytes):

@@ -34,7 +34,7 @@ class Packer:
         offset = 0
         while offset < len(view):
             take = min(len(view) - offset, self._chunk - self._filled)
-            self._parts.append(view[offset:offset + take])
+            self._parts.append(view[offset : offset + take])
             self._filled += take
             offset += take
             if self._filled == self._chunk:
@@ -91,7 +91,7 @@ class Unpacker:
                 self._buffer = bytearray(self._size_of(self._current))
                 self._filled = 0
             take = min(len(view) - offset, len(self._buffer) - self._filled)
-            self._buffer[self._filled:self._filled + take] = view[offset:offset + take]
+            self._buffer[self._filled : self._filled + take] = view[offset : offset + take]
             self._filled += take
             offset += take
             if self._filled == len(self._buffer):

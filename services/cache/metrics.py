@@ -30,38 +30,45 @@ class CacheMetrics:
     def __init__(self, telemetry: Telemetry) -> None:
         meter = telemetry.meter
         self.totals = CacheTotals()
-        self._hits = meter.create_counter(
-            "ballast_cache_hits", description="Blocks served by Get.")
+        self._hits = meter.create_counter("ballast_cache_hits", description="Blocks served by Get.")
         self._misses = meter.create_counter(
             "ballast_cache_misses",
             description="Gets that stopped short of the asked blocks, by reason of the first miss "
-                        "(absent, corrupt, partial, mismatch).")
+            "(absent, corrupt, partial, mismatch).",
+        )
         self._bytes = meter.create_counter(
-            "ballast_cache_bytes", unit="By", description="Block bytes stored (in) and served (out).")
+            "ballast_cache_bytes", unit="By", description="Block bytes stored (in) and served (out)."
+        )
         self._checksum_failures = meter.create_counter(
             "ballast_cache_checksum_failures",
-            description="Blocks whose bytes did not match their checksum, on Put or in the store.")
+            description="Blocks whose bytes did not match their checksum, on Put or in the store.",
+        )
         self._evictions = meter.create_counter(
-            "ballast_cache_evictions",
-            description="Keys Redis evicted under its memory bound, as seen by this service.")
+            "ballast_cache_evictions", description="Keys Redis evicted under its memory bound, as seen by this service."
+        )
         self._rejected = meter.create_counter(
-            "ballast_cache_rejected_blocks",
-            description="Blocks not stored, by reason (checksum, no_room).")
-        self.latency = telemetry.latency_histogram(
-            "ballast_cache_call_ms", "Time to serve a KVCache call, by method.")
+            "ballast_cache_rejected_blocks", description="Blocks not stored, by reason (checksum, no_room)."
+        )
+        self.latency = telemetry.latency_histogram("ballast_cache_call_ms", "Time to serve a KVCache call, by method.")
         #: The last Redis Cluster health read (None on one Redis server, or before the first read).
         self.cluster: ClusterHealth | None = None
         meter.create_observable_gauge(
-            "ballast_cache_redis_cluster_ok", callbacks=[self._observe_cluster_ok],
+            "ballast_cache_redis_cluster_ok",
+            callbacks=[self._observe_cluster_ok],
             description="Redis Cluster only: 1 while the cluster says its state is ok and every "
-                        "master answers this service.")
+            "master answers this service.",
+        )
         meter.create_observable_gauge(
-            "ballast_cache_redis_cluster_slots_ok", callbacks=[self._observe_slots_ok],
-            description="Redis Cluster only: hash slots served by a reachable master (16384 when whole).")
+            "ballast_cache_redis_cluster_slots_ok",
+            callbacks=[self._observe_slots_ok],
+            description="Redis Cluster only: hash slots served by a reachable master (16384 when whole).",
+        )
         meter.create_observable_gauge(
-            "ballast_cache_redis_cluster_masters", callbacks=[self._observe_masters],
+            "ballast_cache_redis_cluster_masters",
+            callbacks=[self._observe_masters],
             description="Redis Cluster only: masters in the slot map (state=known) and those that "
-                        "answered this service (state=reachable).")
+            "answered this service (state=reachable).",
+        )
 
     def hit(self, blocks: int, size: int) -> None:
         if blocks:
@@ -111,5 +118,7 @@ class CacheMetrics:
         health = self.cluster
         if health is None:
             return []
-        return [Observation(health.masters, {"state": "known"}),
-                Observation(health.masters_reachable, {"state": "reachable"})]
+        return [
+            Observation(health.masters, {"state": "known"}),
+            Observation(health.masters_reachable, {"state": "reachable"}),
+        ]

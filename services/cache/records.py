@@ -47,15 +47,19 @@ def scope_pattern(prefix: str, scope: KVScope | None = None) -> str:
 
 
 def encode_record(scope: KVScope, header: BlockHeader, payload: bytes | memoryview) -> bytes:
-    meta = json.dumps({
-        "model_version": scope.model_version,
-        "tenant": tenant_tag(scope.tenant),
-        "block_hash": header.block_hash.hex(),
-        "block_index": header.block_index,
-        "layout": header.layout.to_dict(),
-        "size": header.size,
-        "crc32": header.crc32,
-    }, separators=(",", ":"), sort_keys=True).encode()
+    meta = json.dumps(
+        {
+            "model_version": scope.model_version,
+            "tenant": tenant_tag(scope.tenant),
+            "block_hash": header.block_hash.hex(),
+            "block_index": header.block_index,
+            "layout": header.layout.to_dict(),
+            "size": header.size,
+            "crc32": header.crc32,
+        },
+        separators=(",", ":"),
+        sort_keys=True,
+    ).encode()
     return b"".join((MAGIC, _U32.pack(len(meta)), meta, _U32.pack(zlib.crc32(meta)), payload))
 
 
@@ -66,8 +70,9 @@ class Record:
     payload: memoryview
 
 
-def decode_record(raw: bytes, scope: KVScope, block_hash: bytes, block_index: int,
-                  layout: KVLayout | None = None) -> Record:
+def decode_record(
+    raw: bytes, scope: KVScope, block_hash: bytes, block_index: int, layout: KVLayout | None = None
+) -> Record:
     """The verified record, or RecordMiss. `layout` None accepts any valid layout."""
     view = memoryview(raw)
     if len(view) < len(MAGIC) + 8 or bytes(view[:4]) != MAGIC:
@@ -82,18 +87,26 @@ def decode_record(raw: bytes, scope: KVScope, block_hash: bytes, block_index: in
         raise RecordMiss("corrupt", "header checksum")
     try:
         fields = json.loads(bytes(meta))
-        header = BlockHeader(bytes.fromhex(fields["block_hash"]), int(fields["block_index"]),
-                             KVLayout.from_dict(fields["layout"]), int(fields["size"]),
-                             int(fields["crc32"]))
+        header = BlockHeader(
+            bytes.fromhex(fields["block_hash"]),
+            int(fields["block_index"]),
+            KVLayout.from_dict(fields["layout"]),
+            int(fields["size"]),
+            int(fields["crc32"]),
+        )
         stored_version, stored_tenant = fields["model_version"], fields["tenant"]
     except (ValueError, KeyError, TypeError) as exc:
         raise RecordMiss("corrupt", f"header unreadable: {exc}") from None
-    if (stored_version != scope.model_version or stored_tenant != tenant_tag(scope.tenant)
-            or header.block_hash != block_hash or header.block_index != block_index):
+    if (
+        stored_version != scope.model_version
+        or stored_tenant != tenant_tag(scope.tenant)
+        or header.block_hash != block_hash
+        or header.block_index != block_index
+    ):
         raise RecordMiss("mismatch", "entry belongs to another model version, tenant or position")
     if layout is not None and header.layout != layout:
         raise RecordMiss("mismatch", f"layout {header.layout} is not the asked {layout}")
-    payload = view[meta_end + 4:]
+    payload = view[meta_end + 4 :]
     if len(payload) != header.size:
         reason = "partial" if len(payload) < header.size else "corrupt"
         raise RecordMiss(reason, f"{len(payload)} bytes where the header says {header.size}")

@@ -37,8 +37,9 @@ def _crc32(data: bytes | bytearray) -> int:
 
 
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
-    def __init__(self, store: RedisKVStore, config: CacheConfig, redis_config: RedisConfig,
-                 metrics: CacheMetrics) -> None:
+    def __init__(
+        self, store: RedisKVStore, config: CacheConfig, redis_config: RedisConfig, metrics: CacheMetrics
+    ) -> None:
         self.store = store
         self.config = config
         self.redis_timeout_s = redis_config.timeout_s
@@ -79,15 +80,27 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         redis = await self.store.redis_stats(timeout, bound)
         totals = self.metrics.totals
         reply = kvcache_pb2.KVStatsReply(
-            blocks=redis["keys"], used_memory_bytes=redis["used_memory"],
-            max_memory_bytes=redis["maxmemory"], evicted_keys=redis["evicted_keys"],
-            hits=totals.hits, misses=totals.misses, checksum_failures=totals.checksum_failures,
-            bytes_stored=totals.bytes_stored, bytes_served=totals.bytes_served)
+            blocks=redis["keys"],
+            used_memory_bytes=redis["used_memory"],
+            max_memory_bytes=redis["maxmemory"],
+            evicted_keys=redis["evicted_keys"],
+            hits=totals.hits,
+            misses=totals.misses,
+            checksum_failures=totals.checksum_failures,
+            bytes_stored=totals.bytes_stored,
+            bytes_served=totals.bytes_served,
+        )
         cluster = self.metrics.cluster
         if cluster is not None:
-            reply.redis_cluster.CopyFrom(kvcache_pb2.RedisClusterHealth(
-                state_ok=cluster.state_ok, slots_ok=cluster.slots_ok, masters=cluster.masters,
-                masters_reachable=cluster.masters_reachable, known_nodes=cluster.known_nodes))
+            reply.redis_cluster.CopyFrom(
+                kvcache_pb2.RedisClusterHealth(
+                    state_ok=cluster.state_ok,
+                    slots_ok=cluster.slots_ok,
+                    masters=cluster.masters,
+                    masters_reachable=cluster.masters_reachable,
+                    known_nodes=cluster.known_nodes,
+                )
+            )
         return reply
 
     # --- Get: server stream (errors mapped by the interceptor) ----------------------------
@@ -120,10 +133,13 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         outcome = await self._put(request_iterator, context)
         self.metrics.latency.record((time.perf_counter() - started) * 1000, {"method": "Put"})
         trace.get_current_span().set_attributes(
-            {"ballast.kv.stored": outcome.stored_blocks, "ballast.kv.rejected": outcome.rejected_blocks})
-        return kvcache_pb2.KVPutReply(stored_blocks=outcome.stored_blocks,
-                                      stored_bytes=outcome.stored_bytes,
-                                      rejected_blocks=outcome.rejected_blocks)
+            {"ballast.kv.stored": outcome.stored_blocks, "ballast.kv.rejected": outcome.rejected_blocks}
+        )
+        return kvcache_pb2.KVPutReply(
+            stored_blocks=outcome.stored_blocks,
+            stored_bytes=outcome.stored_bytes,
+            rejected_blocks=outcome.rejected_blocks,
+        )
 
     async def _put(self, requests, context) -> PutOutcome:
         outcome = PutOutcome()
@@ -153,8 +169,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 raise InvalidArgument("`open` may only be in the first Put message")
             headers = [BlockHeader.from_pb(h).validate(self.config.max_block_bytes) for h in message.headers]
             for header, payload in unpacker.feed(headers, message.data):
-                crc = (await asyncio.to_thread(_crc32, payload) if header.size >= _THREAD_CRC_BYTES
-                       else _crc32(payload))
+                crc = await asyncio.to_thread(_crc32, payload) if header.size >= _THREAD_CRC_BYTES else _crc32(payload)
                 if crc != header.crc32:
                     outcome.rejected_blocks += 1
                     self.metrics.rejected("checksum")
@@ -170,4 +185,3 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         if unfinished is not None:
             raise InvalidArgument(f"the Put stream ended early: {unfinished}; that block was not stored")
         return outcome
-

@@ -15,6 +15,5 @@ class CacheConfig(Section):
     max_ttl_s: int = Field(86400, ge=1, description="Longest TTL a Put may ask.")
     max_block_bytes: int = Field(16 << 20, ge=1, description="Largest block accepted (bytes).")
     max_blocks_per_call: int = Field(16384, ge=1, description="Most blocks one call may name.")
-    chunk_bytes: int = Field(
-        1 << 20, ge=4096, le=4 << 20, description="Largest data chunk in one Get message (bytes).")
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20, description="Largest data chunk in one Get message (bytes).")
     batch_bytes: int = Field(8 << 20, ge=1, description="Block bytes per Redis pipeline batch.")

@@ -76,8 +76,9 @@ class RedisKVStore:
         """Never 0: a block without a TTL would be out of volatile-lru's reach."""
         return max(1, min(asked_s or self._limits.ttl_s, self._limits.max_ttl_s))
 
-    async def lookup(self, scope: KVScope, hashes: Sequence[bytes], timeout_s: float,
-                     caller_bound: bool = False) -> int:
+    async def lookup(
+        self, scope: KVScope, hashes: Sequence[bytes], timeout_s: float, caller_bound: bool = False
+    ) -> int:
         if not hashes:
             return 0
         async with self._call(timeout_s, caller_bound):
@@ -90,8 +91,14 @@ class RedisKVStore:
                 return i
         return len(hashes)
 
-    async def put(self, scope: KVScope, blocks: Sequence[tuple[BlockHeader, bytes]], ttl_s: int,
-                  timeout_s: float, caller_bound: bool = False) -> PutOutcome:
+    async def put(
+        self,
+        scope: KVScope,
+        blocks: Sequence[tuple[BlockHeader, bytes]],
+        ttl_s: int,
+        timeout_s: float,
+        caller_bound: bool = False,
+    ) -> PutOutcome:
         """Writes verified blocks in one pipeline; a block Redis has no room for is rejected."""
         outcome = PutOutcome()
         if not blocks:
@@ -118,14 +125,15 @@ class RedisKVStore:
                 self._metrics.stored(header.size)
         return outcome
 
-    async def get(self, scope: KVScope, hashes: Sequence[bytes], layout: KVLayout,
-                  deadline: float, caller_bound: bool = False) -> AsyncIterator[Record]:
+    async def get(
+        self, scope: KVScope, hashes: Sequence[bytes], layout: KVLayout, deadline: float, caller_bound: bool = False
+    ) -> AsyncIterator[Record]:
         """Yields verified records of blocks 0, 1, ... until the first one that cannot be served.
 
         `deadline` is a time.monotonic() instant bounding every Redis batch. The next batch
         is read from Redis while the current one streams out (at most two in memory)."""
         per_batch = max(1, self._limits.batch_bytes // max(1, layout.block_bytes))
-        batches = [(start, hashes[start:start + per_batch]) for start in range(0, len(hashes), per_batch)]
+        batches = [(start, hashes[start : start + per_batch]) for start in range(0, len(hashes), per_batch)]
         if not batches:
             return
         pending = asyncio.create_task(self._read_batch(scope, batches[0][1], deadline, caller_bound))
@@ -133,8 +141,7 @@ class RedisKVStore:
             for i, (start, batch) in enumerate(batches):
                 raws = await pending
                 if i + 1 < len(batches):
-                    pending = asyncio.create_task(
-                        self._read_batch(scope, batches[i + 1][1], deadline, caller_bound))
+                    pending = asyncio.create_task(self._read_batch(scope, batches[i + 1][1], deadline, caller_bound))
                 records, miss = await asyncio.to_thread(self._verify, scope, batch, start, raws, layout)
                 self._metrics.hit(len(records), sum(r.header.size for r in records))
                 for record in records:
@@ -150,8 +157,7 @@ class RedisKVStore:
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
 
-    async def _read_batch(self, scope: KVScope, batch: Sequence[bytes], deadline: float,
-                          caller_bound: bool) -> list:
+    async def _read_batch(self, scope: KVScope, batch: Sequence[bytes], deadline: float, caller_bound: bool) -> list:
         async with self._call(max(0.0, deadline - time.monotonic()), caller_bound):
             pipe = self._redis.pipeline(transaction=False)
             for h in batch:
@@ -159,8 +165,9 @@ class RedisKVStore:
                 pipe.getex(self.key(scope, h), ex=self._limits.ttl_s)
             return await pipe.execute()
 
-    def _verify(self, scope: KVScope, batch: Sequence[bytes], first_index: int, raws: list,
-                layout: KVLayout) -> tuple[list[Record], tuple[int, str] | None]:
+    def _verify(
+        self, scope: KVScope, batch: Sequence[bytes], first_index: int, raws: list, layout: KVLayout
+    ) -> tuple[list[Record], tuple[int, str] | None]:
         records = []
         for offset, (h, raw) in enumerate(zip(batch, raws)):
             index = first_index + offset
@@ -180,8 +187,9 @@ class RedisKVStore:
         except (Unavailable, DeadlineExceeded):
             pass  # it stays a miss either way; the next writer overwrites it
 
-    async def delete(self, scope: KVScope, hashes: Sequence[bytes], timeout_s: float,
-                     caller_bound: bool = False) -> int:
+    async def delete(
+        self, scope: KVScope, hashes: Sequence[bytes], timeout_s: float, caller_bound: bool = False
+    ) -> int:
         if not hashes:
             return 0
         async with self._call(timeout_s, caller_bound):

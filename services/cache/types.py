@@ -30,8 +30,7 @@ class KVScope:
 
     def validate(self) -> "KVScope":
         if not _VERSION_RE.match(self.model_version):
-            raise InvalidArgument(
-                "scope.model_version must be 1-128 characters of letters, digits, '.', '_' or '-'")
+            raise InvalidArgument("scope.model_version must be 1-128 characters of letters, digits, '.', '_' or '-'")
         if len(self.tenant.encode()) > MAX_TENANT_BYTES:
             raise InvalidArgument(f"scope.tenant is longer than {MAX_TENANT_BYTES} bytes")
         return self
@@ -69,25 +68,32 @@ class KVLayout:
         if max_block_bytes is not None and self.block_bytes > max_block_bytes:
             raise InvalidArgument(
                 f"a block of layout {self.shape} {self.dtype} is {self.block_bytes} bytes; "
-                f"the store takes at most {max_block_bytes}")
+                f"the store takes at most {max_block_bytes}"
+            )
         return self
 
     def to_pb(self) -> kvcache_pb2.KVLayout:
-        return kvcache_pb2.KVLayout(dtype=self.dtype, shape=list(self.shape), layers=self.layers,
-                                    block_tokens=self.block_tokens)
+        return kvcache_pb2.KVLayout(
+            dtype=self.dtype, shape=list(self.shape), layers=self.layers, block_tokens=self.block_tokens
+        )
 
     @classmethod
     def from_pb(cls, pb: kvcache_pb2.KVLayout) -> "KVLayout":
         return cls(pb.dtype, tuple(pb.shape), pb.layers, pb.block_tokens)
 
     def to_dict(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape), "layers": self.layers,
-                "block_tokens": self.block_tokens}
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "layers": self.layers,
+            "block_tokens": self.block_tokens,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "KVLayout":
-        return cls(str(data["dtype"]), tuple(int(d) for d in data["shape"]), int(data["layers"]),
-                   int(data["block_tokens"]))
+        return cls(
+            str(data["dtype"]), tuple(int(d) for d in data["shape"]), int(data["layers"]), int(data["block_tokens"])
+        )
 
 
 @dataclass(frozen=True)
@@ -106,14 +112,20 @@ class BlockHeader:
         if self.size != self.layout.block_bytes:
             raise InvalidArgument(
                 f"header.size is {self.size} but layout {self.layout.shape} {self.layout.dtype} "
-                f"needs {self.layout.block_bytes} bytes")
+                f"needs {self.layout.block_bytes} bytes"
+            )
         if not 0 <= self.crc32 < 1 << 32:
             raise InvalidArgument("header.crc32 must be a 32-bit value")
         return self
 
     def to_pb(self) -> kvcache_pb2.KVBlockHeader:
-        return kvcache_pb2.KVBlockHeader(block_hash=self.block_hash, block_index=self.block_index,
-                                         layout=self.layout.to_pb(), size=self.size, crc32=self.crc32)
+        return kvcache_pb2.KVBlockHeader(
+            block_hash=self.block_hash,
+            block_index=self.block_index,
+            layout=self.layout.to_pb(),
+            size=self.size,
+            crc32=self.crc32,
+        )
 
     @classmethod
     def from_pb(cls, pb: kvcache_pb2.KVBlockHeader) -> "BlockHeader":

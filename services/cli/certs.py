@@ -41,8 +41,9 @@ def _now() -> dt.datetime:
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _pem_cert(cert: x509.Certificate) -> bytes:
@@ -63,21 +64,37 @@ def new_authority(name: str = "Ballast local CA", days: int = DEFAULT_DAYS) -> A
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = _now()
     cert = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     return Authority(cert, key)
 
 
-def issue(authority: Authority, role: str, not_before: dt.datetime | None = None,
-          not_after: dt.datetime | None = None) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def issue(
+    authority: Authority, role: str, not_before: dt.datetime | None = None, not_after: dt.datetime | None = None
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate for `role`, valid for client and server use on loopback addresses."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
@@ -89,15 +106,17 @@ def issue(authority: Authority, role: str, not_before: dt.datetime | None = None
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role)]))
-        .issuer_name(authority.cert.subject).public_key(key.public_key())
+        .issuer_name(authority.cert.subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before).not_valid_after(not_after)
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(authority.key.public_key()),
-                       critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(authority.key.public_key()), critical=False)
         .sign(authority.key, hashes.SHA256())
     )
     return cert, key
@@ -150,13 +169,15 @@ def init_certs(directory: Path, roles: tuple[str, ...] = ROLES + BACKING_SERVERS
 def config_lines(directory: Path, role: str = "cli") -> str:
     """The ballast.yaml lines that use these certificates (`role`: whose files)."""
     directory = Path(directory).resolve()
-    return "\n".join([
-        "tls:",
-        "  enabled: true",
-        f"  ca_file: {directory / CA_CERT}",
-        f"  cert_file: {cert_path(directory, role)}",
-        f"  key_file: {key_path(directory, role)}",
-    ])
+    return "\n".join(
+        [
+            "tls:",
+            "  enabled: true",
+            f"  ca_file: {directory / CA_CERT}",
+            f"  cert_file: {cert_path(directory, role)}",
+            f"  key_file: {key_path(directory, role)}",
+        ]
+    )
 
 
 def role_env(directory: Path, role: str, backing: tuple[str, ...] = ()) -> dict[str, str]:

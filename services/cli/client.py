@@ -24,10 +24,18 @@ class StreamResult:
     events: int = 0
 
 
-def chat_request(text: str, model: str = "tiny", max_tokens: int = 32, temperature: float = 0.0,
-                 seed: int | None = None, tier: str = "AUTO", session_id: str = "",
-                 raw_prompt: bool = False, request_id: str = "",
-                 allow_degraded: bool | None = None) -> inference_pb2.GenerateRequest:
+def chat_request(
+    text: str,
+    model: str = "tiny",
+    max_tokens: int = 32,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    tier: str = "AUTO",
+    session_id: str = "",
+    raw_prompt: bool = False,
+    request_id: str = "",
+    allow_degraded: bool | None = None,
+) -> inference_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
     if seed is not None:
         sampling.seed = seed
@@ -47,8 +55,13 @@ def api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("x-api-key", api_key),) if api_key else ()
 
 
-async def collect(stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest,
-                  api_key: str | None, timeout: float = 60.0, on_tokens=None) -> StreamResult:
+async def collect(
+    stub: inference_pb2_grpc.InferenceStub,
+    request: inference_pb2.GenerateRequest,
+    api_key: str | None,
+    timeout: float = 60.0,
+    on_tokens=None,
+) -> StreamResult:
     """Runs one stream to its end; `on_tokens(Tokens)` sees each tokens event as it arrives."""
     result = StreamResult()
     call = stub.Generate(request, metadata=api_key_metadata(api_key), timeout=timeout)

@@ -9,8 +9,17 @@ from pathlib import Path
 
 import grpc
 
-from services.cli.mesh import (CERTS_DIR, CONFIG_FILE, LOCAL_API_KEY, MeshSpec, pid_alive, read_state,
-                               running_state, stop_recorded, wait_for_workers)
+from services.cli.mesh import (
+    CERTS_DIR,
+    CONFIG_FILE,
+    LOCAL_API_KEY,
+    MeshSpec,
+    pid_alive,
+    read_state,
+    running_state,
+    stop_recorded,
+    wait_for_workers,
+)
 from services.cli.supervised import launch_daemon, read_supervisor_state, wait_daemon_ready
 
 
@@ -63,8 +72,10 @@ def openai_curl(base_url: str, api_key: str, certs_dir: Path | None = None, mode
 
     body = '{"model": "%s", "stream": true, "messages": [{"role": "user", "content": "Hello!"}]}' % model
     trust = f"--cacert {Path(certs_dir) / CA_CERT} " if certs_dir is not None else ""
-    return (f"curl -N {trust}{base_url}/chat/completions -H 'Authorization: Bearer {api_key}' "
-            f"-H 'Content-Type: application/json' -d '{body}'")
+    return (
+        f"curl -N {trust}{base_url}/chat/completions -H 'Authorization: Bearer {api_key}' "
+        f"-H 'Content-Type: application/json' -d '{body}'"
+    )
 
 
 def _up_models(args) -> tuple[Path | None, Path | None]:
@@ -108,12 +119,22 @@ def cmd_up(args) -> int:
     model_dir, light_model_dir = _up_models(args)
     if model_dir is None:
         return 2
-    spec = MeshSpec(state_dir=Path(args.state_dir).resolve(), model_dir=model_dir.resolve(),
-                    model_name=args.model, light_model_dir=light_model_dir,
-                    workers=args.workers, router_port=args.router_port, router_http_port=args.http_port or None,
-                    engine=args.engine, secure=args.secure, redis_cluster=args.redis_cluster or args.clusters,
-                    etcd_cluster=args.etcd_cluster or args.clusters, routers=args.routers,
-                    redis_persist=not args.no_redis_persist, fixed_ports=True)
+    spec = MeshSpec(
+        state_dir=Path(args.state_dir).resolve(),
+        model_dir=model_dir.resolve(),
+        model_name=args.model,
+        light_model_dir=light_model_dir,
+        workers=args.workers,
+        router_port=args.router_port,
+        router_http_port=args.http_port or None,
+        engine=args.engine,
+        secure=args.secure,
+        redis_cluster=args.redis_cluster or args.clusters,
+        etcd_cluster=args.etcd_cluster or args.clusters,
+        routers=args.routers,
+        redis_persist=not args.no_redis_persist,
+        fixed_ports=True,
+    )
     print(f"starting the local mesh in {args.state_dir}/ ({args.engine} workers, supervised) ...", flush=True)
     started = time.monotonic()
     # A background supervisor starts every process and starts again any that dies, after
@@ -132,9 +153,11 @@ def cmd_up(args) -> int:
         metrics = f"  metrics :{child['metrics_port']}" if child.get("metrics_port") else ""
         print(f"  {child['name']:<9} {child['address']:<22} pid {child['pid']}{metrics}")
     tls = f" (mutual TLS, certificates in {Path(args.state_dir) / CERTS_DIR})" if spec.secure else ""
-    print(f"mesh up in {time.monotonic() - started:.1f}s; router at {state['router']}{tls}; "
-          f"supervisor pid {daemon.pid} restarts any process that dies")
-    print("  chat:   ballast chat \"hello\"      status: ballast status      stop: ballast down")
+    print(
+        f"mesh up in {time.monotonic() - started:.1f}s; router at {state['router']}{tls}; "
+        f"supervisor pid {daemon.pid} restarts any process that dies"
+    )
+    print('  chat:   ballast chat "hello"      status: ballast status      stop: ballast down')
     print(f"  OpenAI-compatible HTTP API at {state['http']}; a streamed answer:")
     certs = Path(args.state_dir).resolve() / CERTS_DIR if spec.secure else None
     print(f"  {openai_curl(state['http'], LOCAL_API_KEY, certs, model=spec.model_name)}")
@@ -215,8 +238,12 @@ def _supervised_lines(args) -> list[str]:
     if not state or not state.get("children"):
         return []
     if state.get("phase") == "running" and not pid_alive(state["pid"]):
-        return [f"(the supervisor, pid {state['pid']}, is not running: nothing restarts the processes below; "
-                "`ballast down` stops what is left of them)", *_process_rows(state), ""]
+        return [
+            f"(the supervisor, pid {state['pid']}, is not running: nothing restarts the processes below; "
+            "`ballast down` stops what is left of them)",
+            *_process_rows(state),
+            "",
+        ]
     return [*_process_rows(state), ""]
 
 
@@ -230,7 +257,8 @@ def _process_rows(state: dict) -> list[str]:
         if child.get("next_start_in_s") is not None:
             exit_text += f"; restart in {child['next_start_in_s']:.1f}s"
         status = {"up": "up", "starting": "starting", "backoff": "waiting", "stopped": "stopped"}.get(
-            child["status"], child["status"])
+            child["status"], child["status"]
+        )
         lines.append(f"{child['name']:<12} {child['pid'] or '-':>8} {status:<9} {child['restarts']:>8}  {exit_text}")
     if state.get("phase") not in ("running", None):
         lines.append(f"(supervisor {state['phase']}{': ' + state['error'] if state.get('error') else ''})")
@@ -249,19 +277,24 @@ def cmd_status(args) -> int:
         print(f"cannot read etcd at {config.etcd.display}: {exc}", file=sys.stderr)
         return 1
     breakers = _router_breakers(args)
-    header = (f"{'id':<12} {'pool':<8} {'model':<8} {'version':<17} {'load':>7} {'kv':>5} {'temp':>6} "
-              f"{'health':<9} {'breaker':<9} {'lease':>5}  address")
+    header = (
+        f"{'id':<12} {'pool':<8} {'model':<8} {'version':<17} {'load':>7} {'kv':>5} {'temp':>6} "
+        f"{'health':<9} {'breaker':<9} {'lease':>5}  address"
+    )
     print(header)
     print("-" * len(header))
     for record, ttl in rows:
-        health = ("draining" if record.draining else "standby" if record.standby
-                  else "serving" if record.healthy else "down")
+        health = (
+            "draining" if record.draining else "standby" if record.standby else "serving" if record.healthy else "down"
+        )
         temp = "-" if record.temperature_c is None else f"{record.temperature_c:.0f}C"
         load = f"{record.in_flight}/{record.capacity}"
         breaker = "-" if breakers is None else breakers.get(record.id, "closed")
-        print(f"{record.id:<12} {record.pool:<8} {record.model:<8} {record.model_version:<17} {load:>7} "
-              f"{record.kv_used * 100:>4.0f}% {temp:>6} {health:<9} {breaker:<9} "
-              f"{ttl if ttl is not None else '-':>4}s  {record.address}")
+        print(
+            f"{record.id:<12} {record.pool:<8} {record.model:<8} {record.model_version:<17} {load:>7} "
+            f"{record.kv_used * 100:>4.0f}% {temp:>6} {health:<9} {breaker:<9} "
+            f"{ttl if ttl is not None else '-':>4}s  {record.address}"
+        )
     if not rows:
         print("(no workers registered)")
     cache = _cache_redis_line(_local_metrics(args, "cache"))
@@ -276,8 +309,9 @@ def cmd_status(args) -> int:
 
 def _gauge(text: str, name: str, **labels: str) -> float | None:
     for line in text.splitlines():
-        if (line.startswith(name + " ") or line.startswith(name + "{")) and \
-                all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if (line.startswith(name + " ") or line.startswith(name + "{")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             return float(line.rsplit(" ", 1)[1])
     return None
 
@@ -294,8 +328,10 @@ def _cache_redis_line(text: str | None) -> str | None:
         known = _gauge(text, "ballast_cache_redis_cluster_masters", state="known") or 0
         reachable = _gauge(text, "ballast_cache_redis_cluster_masters", state="reachable") or 0
         slots = _gauge(text, "ballast_cache_redis_cluster_slots_ok") or 0
-        line += (f"; redis cluster {'ok' if cluster_ok == 1 else 'FAILING'}: {reachable:.0f}/{known:.0f} masters "
-                 f"answer, {slots:.0f}/16384 slots served")
+        line += (
+            f"; redis cluster {'ok' if cluster_ok == 1 else 'FAILING'}: {reachable:.0f}/{known:.0f} masters "
+            f"answer, {slots:.0f}/16384 slots served"
+        )
     return line
 
 
@@ -324,10 +360,15 @@ def cmd_chat(args) -> int:
     async def run() -> int:
         async with open_channel(router, tls) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
-            request = chat_request(args.text, model=args.model or (state or {}).get("model", "tiny"),
-                                   max_tokens=args.max_tokens,
-                                   temperature=args.temperature, seed=args.seed, tier=args.tier,
-                                   session_id=args.session)
+            request = chat_request(
+                args.text,
+                model=args.model or (state or {}).get("model", "tiny"),
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+                tier=args.tier,
+                session_id=args.session,
+            )
             try:
                 result = await collect(stub, request, api_key, timeout=args.timeout, on_tokens=show)
             except grpc.aio.AioRpcError as exc:
@@ -338,13 +379,19 @@ def cmd_chat(args) -> int:
         if result.started and finished:
             tier = common_pb2.Tier.Name(result.started.tier).removeprefix("TIER_")
             reason = common_pb2.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_").lower()
-            print(f"[{result.started.model}@{result.started.model_version} | tier {tier} "
-                  f"({result.started.tier_reason}) | {finished.usage.prompt_tokens} prompt + "
-                  f"{finished.usage.completion_tokens} generated tokens | {reason}]", file=sys.stderr)
+            print(
+                f"[{result.started.model}@{result.started.model_version} | tier {tier} "
+                f"({result.started.tier_reason}) | {finished.usage.prompt_tokens} prompt + "
+                f"{finished.usage.completion_tokens} generated tokens | {reason}]",
+                file=sys.stderr,
+            )
             if finished.degradation:
                 level = common_pb2.DegradationLevel.Name(finished.degradation).removeprefix("DEGRADATION_")
-                print(f"[degraded answer ({level.lower()}); the better answer comes later on ticket "
-                      f"{finished.backfill_ticket or '(none)'}]", file=sys.stderr)
+                print(
+                    f"[degraded answer ({level.lower()}); the better answer comes later on ticket "
+                    f"{finished.backfill_ticket or '(none)'}]",
+                    file=sys.stderr,
+                )
         return 0
 
     return asyncio.run(run())
@@ -384,12 +431,29 @@ def _rollout_call(args, make) -> int:
 def cmd_rollout_start(args) -> int:
     from services.cli.rollout import start_rollout
 
-    gate = {key: value for key, value in (
-        ("window_s", args.window_s), ("min_requests", args.min_requests),
-        ("max_error_rate", args.max_error_rate), ("max_p99_ms", args.max_p99_ms)) if value is not None}
-    return _rollout_call(args, lambda etcd: start_rollout(
-        etcd, args.model, args.candidate, stable=args.stable, weight=args.weight, mode=args.mode,
-        mirror_percent=args.mirror, gate=gate))
+    gate = {
+        key: value
+        for key, value in (
+            ("window_s", args.window_s),
+            ("min_requests", args.min_requests),
+            ("max_error_rate", args.max_error_rate),
+            ("max_p99_ms", args.max_p99_ms),
+        )
+        if value is not None
+    }
+    return _rollout_call(
+        args,
+        lambda etcd: start_rollout(
+            etcd,
+            args.model,
+            args.candidate,
+            stable=args.stable,
+            weight=args.weight,
+            mode=args.mode,
+            mirror_percent=args.mirror,
+            gate=gate,
+        ),
+    )
 
 
 def cmd_rollout_promote(args) -> int:

@@ -49,8 +49,16 @@ class EtcdMember(EtcdServer):
     # fsynced on every commit, so the SIGKILL after this loses nothing.
     stop_timeout = 5.0
 
-    def __init__(self, state_dir: Path, name: str, port: int, peer_port: int, host: str = "127.0.0.1",
-                 initial_cluster: str | None = None, cluster_token: str = CLUSTER_TOKEN) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        name: str,
+        port: int,
+        peer_port: int,
+        host: str = "127.0.0.1",
+        initial_cluster: str | None = None,
+        cluster_token: str = CLUSTER_TOKEN,
+    ) -> None:
         super().__init__(state_dir, port, host, peer_port=peer_port)
         # An instance attribute: LocalServer names the data dir and log after it.
         self.name = name
@@ -116,8 +124,10 @@ class LocalEtcdCluster(ServerGroup):
         # Client and peer ports picked together, so no two of them come back equal.
         ports = free_ports(2 * members, host)
         initial = ",".join(f"etcd-{i}=http://{host}:{ports[2 * i + 1]}" for i in range(members))
-        self._members = [EtcdMember(self.state_dir, f"etcd-{i}", ports[2 * i], ports[2 * i + 1], host, initial)
-                         for i in range(members)]
+        self._members = [
+            EtcdMember(self.state_dir, f"etcd-{i}", ports[2 * i], ports[2 * i + 1], host, initial)
+            for i in range(members)
+        ]
 
     @property
     def members(self) -> list[EtcdMember]:
@@ -144,7 +154,6 @@ class LocalEtcdCluster(ServerGroup):
         return list(self._members)
 
     # -- lifecycle ---------------------------------------------------------------------------
-
 
     def launch(self) -> None:
         """Start every member's process without waiting (see wait_ready)."""
@@ -182,10 +191,6 @@ class LocalEtcdCluster(ServerGroup):
             raise
         self.startup_s = time.monotonic() - self._launched_at
         return self.startup_s
-
-
-
-
 
     # -- state, read live ----------------------------------------------------------------------
 

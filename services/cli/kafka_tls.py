@@ -32,8 +32,9 @@ def find_stunnel_binary() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise BinaryNotFoundError("no stunnel binary found on PATH: the secured local Kafka broker needs "
-                              "it (Debian: apt install stunnel4)")
+    raise BinaryNotFoundError(
+        "no stunnel binary found on PATH: the secured local Kafka broker needs it (Debian: apt install stunnel4)"
+    )
 
 
 class TLSFront(LocalServer):
@@ -43,8 +44,9 @@ class TLSFront(LocalServer):
     name = "kafka-tls"
     stop_timeout = 2.0
 
-    def __init__(self, state_dir: Path, port: int, target_port: int, security: BackingSecurity,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, state_dir: Path, port: int, target_port: int, security: BackingSecurity, host: str = "127.0.0.1"
+    ) -> None:
         super().__init__(state_dir, port, host)
         self.target_port = target_port
         self.security = security
@@ -58,24 +60,26 @@ class TLSFront(LocalServer):
 
     def _config_text(self) -> str:
         sec = self.security
-        return "\n".join([
-            "foreground = yes",
-            "pid =",
-            "syslog = no",
-            # Refused handshakes are logged; accepted connections are not (a line each).
-            "debug = err",
-            "[kafka]",
-            f"accept = {self.host}:{self.port}",
-            f"connect = {self.host}:{self.target_port}",
-            f"cert = {sec.cert_file(KAFKA_SERVER_ROLE)}",
-            f"key = {sec.key_file(KAFKA_SERVER_ROLE)}",
-            f"CAfile = {sec.ca_file}",
-            # A client must present a certificate that chains to the CA.
-            "requireCert = yes",
-            "verifyChain = yes",
-            "sslVersionMin = TLSv1.2",
-            "",
-        ])
+        return "\n".join(
+            [
+                "foreground = yes",
+                "pid =",
+                "syslog = no",
+                # Refused handshakes are logged; accepted connections are not (a line each).
+                "debug = err",
+                "[kafka]",
+                f"accept = {self.host}:{self.port}",
+                f"connect = {self.host}:{self.target_port}",
+                f"cert = {sec.cert_file(KAFKA_SERVER_ROLE)}",
+                f"key = {sec.key_file(KAFKA_SERVER_ROLE)}",
+                f"CAfile = {sec.ca_file}",
+                # A client must present a certificate that chains to the CA.
+                "requireCert = yes",
+                "verifyChain = yes",
+                "sslVersionMin = TLSv1.2",
+                "",
+            ]
+        )
 
     def _argv(self, binary: str) -> list[str]:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -95,8 +99,9 @@ class TLSFront(LocalServer):
 class SecureKafkaBroker(KafkaBroker):
     """Tansu on an inner loopback port, reached only through a TLSFront on `port`."""
 
-    def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1", *,
-                 security: BackingSecurity) -> None:
+    def __init__(
+        self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1", *, security: BackingSecurity
+    ) -> None:
         if port is None:
             port, inner_port = free_ports(2, host)
         else:
@@ -111,9 +116,12 @@ class SecureKafkaBroker(KafkaBroker):
 
     def client_properties(self) -> dict[str, str]:
         sec = self.security
-        return {"security.protocol": "SSL", "ssl.ca.location": str(sec.ca_file),
-                "ssl.certificate.location": str(sec.cert_file(sec.client_role)),
-                "ssl.key.location": str(sec.key_file(sec.client_role))}
+        return {
+            "security.protocol": "SSL",
+            "ssl.ca.location": str(sec.ca_file),
+            "ssl.certificate.location": str(sec.cert_file(sec.client_role)),
+            "ssl.key.location": str(sec.key_file(sec.client_role)),
+        }
 
     def launch(self) -> None:
         super().launch()

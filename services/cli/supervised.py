@@ -51,8 +51,12 @@ def launch_daemon(spec: MeshSpec) -> ManagedProcess:
     state_dir.mkdir(parents=True, exist_ok=True)
     state_path(state_dir).unlink(missing_ok=True)
     (state_dir / SPEC_FILE).write_text(json.dumps(spec.to_json(), indent=2))
-    process = ManagedProcess("supervisor", [sys.executable, "-m", "services.cli.supervised", str(state_dir)],
-                             log_path=state_dir / LOG_FILE, env={"PYTHONUNBUFFERED": "1"})
+    process = ManagedProcess(
+        "supervisor",
+        [sys.executable, "-m", "services.cli.supervised", str(state_dir)],
+        log_path=state_dir / LOG_FILE,
+        env={"PYTHONUNBUFFERED": "1"},
+    )
     return process.start()
 
 
@@ -66,11 +70,13 @@ def wait_daemon_ready(process: ManagedProcess, state_dir: Path, timeout: float) 
             return state
         if state is not None and state.get("phase") == "failed" or not process.alive():
             error = (state or {}).get("error") or "the supervisor exited"
-            raise ProcessStartError(f"the local mesh did not start: {error}",
-                                    log_tail=read_log_tail(state_dir / LOG_FILE, 30))
+            raise ProcessStartError(
+                f"the local mesh did not start: {error}", log_tail=read_log_tail(state_dir / LOG_FILE, 30)
+            )
         if time.monotonic() >= deadline:
-            raise ProcessStartError(f"the local mesh was not up after {timeout:.0f}s",
-                                    log_tail=read_log_tail(state_dir / LOG_FILE, 30))
+            raise ProcessStartError(
+                f"the local mesh was not up after {timeout:.0f}s", log_tail=read_log_tail(state_dir / LOG_FILE, 30)
+            )
         time.sleep(0.2)
 
 
@@ -91,21 +97,41 @@ class SupervisedMesh:
             server.process = fresh
             server._launched_at = time.monotonic()
 
-        return ChildSpec(server.name, process.argv, server.log_path, env=process.env, cwd=process.cwd,
-                         ready=server._probe, stage=INFRA_STAGE, start_timeout_s=server.default_start_timeout,
-                         stop_grace_s=server.stop_timeout, policy=RestartPolicy(), on_started=started,
-                         address=server.address)
+        return ChildSpec(
+            server.name,
+            process.argv,
+            server.log_path,
+            env=process.env,
+            cwd=process.cwd,
+            ready=server._probe,
+            stage=INFRA_STAGE,
+            start_timeout_s=server.default_start_timeout,
+            stop_grace_s=server.stop_timeout,
+            policy=RestartPolicy(),
+            on_started=started,
+            address=server.address,
+        )
 
     def _service_child(self, service: ServiceProcess, memory_limit_mb: int) -> ChildSpec:
         def started(fresh: ManagedProcess) -> None:
             service.process = fresh
 
         process = service.process
-        return ChildSpec(service.name, process.argv, process.log_path, env=process.env, cwd=process.cwd,
-                         ready=self._health_probe(service.address), stage=SERVICE_STAGE,
-                         start_timeout_s=self.mesh.spec.start_timeout_s, stop_grace_s=SERVICE_STOP_GRACE_S,
-                         memory_limit_mb=memory_limit_mb, on_started=started, address=service.address,
-                         metrics_port=service.metrics_port)
+        return ChildSpec(
+            service.name,
+            process.argv,
+            process.log_path,
+            env=process.env,
+            cwd=process.cwd,
+            ready=self._health_probe(service.address),
+            stage=SERVICE_STAGE,
+            start_timeout_s=self.mesh.spec.start_timeout_s,
+            stop_grace_s=SERVICE_STOP_GRACE_S,
+            memory_limit_mb=memory_limit_mb,
+            on_started=started,
+            address=service.address,
+            metrics_port=service.metrics_port,
+        )
 
     def _health_probe(self, address: str) -> GrpcHealthProbe:
         from services.cli.certs import CA_CERT, cert_path, key_path
@@ -113,9 +139,12 @@ class SupervisedMesh:
         if not self.mesh.spec.secure:
             return GrpcHealthProbe(address)
         certs = self.mesh.certs_dir
-        return GrpcHealthProbe(address, root_certificates=(certs / CA_CERT).read_bytes(),
-                               private_key=key_path(certs, "cli").read_bytes(),
-                               certificate_chain=cert_path(certs, "cli").read_bytes())
+        return GrpcHealthProbe(
+            address,
+            root_certificates=(certs / CA_CERT).read_bytes(),
+            private_key=key_path(certs, "cli").read_bytes(),
+            certificate_chain=cert_path(certs, "cli").read_bytes(),
+        )
 
     def _services(self) -> list[ServiceProcess]:
         mesh = self.mesh
@@ -129,8 +158,9 @@ class SupervisedMesh:
         from services.config import load_config
 
         mesh = self.mesh
-        mesh.extra_state = {"supervisor": {"pid": os.getpid(), "argv0": sys.executable,
-                                           "state": str(state_path(self.state_dir))}}
+        mesh.extra_state = {
+            "supervisor": {"pid": os.getpid(), "argv0": sys.executable, "state": str(state_path(self.state_dir))}
+        }
         mesh.state_dir.mkdir(parents=True, exist_ok=True)
         mesh.ensure_certs()
         try:
@@ -199,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("supervisor: the mesh did not start: %s", exc)
         from services.supervisor import write_state
 
-        write_state(state_path(state_dir), {"pid": os.getpid(), "phase": "failed", "error": str(exc).split("\n")[0],
-                                            "children": []})
+        write_state(
+            state_path(state_dir),
+            {"pid": os.getpid(), "phase": "failed", "error": str(exc).split("\n")[0], "children": []},
+        )
         supervised.stop()
         return 1
     log.info("supervisor: the mesh is up; supervising")

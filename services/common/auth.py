@@ -82,8 +82,10 @@ class Authenticator:
         # Naming the key's own tenant is no privilege: allowed to any key.
         if named and named != key_tenant:
             if not entry.acts_for_tenants:
-                raise PermissionDenied(f"{ON_BEHALF_HEADER} may name another tenant only with a key that has "
-                                       f"acts_for_tenants; this key's calls run as its own tenant")
+                raise PermissionDenied(
+                    f"{ON_BEHALF_HEADER} may name another tenant only with a key that has "
+                    f"acts_for_tenants; this key's calls run as its own tenant"
+                )
             if len(named) > MAX_TENANT_CHARS or any(ord(ch) < 32 for ch in named):
                 raise InvalidArgument(f"{ON_BEHALF_HEADER} must be at most {MAX_TENANT_CHARS} printable characters")
             tenant = named

@@ -22,8 +22,9 @@ class BackoffPolicy:
 
     def __post_init__(self) -> None:
         if self.initial_s < 0 or self.max_s < self.initial_s or self.factor < 1 or self.reset_after_s <= 0:
-            raise ValueError(f"invalid backoff policy {self}: need 0 <= initial_s <= max_s, factor >= 1, "
-                             "reset_after_s > 0")
+            raise ValueError(
+                f"invalid backoff policy {self}: need 0 <= initial_s <= max_s, factor >= 1, reset_after_s > 0"
+            )
 
 
 class RestartBackoff:
@@ -39,7 +40,7 @@ class RestartBackoff:
         before the restart."""
         if uptime_s >= self.policy.reset_after_s:
             self.streak = 0
-        delay = min(self.policy.max_s, self.policy.initial_s * self.policy.factor ** self.streak)
+        delay = min(self.policy.max_s, self.policy.initial_s * self.policy.factor**self.streak)
         self.streak += 1
         return delay
 

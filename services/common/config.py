@@ -38,10 +38,12 @@ class BackingTLSConfig(Section):
     that is not the certificate's, refuses to start."""
 
     enabled: bool = Field(False, description="Speak TLS to this server.")
-    ca_file: str = Field("", description="PEM CA bundle that signs the server's certificate; empty: the "
-                                         "system's trust store.")
-    cert_file: str = Field("", description="PEM client certificate, for a server that requires one "
-                                           "(mutual TLS); with key_file.")
+    ca_file: str = Field(
+        "", description="PEM CA bundle that signs the server's certificate; empty: the system's trust store."
+    )
+    cert_file: str = Field(
+        "", description="PEM client certificate, for a server that requires one (mutual TLS); with key_file."
+    )
     key_file: str = Field("", description="PEM private key of cert_file.")
 
     @model_validator(mode="after")
@@ -57,20 +59,28 @@ class EtcdConfig(Section):
     endpoints: list[str] = Field(
         default_factory=list,
         description="Client addresses (host:port) of every member of an etcd cluster; when set, host and "
-                    "port are not used. Calls go to one member and move to another when it fails.")
+        "port are not used. Calls go to one member and move to another when it fails.",
+    )
     prefix: str = Field("/ballast/", description="Root of every Ballast key.")
     timeout_s: float = Field(2.0, gt=0, description="Deadline of each etcd call.")
     lease_ttl_s: int = Field(3, ge=2, le=60, description="TTL of a worker's membership lease.")
-    heartbeat_s: float = Field(1.0, gt=0, description="How often a worker refreshes its lease, and its record "
-                                                       "when something in it changed.")
+    heartbeat_s: float = Field(
+        1.0, gt=0, description="How often a worker refreshes its lease, and its record when something in it changed."
+    )
     record_refresh_s: float = Field(
-        30.0, gt=0, description="Longest a worker leaves its record unwritten while nothing in it changes. An "
-                                "unchanged record is not written at each heartbeat: every write wakes every "
-                                "router's watch, and with many idle workers those wake-ups are most of a "
-                                "router's idle work.")
+        30.0,
+        gt=0,
+        description="Longest a worker leaves its record unwritten while nothing in it changes. An "
+        "unchanged record is not written at each heartbeat: every write wakes every "
+        "router's watch, and with many idle workers those wake-ups are most of a "
+        "router's idle work.",
+    )
     reconnect_backoff_s: float = Field(0.5, gt=0, description="First wait before reconnecting.")
-    username: str = Field("", description="etcd user (with `auth enable` on the cluster); empty: none, "
-                                          "or the client certificate's CN when etcd checks certificates.")
+    username: str = Field(
+        "",
+        description="etcd user (with `auth enable` on the cluster); empty: none, "
+        "or the client certificate's CN when etcd checks certificates.",
+    )
     password: str = Field("", description="Password of `username` (BALLAST__ETCD__PASSWORD).")
     tls: BackingTLSConfig = Field(default_factory=BackingTLSConfig, description="TLS to etcd.")
 
@@ -108,22 +118,28 @@ class EtcdConfig(Section):
 
 
 class RedisConfig(Section):
-    url: str = Field("redis://127.0.0.1:6379/0", description="Redis (or Redis Cluster seed) URL; "
-                                                             "rediss:// for TLS.")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis (or Redis Cluster seed) URL; rediss:// for TLS.")
     timeout_s: float = Field(1.0, gt=0, description="Deadline of each Redis call.")
     username: str = Field("", description="ACL user (AUTH username password); empty: `default`.")
-    password: str = Field("", description="Password of the ACL user, or requirepass "
-                                          "(BALLAST__REDIS__PASSWORD).")
-    tls: BackingTLSConfig = Field(default_factory=BackingTLSConfig,
-                                  description="TLS to Redis (also turned on by a rediss:// URL).")
-    cluster: bool = Field(False, description="The URL names one node of a Redis Cluster: the client "
-                                             "discovers the others and follows slot moves.")
+    password: str = Field("", description="Password of the ACL user, or requirepass (BALLAST__REDIS__PASSWORD).")
+    tls: BackingTLSConfig = Field(
+        default_factory=BackingTLSConfig, description="TLS to Redis (also turned on by a rediss:// URL)."
+    )
+    cluster: bool = Field(
+        False,
+        description="The URL names one node of a Redis Cluster: the client "
+        "discovers the others and follows slot moves.",
+    )
     wait_replicas: int = Field(
-        0, ge=0, description="Backfill writes on a Redis Cluster wait (WAIT) until this many replicas "
-                             "have them, so a master failover loses no stored answer or delivery mark; "
-                             "0: no wait. Set it to the replicas per master.")
-    wait_timeout_ms: int = Field(500, gt=0, description="Longest such a wait; the write then counts as "
-                                                        "done, with a warning.")
+        0,
+        ge=0,
+        description="Backfill writes on a Redis Cluster wait (WAIT) until this many replicas "
+        "have them, so a master failover loses no stored answer or delivery mark; "
+        "0: no wait. Set it to the replicas per master.",
+    )
+    wait_timeout_ms: int = Field(
+        500, gt=0, description="Longest such a wait; the write then counts as done, with a warning."
+    )
 
     def connection_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of redis-py's from_url() beyond the URL: credentials and TLS."""
@@ -150,7 +166,7 @@ class RedisConfig(Section):
     def effective_url(self) -> str:
         """The URL with its scheme set by `tls.enabled` (redis-py picks TLS by scheme)."""
         if self.tls.enabled and self.url.startswith("redis://"):
-            return "rediss://" + self.url[len("redis://"):]
+            return "rediss://" + self.url[len("redis://") :]
         return self.url
 
 
@@ -158,7 +174,8 @@ class KafkaConfig(Section):
     bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers.")
     timeout_s: float = Field(5.0, gt=0, description="Deadline of admin and produce calls.")
     sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
-        "", description="SASL mechanism; empty: no SASL.")
+        "", description="SASL mechanism; empty: no SASL."
+    )
     username: str = Field("", description="SASL user.")
     password: str = Field("", description="SASL password (BALLAST__KAFKA__PASSWORD).")
     tls: BackingTLSConfig = Field(default_factory=BackingTLSConfig, description="TLS to the brokers.")
@@ -172,14 +189,19 @@ class KafkaConfig(Section):
     def security_properties(self) -> dict[str, str]:
         """librdkafka properties for SASL and TLS (empty for a plaintext broker)."""
         sasl = bool(self.sasl_mechanism)
-        protocol = {(False, False): "PLAINTEXT", (False, True): "SSL",
-                    (True, False): "SASL_PLAINTEXT", (True, True): "SASL_SSL"}[(sasl, self.tls.enabled)]
+        protocol = {
+            (False, False): "PLAINTEXT",
+            (False, True): "SSL",
+            (True, False): "SASL_PLAINTEXT",
+            (True, True): "SASL_SSL",
+        }[(sasl, self.tls.enabled)]
         if protocol == "PLAINTEXT":
             return {}
         properties = {"security.protocol": protocol}
         if sasl:
-            properties.update({"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.username,
-                               "sasl.password": self.password})
+            properties.update(
+                {"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.username, "sasl.password": self.password}
+            )
         if self.tls.enabled:
             if self.tls.ca_file:
                 properties["ssl.ca.location"] = self.tls.ca_file
@@ -199,19 +221,24 @@ class ApiKey(Section):
 
     tenant: str = Field(..., min_length=1, description="Tenant the key belongs to.")
     max_tier: TierName | None = Field(
-        None, description="Highest tier calls with this key may claim, below the tenant's grant; none: the grant's.")
+        None, description="Highest tier calls with this key may claim, below the tenant's grant; none: the grant's."
+    )
     acts_for_tenants: bool = Field(
-        False, description="Calls with this key may name another tenant in x-ballast-on-behalf-of and run as it "
-                           "(the backfill's key, whose replays count against the tenant that degraded).")
+        False,
+        description="Calls with this key may name another tenant in x-ballast-on-behalf-of and run as it "
+        "(the backfill's key, whose replays count against the tenant that degraded).",
+    )
 
 
 class TenantGrant(Section):
     """What a tenant may claim."""
 
     tiers: list[TierName] = Field(
-        default_factory=lambda: [Tier.A, Tier.B], min_length=1,
+        default_factory=lambda: [Tier.A, Tier.B],
+        min_length=1,
         description="Tiers its requests may ask for (or be tagged with); a higher one is capped to the highest "
-                    "of these, never refused.")
+        "of these, never refused.",
+    )
 
 
 class AuthConfig(Section):
@@ -221,9 +248,11 @@ class AuthConfig(Section):
     )
     default_tenant: str = Field("local", description="Tenant of every call when auth is off.")
     tenants: dict[str, TenantGrant] = Field(
-        default_factory=dict, description="Tier grants by tenant; a tenant not named here gets default_grant.")
+        default_factory=dict, description="Tier grants by tenant; a tenant not named here gets default_grant."
+    )
     default_grant: TenantGrant = Field(
-        default_factory=TenantGrant, description="Grant of every tenant not in `tenants` (A and B: S is earned).")
+        default_factory=TenantGrant, description="Grant of every tenant not in `tenants` (A and B: S is earned)."
+    )
 
     def key(self, api_key: str) -> ApiKey | None:
         """The key's entry in its mapping form, or None for an unknown key."""
@@ -242,11 +271,14 @@ class AuthConfig(Section):
 
 class TracingConfig(Section):
     endpoint: str = Field(
-        "", description="OTLP/gRPC collector (host:port or http[s]://host:port); empty: no exporter, "
-                        "trace context still propagates."
+        "",
+        description="OTLP/gRPC collector (host:port or http[s]://host:port); empty: no exporter, "
+        "trace context still propagates.",
     )
     sample_ratio: float = Field(
-        1.0, ge=0.0, le=1.0,
+        1.0,
+        ge=0.0,
+        le=1.0,
         description="Share of new traces recorded; a call that arrives with a trace context follows its caller.",
     )
     insecure: bool = Field(True, description="Plaintext to the collector (false: TLS).")
@@ -278,7 +310,7 @@ def _env_overrides(environ: dict[str, str]) -> list[tuple[list[str], Any]]:
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        path = [part.lower() for part in name[len(ENV_PREFIX):].split("__") if part]
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part]
         if not path:
             continue
         # JSON lets env values carry numbers, booleans and maps; plain strings stay strings.

@@ -30,9 +30,11 @@ def _read_optional(path: str) -> bytes | None:
 def tls_credentials(tls: BackingTLSConfig) -> grpc.ChannelCredentials:
     """Channel credentials from the files (read now: a client is rebuilt on every reconnect,
     so rotated files are picked up then)."""
-    return grpc.ssl_channel_credentials(root_certificates=_read_optional(tls.ca_file),
-                                        private_key=_read_optional(tls.key_file),
-                                        certificate_chain=_read_optional(tls.cert_file))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_optional(tls.ca_file),
+        private_key=_read_optional(tls.key_file),
+        certificate_chain=_read_optional(tls.cert_file),
+    )
 
 
 # How long a new client waits for a member to accept a connection before trying the next.
@@ -101,14 +103,14 @@ class EtcdClient(aetcd.Client):
             if self._username is not None:
                 self.auth_stub = rpc.AuthStub(self.channel)
                 reply = await self.auth_stub.Authenticate(
-                    rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout)
+                    rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout
+                )
                 self.metadata = (("token", reply.token),)
             self.kvstub = rpc.KVStub(self.channel)
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
-            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
-                                            metadata=self.metadata)
+            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
             self._connected.set()
         finally:
             self._is_connecting = False
@@ -119,7 +121,8 @@ def make_client(config: EtcdConfig) -> aetcd.Client:
     return EtcdClient(
         config.members,
         tls_credentials(config.tls) if config.tls.enabled else None,
-        username=config.username or None, password=config.password or None,
+        username=config.username or None,
+        password=config.password or None,
         # aetcd's timeout is whole seconds; round up so short configs still get a deadline.
         timeout=max(1, round(config.timeout_s + 0.49)),
     )

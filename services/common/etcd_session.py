@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 # What a lost or refused etcd connection raises through aetcd (and a call past its deadline).
 ETCD_ERRORS = (aetcd.exceptions.ClientError, OSError, asyncio.TimeoutError)
 
+
 class EtcdCallCut(ConnectionError):
     """A call cut short because its client was closed under it: another part's failure dropped
     the shared client, and closing a gRPC channel cancels the calls still on it. gRPC reports
@@ -362,8 +363,9 @@ class PrefixWatch:
 
     def _resync(self, result: Any) -> tuple[dict[bytes, Change], list[Change]]:
         fresh = {kv.key: Change(kv.key, kv.value, kv.lease, kv.mod_revision) for kv in result}
-        changes = [c for key, c in fresh.items()
-                   if key not in self._known or self._known[key].mod_revision != c.mod_revision]
+        changes = [
+            c for key, c in fresh.items() if key not in self._known or self._known[key].mod_revision != c.mod_revision
+        ]
         changes += [Change(key, None) for key in self._known if key not in fresh]
         self._known = fresh
         return dict(fresh), changes
@@ -381,8 +383,11 @@ class PrefixWatch:
             watch = await client.watch_prefix(self.prefix, start_revision=result.header.revision + 1)
             async for event in watch:
                 kv = event.kv
-                change = (Change(kv.key, None, 0, kv.mod_revision) if event.kind == "DELETE"
-                          else Change(kv.key, kv.value, kv.lease, kv.mod_revision))
+                change = (
+                    Change(kv.key, None, 0, kv.mod_revision)
+                    if event.kind == "DELETE"
+                    else Change(kv.key, kv.value, kv.lease, kv.mod_revision)
+                )
                 if change.deleted:
                     self._known.pop(kv.key, None)
                 else:

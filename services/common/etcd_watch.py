@@ -18,16 +18,16 @@ log = logging.getLogger(__name__)
 
 
 class KeyWatcher:
-    def __init__(self, config: EtcdConfig, key: str, on_value: Callable[[bytes | None], None],
-                 session: EtcdSession | None = None) -> None:
+    def __init__(
+        self, config: EtcdConfig, key: str, on_value: Callable[[bytes | None], None], session: EtcdSession | None = None
+    ) -> None:
         self.config = config
         self.key = key.encode()
         self._on_value = on_value
         # A session of its own unless the owner shares one (then the owner closes it).
         self._owned = session is None
         self.session = session or EtcdSession(config)
-        self._watch = self.session.watch_prefix(self.key, self._on_sync, self._on_change,
-                                                name=f"watch-{key}")
+        self._watch = self.session.watch_prefix(self.key, self._on_sync, self._on_change, name=f"watch-{key}")
         self.synced = asyncio.Event()
 
     def _deliver(self, value: bytes | None) -> None:

@@ -214,9 +214,12 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None,
-               tls: TLSConfig | None = None, plaintext_services: frozenset[str] = HEALTH_ONLY,
-               reuse_port: bool = False) -> grpc.aio.Server:
+def new_server(
+    interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+    tls: TLSConfig | None = None,
+    plaintext_services: frozenset[str] = HEALTH_ONLY,
+    reuse_port: bool = False,
+) -> grpc.aio.Server:
     """A server with the shared interceptors; with `tls` enabled, calls are checked
     against the peer's role (services.common.tls.roles), and a call that came without TLS
     reaches only `plaintext_services`. `reuse_port`: other processes of the same service may
@@ -229,24 +232,16 @@ def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None,
     return grpc.aio.server(interceptors=[*shared, *(interceptors or [])], options=options)
 
 
-def add_health_and_reflection(
-    server: grpc.aio.Server, service_names: list[str]
-) -> health.aio.HealthServicer:
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
     """Serves grpc.health.v1 (overall "" and each service) and server reflection."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return health_servicer
 
 
 async def set_serving(health_servicer, service_names: list[str], serving: bool) -> None:
-    status = (
-        health_pb2.HealthCheckResponse.SERVING
-        if serving
-        else health_pb2.HealthCheckResponse.NOT_SERVING
-    )
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
         await health_servicer.set(name, status)
 
@@ -259,8 +254,7 @@ def bind_health_port(server: grpc.aio.Server, host: str, tls: TLSConfig) -> int 
     return bind(server, host, tls.health_port)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int,
-         credentials: grpc.ServerCredentials | None = None) -> int:
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
     """Binds a port (port 0 picks one), TLS with `credentials`, else plaintext; returns the port bound."""
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

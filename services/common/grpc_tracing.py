@@ -23,8 +23,12 @@ UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.")
 # Server-side codes that mean the server failed (OpenTelemetry's gRPC conventions); the others
 # (bad input, not found, overload...) are the caller's outcome, not an error of this span.
 SERVER_ERROR_CODES = {
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DATA_LOSS,
 }
 _TRACER = tracer("grpc")
 
@@ -34,6 +38,7 @@ def _traced(method: str) -> bool:
 
 
 # --- client ---------------------------------------------------------------------------------
+
 
 def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
     carrier: dict[str, str] = {}
@@ -94,6 +99,7 @@ def trace_metadata() -> tuple[tuple[str, str], ...]:
 
 # --- server ---------------------------------------------------------------------------------
 
+
 def _status_code(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
     code = context.code()
     if isinstance(code, grpc.StatusCode):
@@ -116,7 +122,9 @@ def _server_span(method: str, context: grpc.aio.ServicerContext) -> Iterator[ote
     service, _, name = method.lstrip("/").rpartition("/")
     parent = context_from_metadata(context.invocation_metadata())
     span = _TRACER.start_span(
-        method.lstrip("/"), context=parent, kind=SpanKind.SERVER,
+        method.lstrip("/"),
+        context=parent,
+        kind=SpanKind.SERVER,
         attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
     )
     error: BaseException | None = None

@@ -79,8 +79,9 @@ class _Generation:
 class AsyncProducer:
     """One librdkafka producer plus the thread that serves its delivery reports."""
 
-    def __init__(self, bootstrap: str, delivery_timeout_s: float = 10.0, client_id: str = "ballast",
-                 extra: dict | None = None) -> None:
+    def __init__(
+        self, bootstrap: str, delivery_timeout_s: float = 10.0, client_id: str = "ballast", extra: dict | None = None
+    ) -> None:
         self._config = producer_config(bootstrap, delivery_timeout_s, client_id, extra)
         self.delivery_timeout_s = delivery_timeout_s
         self._current: _Generation | None = None
@@ -162,8 +163,9 @@ class AsyncProducer:
             await self.reset()
             return True
 
-    def send_nowait(self, topic: str, value: bytes, key: bytes | None = None,
-                    headers: Headers | None = None) -> asyncio.Future:
+    def send_nowait(
+        self, topic: str, value: bytes, key: bytes | None = None, headers: Headers | None = None
+    ) -> asyncio.Future:
         """Enqueues one record; the future resolves to Delivered or fails with DeliveryFailed."""
         assert self._loop is not None, "start() first"
         future = self._loop.create_future()
@@ -176,8 +178,9 @@ class AsyncProducer:
         if not any(name == tracing.TRACEPARENT for name, _value in headers):
             headers.extend(tracing.context_headers())
         try:
-            current.producer.produce(topic, value=value, key=key, headers=headers,
-                                     on_delivery=self._resolver(current, future))
+            current.producer.produce(
+                topic, value=value, key=key, headers=headers, on_delivery=self._resolver(current, future)
+            )
             current.pending.add(future)
         except BufferError:
             future.set_exception(DeliveryFailed("producer queue is full"))
@@ -185,8 +188,9 @@ class AsyncProducer:
             future.set_exception(DeliveryFailed(f"produce refused: {exc!r}"))
         return future
 
-    async def send(self, topic: str, value: bytes, key: bytes | None = None,
-                   headers: Headers | None = None) -> Delivered:
+    async def send(
+        self, topic: str, value: bytes, key: bytes | None = None, headers: Headers | None = None
+    ) -> Delivered:
         """Produces one record and waits for the broker's acknowledgement (all replicas)."""
         await self.renew_if_stale()
         future = self.send_nowait(topic, value, key, headers)
@@ -253,14 +257,21 @@ def _discard(producer: Producer, serve_s: float = 1.0) -> None:
         log.debug("discarding producer: %r", exc)
 
 
-def ensure_topics(bootstrap: str, names: Iterable[str], partitions: int = 1, replication: int = 1,
-                  timeout_s: float = 10.0, security: Mapping[str, str] | None = None) -> None:
+def ensure_topics(
+    bootstrap: str,
+    names: Iterable[str],
+    partitions: int = 1,
+    replication: int = 1,
+    timeout_s: float = 10.0,
+    security: Mapping[str, str] | None = None,
+) -> None:
     """Creates the topics that do not exist yet (blocking: run it in a thread). `security`:
     SASL and TLS properties (KafkaConfig.security_properties())."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 2,
-                         "socket.connection.setup.timeout.ms": 3000, **(security or {})})
+    admin = AdminClient(
+        {"bootstrap.servers": bootstrap, "log_level": 2, "socket.connection.setup.timeout.ms": 3000, **(security or {})}
+    )
     topics = [NewTopic(n, num_partitions=partitions, replication_factor=replication) for n in names]
     if not topics:
         return

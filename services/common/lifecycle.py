@@ -48,7 +48,9 @@ def settle_startup_garbage() -> None:
 
 
 async def serve_until_signal(
-    create_server: Callable[[Any], Awaitable[Any]], name: str, config: Any,
+    create_server: Callable[[Any], Awaitable[Any]],
+    name: str,
+    config: Any,
     on_ready: Callable[[], None] | None = None,
 ) -> None:
     """Starts a service app, prints one READY line (launchers wait for it), stops on signal.

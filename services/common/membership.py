@@ -202,16 +202,16 @@ class GoneEvent(asyncio.Event):
 class MembershipWatcher:
     """The router's live view of workers: a full read, then a prefix watch; resyncs after loss."""
 
-    def __init__(self, config: EtcdConfig, dependencies: DependencyStatus,
-                 session: EtcdSession | None = None) -> None:
+    def __init__(self, config: EtcdConfig, dependencies: DependencyStatus, session: EtcdSession | None = None) -> None:
         self.config = config
         self._dependencies = dependencies
         self._workers: dict[str, WorkerRecord] = {}
         # The process's session when given (its owner closes it), else one of its own.
         self._owns_session = session is None
         self.session = session or EtcdSession(config)
-        self._watch = self.session.watch_prefix(workers_prefix(config).encode(), self._on_sync, self._on_change,
-                                                self._on_lost, name="etcd-membership")
+        self._watch = self.session.watch_prefix(
+            workers_prefix(config).encode(), self._on_sync, self._on_change, self._on_lost, name="etcd-membership"
+        )
         self._changed = asyncio.Condition()
         self.synced = asyncio.Event()
         # Bumped on every change, so waiters can tell "changed since I looked".
@@ -252,6 +252,7 @@ class MembershipWatcher:
 
     async def wait_for(self, predicate: Callable[[dict[str, WorkerRecord]], bool], timeout: float) -> bool:
         """Waits until the membership satisfies `predicate`; False on timeout."""
+
         async def _wait() -> None:
             async with self._changed:
                 await self._changed.wait_for(lambda: predicate(self._workers))
@@ -272,7 +273,7 @@ class MembershipWatcher:
             self._changed.notify_all()
 
     def _worker_id(self, key: bytes) -> str:
-        return key.decode()[len(workers_prefix(self.config)):]
+        return key.decode()[len(workers_prefix(self.config)) :]
 
     def _record(self, change: Change) -> WorkerRecord | None:
         try:

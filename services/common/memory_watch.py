@@ -92,8 +92,12 @@ class MemoryWatch:
             rss = tree_rss_bytes(self.pid)
             if rss > self.limit_bytes:
                 self.exceeded = rss
-                log.error("pid %d uses %d MB, over its limit of %d MB: killing it", self.pid, rss // MB,
-                          self.limit_bytes // MB)
+                log.error(
+                    "pid %d uses %d MB, over its limit of %d MB: killing it",
+                    self.pid,
+                    rss // MB,
+                    self.limit_bytes // MB,
+                )
                 kill_group(self.pid)
                 return
 
@@ -103,7 +107,7 @@ class MemoryWatch:
             self._thread.join()
 
     def reason(self) -> str | None:
-        """"memory limit (N MB over M MB)" once it fired, else None."""
+        """ "memory limit (N MB over M MB)" once it fired, else None."""
         if self.exceeded is None:
             return None
         return f"memory limit ({self.exceeded // MB} MB over {self.limit_bytes // MB} MB)"

@@ -215,8 +215,7 @@ class ManagedProcess:
         if self._exited():
             rc = self.exit_status()
             raise ProcessStartError(
-                f"{self.name} (pid {self._proc.pid}) exited with status {rc} during {during}; "
-                f"log: {self.log_path}",
+                f"{self.name} (pid {self._proc.pid}) exited with status {rc} during {during}; log: {self.log_path}",
                 log_tail=self.log_tail(),
             )
 
@@ -472,9 +471,7 @@ def _cmdline_matches(cmdline: list[str], argv0: str) -> bool:
     # A console-script wrapper (the venv's `etcd` is one) shows up as `python3 /path/etcd ...`
     # until it execs the real binary.
     return (
-        len(cmdline) > 1
-        and os.path.basename(cmdline[0]).startswith("python")
-        and os.path.basename(cmdline[1]) == want
+        len(cmdline) > 1 and os.path.basename(cmdline[0]).startswith("python") and os.path.basename(cmdline[1]) == want
     )
 
 

@@ -32,8 +32,9 @@ def fingerprint(tenant: str, prompt: str | None, messages: Sequence[tuple[str, s
 
 def request_fingerprint(request: Any) -> str:
     """The fingerprint of a router's validated request (tenant, prompt, messages, response_format)."""
-    return fingerprint(request.tenant, request.prompt, [(m.role, m.content) for m in request.messages],
-                       request.response_format)
+    return fingerprint(
+        request.tenant, request.prompt, [(m.role, m.content) for m in request.messages], request.response_format
+    )
 
 
 def degraded_fingerprint(record: backfill_pb2.DegradedRequest) -> str:
@@ -73,9 +74,14 @@ class QuarantineEntry:
     def from_json(cls, raw: bytes | str) -> "QuarantineEntry":
         try:
             data = json.loads(raw)
-            entry = cls(fingerprint=str(data["fingerprint"]), tenant=str(data["tenant"]), reason=str(data["reason"]),
-                        since=float(data["since"]), workers_lost=int(data["workers_lost"]),
-                        ttl_s=float(data["ttl_s"]))
+            entry = cls(
+                fingerprint=str(data["fingerprint"]),
+                tenant=str(data["tenant"]),
+                reason=str(data["reason"]),
+                since=float(data["since"]),
+                workers_lost=int(data["workers_lost"]),
+                ttl_s=float(data["ttl_s"]),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidQuarantineEntry(f"not a quarantine entry: {exc}") from None
         if len(entry.fingerprint) != 64 or entry.ttl_s <= 0:

@@ -51,13 +51,14 @@ class QuarantineWatch:
 
     def _on_sync(self, snapshot: dict[bytes, Change], _changes: list[Change]) -> None:
         # A merge, not a replacement: entries written here while etcd was away are kept.
-        self.store.merge(e for e in (self._entry(c.value) for c in snapshot.values() if c.value is not None)
-                         if e is not None)
+        self.store.merge(
+            e for e in (self._entry(c.value) for c in snapshot.values() if c.value is not None) if e is not None
+        )
         self.synced.set()
 
     def _on_change(self, change: Change) -> None:
         if change.value is None:
-            self.store.remove(change.key[len(self.key):].decode())
+            self.store.remove(change.key[len(self.key) :].decode())
             return
         entry = self._entry(change.value)
         if entry is not None:
@@ -75,8 +76,9 @@ class QuarantineWatch:
 class QuarantinePublisher:
     """Writes entries to etcd, each under its own lease of the entry's remaining time."""
 
-    def __init__(self, config: EtcdConfig, store: QuarantineStore, max_pending: int = 256,
-                 session: EtcdSession | None = None) -> None:
+    def __init__(
+        self, config: EtcdConfig, store: QuarantineStore, max_pending: int = 256, session: EtcdSession | None = None
+    ) -> None:
         self.config = config
         self.store = store
         self._pending: collections.deque[QuarantineEntry] = collections.deque(maxlen=max_pending)

@@ -23,8 +23,12 @@ AnyRedis = Union[redis_asyncio.Redis, RedisCluster]
 # Failures that mean "Redis cannot serve this now" on either client: a lost connection, a
 # slot without a master during a failover, a slot moving. None of them is the caller's fault.
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
-    redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.BusyLoadingError,
-    redis_errors.ClusterError, redis_errors.RedisClusterException, redis_errors.TryAgainError,
+    redis_errors.ConnectionError,
+    redis_errors.TimeoutError,
+    redis_errors.BusyLoadingError,
+    redis_errors.ClusterError,
+    redis_errors.RedisClusterException,
+    redis_errors.TryAgainError,
     OSError,
 )
 

@@ -34,34 +34,60 @@ class SchemaLimits(Section):
     and keep a worker's grammar under about 50 MB and 0.1 s to compile."""
 
     max_chars: int = Field(64 * 1024, gt=0, description="Longest schema text (characters).")
-    max_depth: int = Field(32, ge=1, description="Deepest nesting of subschemas ($refs followed; recursion counts once).")
+    max_depth: int = Field(
+        32, ge=1, description="Deepest nesting of subschemas ($refs followed; recursion counts once)."
+    )
     max_json_depth: int = Field(64, ge=1, description="Deepest nesting of the schema's JSON itself (values included).")
     max_subschemas: int = Field(
-        4000, ge=1, description="Most subschemas, each $ref target counted at every use (a $defs chain that "
-                                "references each link twice doubles per link).")
+        4000,
+        ge=1,
+        description="Most subschemas, each $ref target counted at every use (a $defs chain that "
+        "references each link twice doubles per link).",
+    )
     max_items: int = Field(
-        1000, ge=0, description="Largest minItems, maxItems, minContains, maxContains, and longest prefixItems.")
+        1000, ge=0, description="Largest minItems, maxItems, minContains, maxContains, and longest prefixItems."
+    )
     max_total_items: int = Field(
-        8000, ge=0, description="Sum of the item counts above over the whole schema (a grammar holds each item).")
+        8000, ge=0, description="Sum of the item counts above over the whole schema (a grammar holds each item)."
+    )
     max_length: int = Field(10_000, ge=0, description="Largest minLength / maxLength (characters).")
     max_properties: int = Field(
-        1000, ge=0, description="Largest minProperties / maxProperties, and most entries in one properties map.")
+        1000, ge=0, description="Largest minProperties / maxProperties, and most entries in one properties map."
+    )
     max_enum: int = Field(1000, ge=1, description="Most values in one enum.")
     max_branches: int = Field(128, ge=1, description="Most subschemas in one anyOf, oneOf or allOf.")
     max_pattern_chars: int = Field(1000, ge=1, description="Longest pattern / patternProperties key.")
     max_pattern_repeat: int = Field(1000, ge=1, description="Largest count in a pattern's {n} / {n,m}.")
     formats: list[str] = Field(
         default_factory=lambda: list(GUIDED_FORMATS),
-        description="`format` values allowed (those guided decoding can enforce); others are refused.")
+        description="`format` values allowed (those guided decoding can enforce); others are refused.",
+    )
 
 
 # Keywords whose value is one subschema; does applying it descend into the instance?
-_ONE = {"not": False, "if": False, "then": False, "else": False, "items": True, "additionalItems": True,
-        "additionalProperties": True, "unevaluatedItems": True, "unevaluatedProperties": True,
-        "contains": True, "propertyNames": True, "contentSchema": True}
+_ONE = {
+    "not": False,
+    "if": False,
+    "then": False,
+    "else": False,
+    "items": True,
+    "additionalItems": True,
+    "additionalProperties": True,
+    "unevaluatedItems": True,
+    "unevaluatedProperties": True,
+    "contains": True,
+    "propertyNames": True,
+    "contentSchema": True,
+}
 _LIST = {"allOf": False, "anyOf": False, "oneOf": False, "prefixItems": True, "items": True}
-_MAP = {"properties": True, "patternProperties": True, "dependentSchemas": False, "dependencies": False,
-        "$defs": None, "definitions": None}  # None: definitions apply only where a $ref uses them
+_MAP = {
+    "properties": True,
+    "patternProperties": True,
+    "dependentSchemas": False,
+    "dependencies": False,
+    "$defs": None,
+    "definitions": None,
+}  # None: definitions apply only where a $ref uses them
 _ITEM_COUNTS = ("minItems", "maxItems", "minContains", "maxContains")
 _LENGTHS = ("minLength", "maxLength")
 _PROPERTY_COUNTS = ("minProperties", "maxProperties")
@@ -90,7 +116,9 @@ def parse_schema(text: str, limits: SchemaLimits, *, what: str = "response_forma
     try:
         document = json.loads(text)
     except RecursionError:
-        raise InvalidArgument(f"{what} nests deeper than {limits.max_json_depth} levels (limit max_json_depth)") from None
+        raise InvalidArgument(
+            f"{what} nests deeper than {limits.max_json_depth} levels (limit max_json_depth)"
+        ) from None
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"{what} is not valid JSON: {exc.msg}") from None
     except ValueError as exc:  # e.g. an integer of more digits than Python converts
@@ -144,8 +172,10 @@ class _Walk:
         key = id(node)
         if key in self.path:
             if self.path[key] == descents:
-                self.fail(f"$ref at {where} leads back to a schema that holds it without descending into "
-                          "the value (infinite recursion)")
+                self.fail(
+                    f"$ref at {where} leads back to a schema that holds it without descending into "
+                    "the value (infinite recursion)"
+                )
             return 0, 0  # recursion through properties/items: bounded by the value itself
         if key in self.heights:
             return self.add(key, where, depth)
@@ -185,8 +215,10 @@ class _Walk:
 
     def over_count(self, where: str) -> None:
         if self.expanded > self.limits.max_subschemas:
-            self.fail(f"more than {self.limits.max_subschemas} subschemas ($refs counted at each use), "
-                      f"reached at {where} (limit max_subschemas)")
+            self.fail(
+                f"more than {self.limits.max_subschemas} subschemas ($refs counted at each use), "
+                f"reached at {where} (limit max_subschemas)"
+            )
 
     def keywords(self, node: dict, where: str) -> None:
         """The bounds of one schema object's own keywords (checked once per object)."""
@@ -205,8 +237,9 @@ class _Walk:
             counts.append(len(prefix))
         self.total_items += int(max(counts))
         if self.total_items > limits.max_total_items:
-            self.fail(f"array item counts add up to over {limits.max_total_items}, reached at {where} "
-                      "(limit max_total_items)")
+            self.fail(
+                f"array item counts add up to over {limits.max_total_items}, reached at {where} (limit max_total_items)"
+            )
         for name in _LENGTHS:
             value = _number(node.get(name))
             if value is not None:
@@ -227,8 +260,10 @@ class _Walk:
                 self.bound(len(branches), limits.max_branches, f"{where}.{name}", "max_branches", "subschemas")
         fmt = node.get("format")
         if isinstance(fmt, str) and fmt not in self.formats:
-            self.fail(f"format {fmt!r} at {where}.format is not supported; use one of "
-                      f"{', '.join(sorted(self.formats))} (limit formats)")
+            self.fail(
+                f"format {fmt!r} at {where}.format is not supported; use one of "
+                f"{', '.join(sorted(self.formats))} (limit formats)"
+            )
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             self.pattern(pattern, f"{where}.pattern")
@@ -371,8 +406,9 @@ class _Scan:
             if ch == "\\":
                 nxt = p[self.i + 1] if self.i + 1 < len(p) else ""
                 if nxt.isdigit() and nxt != "0" or nxt == "k":
-                    raise _Bad(f"has a backreference (\\{nxt}) at character {self.i}, which guided decoding "
-                               "cannot enforce")
+                    raise _Bad(
+                        f"has a backreference (\\{nxt}) at character {self.i}, which guided decoding cannot enforce"
+                    )
                 self.i += 2
                 if nxt in "xu":
                     self.i += 4 if nxt == "u" else 2
@@ -418,8 +454,10 @@ class _Scan:
                     if last_atom.quantified_inside and not few:
                         raise _Bad("nests quantifiers (like (a+)+), which backtracks exponentially")
                     if (high is None or high > 1) and last_atom.alternatives > 1 and _may_overlap(last_atom.first):
-                        raise _Bad("repeats alternatives that may start alike (like (a|aa)*), which backtracks "
-                                   "exponentially; use a character class or disjoint alternatives")
+                        raise _Bad(
+                            "repeats alternatives that may start alike (like (a|aa)*), which backtracks "
+                            "exponentially; use a character class or disjoint alternatives"
+                        )
                 if high != low:  # a fixed count ({4}) adds no way to split the string
                     stack[-1].quantified_inside = True
                 elif isinstance(last_atom, _Group) and last_atom.quantified_inside:
@@ -458,7 +496,7 @@ class _Scan:
         self.i += 1
         if ch == "{":
             end = p.find("}", self.i)
-            body = p[self.i:end] if end >= 0 else ""
+            body = p[self.i : end] if end >= 0 else ""
             low_text, _, high_text = body.partition(",")
             if end < 0 or not low_text.strip().isdigit() or (high_text.strip() and not high_text.strip().isdigit()):
                 # Not a count ("{" taken literally, as ECMA-262 does): a literal atom.

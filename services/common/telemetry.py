@@ -23,7 +23,23 @@ from services.common.grpc_server import malformed_requests
 
 # Latency buckets in milliseconds: fine below 10 ms (relay overhead), coarse up to a minute.
 LATENCY_BUCKETS_MS = (
-    0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 800, 1000, 2000, 5000, 15000, 30000, 60000,
+    0.5,
+    1,
+    2,
+    5,
+    10,
+    25,
+    50,
+    100,
+    250,
+    500,
+    800,
+    1000,
+    2000,
+    5000,
+    15000,
+    30000,
+    60000,
 )
 
 

@@ -10,7 +10,10 @@ from services.common.tier import Tier
 
 # Keyed by Tier; a Tier is a str, so callers holding the text ("S") look it up as well.
 TIER_TO_PB: Mapping[str, common_pb2.Tier.ValueType] = {
-    Tier.AUTO: common_pb2.TIER_AUTO, Tier.S: common_pb2.TIER_S, Tier.A: common_pb2.TIER_A, Tier.B: common_pb2.TIER_B,
+    Tier.AUTO: common_pb2.TIER_AUTO,
+    Tier.S: common_pb2.TIER_S,
+    Tier.A: common_pb2.TIER_A,
+    Tier.B: common_pb2.TIER_B,
 }
 TIER_NAMES: Mapping[int, Tier] = {value: Tier(name) for name, value in TIER_TO_PB.items()}
 

@@ -60,8 +60,9 @@ class _RecordWhenRead(Sampler):
         self.inner = inner
         self.read = False
 
-    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
-                      trace_state=None) -> SamplingResult:
+    def should_sample(
+        self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None
+    ) -> SamplingResult:
         sampler = self.inner if self.read else ALWAYS_OFF
         return sampler.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
 
@@ -151,6 +152,7 @@ async def span_until_entered(
 
 
 # --- Kafka record headers -----------------------------------------------------------------
+
 
 def context_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, bytes]]:
     """The trace context of `ctx` (default: the current one) as Kafka headers; [] outside a trace."""

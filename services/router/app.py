@@ -123,15 +123,18 @@ async def create_server(config: BallastConfig) -> RouterApp:
     # The servicer builds the controller without etcd access; it gets the session here.
     await servicer.rollouts.start(etcd)
     # The quarantine shared with the other routers and the backfill through etcd.
-    servicer.runner.quarantine = RouterQuarantine(config.router.quarantine, config.etcd,
-                                                  counter=servicer.metrics.quarantine, session=etcd)
+    servicer.runner.quarantine = RouterQuarantine(
+        config.router.quarantine, config.etcd, counter=servicer.metrics.quarantine, session=etcd
+    )
     await servicer.runner.quarantine.start()
     credentials = public_server_credentials(config.tls, "router")
     # With a plaintext public port (public_tls off, TLS ended at a balancer) the public API
     # and reflection are served without TLS too; otherwise only health checks are.
-    server = new_server(tls=config.tls,
-                        plaintext_services=HEALTH_ONLY if config.tls.public_port_secure else PUBLIC_PLAINTEXT,
-                        reuse_port=config.router.processes > 1)
+    server = new_server(
+        tls=config.tls,
+        plaintext_services=HEALTH_ONLY if config.tls.public_port_secure else PUBLIC_PLAINTEXT,
+        reuse_port=config.router.processes > 1,
+    )
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, config.router.host, config.router.port, credentials)

@@ -87,9 +87,16 @@ def backfill_address(config: BallastConfig) -> str:
 class BackfillProxy:
     """One channel to the backfill service, its reachability probe, and the two relays."""
 
-    def __init__(self, address: str, auth: Authenticator, dependencies: DependencyStatus,
-                 timeout_s: float = 5.0, subscribe_max_s: float = 3600.0, probe_interval_s: float = 2.0,
-                 tls: TLSConfig | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        auth: Authenticator,
+        dependencies: DependencyStatus,
+        timeout_s: float = 5.0,
+        subscribe_max_s: float = 3600.0,
+        probe_interval_s: float = 2.0,
+        tls: TLSConfig | None = None,
+    ) -> None:
         self.address = address
         self.auth = auth
         self.timeout_s = timeout_s
@@ -98,18 +105,27 @@ class BackfillProxy:
         self._channel = open_channel(address, tls, options=PROXY_CHANNEL_OPTIONS)
         self._stub = backfill_pb2_grpc.BackfillStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._probe = DependencyProbe(DEPENDENCY, self._check, dependencies, interval_s=probe_interval_s,
-                                      timeout_s=timeout_s + 1)
+        self._probe = DependencyProbe(
+            DEPENDENCY, self._check, dependencies, interval_s=probe_interval_s, timeout_s=timeout_s + 1
+        )
         self._recheck: asyncio.Task | None = None
 
     @classmethod
     def from_config(cls, config: BallastConfig, telemetry: Telemetry) -> "BackfillProxy":
         router = config.router
-        proxy = cls(backfill_address(config), Authenticator(config.auth), telemetry.dependencies,
-                    router.backfill_timeout_s, router.backfill_subscribe_max_s, tls=config.tls)
+        proxy = cls(
+            backfill_address(config),
+            Authenticator(config.auth),
+            telemetry.dependencies,
+            router.backfill_timeout_s,
+            router.backfill_subscribe_max_s,
+            tls=config.tls,
+        )
         telemetry.meter.create_observable_gauge(
-            "ballast_router_backfill_subscriptions", callbacks=[proxy._observe],
-            description="Subscribe streams the router relays from the backfill service.")
+            "ballast_router_backfill_subscriptions",
+            callbacks=[proxy._observe],
+            description="Subscribe streams the router relays from the backfill service.",
+        )
         return proxy
 
     def _observe(self, _options: CallbackOptions) -> Iterable[Observation]:
@@ -130,18 +146,22 @@ class BackfillProxy:
 
     # -- the two relays -------------------------------------------------------------------
 
-    async def get(self, request: backfill_pb2.GetAnswerRequest,
-                  context: grpc.aio.ServicerContext) -> backfill_pb2.BackfilledAnswer:
+    async def get(
+        self, request: backfill_pb2.GetAnswerRequest, context: grpc.aio.ServicerContext
+    ) -> backfill_pb2.BackfilledAnswer:
         metadata = self._forwarded(context)
         check_ticket(request.ticket)
         await self._reach(context)
         try:
-            return await self._stub.GetAnswer(request, metadata=metadata, timeout=self._timeout(context, self.timeout_s))
+            return await self._stub.GetAnswer(
+                request, metadata=metadata, timeout=self._timeout(context, self.timeout_s)
+            )
         except grpc.aio.AioRpcError as error:
             raise self._error(error) from None
 
-    async def subscribe(self, request: backfill_pb2.SubscribeRequest,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[backfill_pb2.BackfilledAnswer]:
+    async def subscribe(
+        self, request: backfill_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[backfill_pb2.BackfilledAnswer]:
         metadata = self._forwarded(context)
         subscription_target(request)
         await self._reach(context)
@@ -163,8 +183,11 @@ class BackfillProxy:
         """Authenticates here (a clear error even while the backfill is away), then forwards."""
         metadata = context.invocation_metadata() or ()
         self.auth.tenant_for(metadata)
-        return tuple((name.lower(), value) for name, value in metadata
-                     if name.lower() in FORWARDED_METADATA and isinstance(value, str))
+        return tuple(
+            (name.lower(), value)
+            for name, value in metadata
+            if name.lower() in FORWARDED_METADATA and isinstance(value, str)
+        )
 
     async def _reach(self, context: grpc.aio.ServicerContext) -> None:
         """Waits briefly for a connection, so a backfill that just came back is found at once
@@ -176,8 +199,9 @@ class BackfillProxy:
                 await self._channel.channel_ready()
         except TimeoutError:
             self._recheck_soon()
-            raise Unavailable(f"backfill service at {self.address} is unreachable, try again later "
-                              "(nothing is lost)") from None
+            raise Unavailable(
+                f"backfill service at {self.address} is unreachable, try again later (nothing is lost)"
+            ) from None
 
     def _recheck_soon(self) -> None:
         """Lets the probe say now, not at its next round, whether the backfill is reachable."""
@@ -199,7 +223,8 @@ class BackfillProxy:
             return ResourceExhausted(details, retry_after_s=retry_after_hint(error) or 1.0)
         self._recheck_soon()
         if code == grpc.StatusCode.UNAVAILABLE:
-            return Unavailable(f"backfill service at {self.address} is unavailable, try again later "
-                               f"(nothing is lost): {details}")
+            return Unavailable(
+                f"backfill service at {self.address} is unavailable, try again later (nothing is lost): {details}"
+            )
         log.warning("backfill service at %s answered %s: %s", self.address, code.name, details)
         return Unavailable(f"backfill service at {self.address} failed: {code.name}: {details}")

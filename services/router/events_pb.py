@@ -28,16 +28,23 @@ FINISH_FROM_PB = {value: reason for reason, value in FINISH_TO_PB.items()}
 
 def event_to_pb(event: Event) -> inference_pb2.GenerateEvent:
     if isinstance(event, Tokens):  # by far the most frequent: first
-        return inference_pb2.GenerateEvent(tokens=common_pb2.Tokens(
-            text=event.text, token_ids=event.token_ids, first_index=event.first_index))
+        return inference_pb2.GenerateEvent(
+            tokens=common_pb2.Tokens(text=event.text, token_ids=event.token_ids, first_index=event.first_index)
+        )
     if isinstance(event, Started):
-        return inference_pb2.GenerateEvent(started=inference_pb2.Started(
-            request_id=event.request_id, tier=tier_to_pb(event.tier), tier_reason=event.tier_reason,
-            model=event.model, model_version=event.model_version,
-        ))
+        return inference_pb2.GenerateEvent(
+            started=inference_pb2.Started(
+                request_id=event.request_id,
+                tier=tier_to_pb(event.tier),
+                tier_reason=event.tier_reason,
+                model=event.model,
+                model_version=event.model_version,
+            )
+        )
     if isinstance(event, Resumed):
-        return inference_pb2.GenerateEvent(resumed=inference_pb2.Resumed(
-            next_index=event.next_index, reason=event.reason, resumes=event.resumes))
+        return inference_pb2.GenerateEvent(
+            resumed=inference_pb2.Resumed(next_index=event.next_index, reason=event.reason, resumes=event.resumes)
+        )
     if isinstance(event, Finished):
         return inference_pb2.GenerateEvent(finished=_finished_pb(event))
     raise TypeError(f"not a generation event: {event!r}")

@@ -182,8 +182,12 @@ class GenerationRunner:
     @staticmethod
     def _answer(run: RequestRun, error: BaseException | None) -> Answer:
         state = run.state
-        return Answer(list(state.sent_ids), "".join(state.text_parts or ()), run.ttft_ms(),
-                      error=None if error is None else type(error).__name__)
+        return Answer(
+            list(state.sent_ids),
+            "".join(state.text_parts or ()),
+            run.ttft_ms(),
+            error=None if error is None else type(error).__name__,
+        )
 
     async def _run_routed(self, run: RequestRun, route: Route) -> AsyncIterator[Event]:
         """Runs a request on its rollout version. Only before the first token may it move to
@@ -208,8 +212,13 @@ class GenerationRunner:
                     raise
                 if isinstance(error, RetryBudgetExhausted) and route.role is not Role.CANDIDATE:
                     raise  # a failing candidate is the trial's cost, not the client's: it always falls back
-                log.info("request %s: version %s failed before its first token (%s); trying %s",
-                         request.request_id, version, error, versions[position + 1])
+                log.info(
+                    "request %s: version %s failed before its first token (%s); trying %s",
+                    request.request_id,
+                    version,
+                    error,
+                    versions[position + 1],
+                )
                 self.rollouts.fell_back(request.model, route)
                 state.model_version = ""  # starts again on the other version, with its tokenizer
 
@@ -221,13 +230,18 @@ class GenerationRunner:
         if not self.pools.has_capacity(request.model, version=version):
             raise NoLiveWorker(f"no live worker for {_pool_words(request.model, version)}")
         ticket = gate.scheduler.new_ticket(
-            request.request_id, request.tenant, tier, weight=run.weight, client_deadline=run.deadline,
+            request.request_id,
+            request.tenant,
+            tier,
+            weight=run.weight,
+            client_deadline=run.deadline,
             prefer=self.pools.key_for(self.affinity.preferred(request.tenant, request.session_id)),
         )
         control = AttemptControl()
         admission = gate.slot(ticket, on_preempt=lambda _grant: control.interrupt("preempted"))
-        async with tracing.span_until_entered(TRACER, "router.admission", admission,
-                                              {"ballast.tier": tier, "ballast.pool": request.model}) as grant:
+        async with tracing.span_until_entered(
+            TRACER, "router.admission", admission, {"ballast.tier": tier, "ballast.pool": request.model}
+        ) as grant:
             while True:
                 if control.take() == "preempted":
                     await self._pause(grant, state, tier)
@@ -257,20 +271,32 @@ class GenerationRunner:
                     return
                 except DECIDED_ERRORS as error:
                     silent = self.progress.silent(worker.id, error)
-                    decision = decide(AttemptFailure(
-                        error, worker.id, tokens_sent=len(state.sent_ids),
-                        tokens_this_attempt=len(state.sent_ids) - sent_before,
-                        accepted=worker_died(error, silent) and await was_accepted(control.last_call),
-                        deadline_passed=time.monotonic() >= run.deadline,
-                        worker_silent=silent,
-                    ), run.attempts.ask)
+                    decision = decide(
+                        AttemptFailure(
+                            error,
+                            worker.id,
+                            tokens_sent=len(state.sent_ids),
+                            tokens_this_attempt=len(state.sent_ids) - sent_before,
+                            accepted=worker_died(error, silent) and await was_accepted(control.last_call),
+                            deadline_passed=time.monotonic() >= run.deadline,
+                            worker_silent=silent,
+                        ),
+                        run.attempts.ask,
+                    )
                     async for event in self._apply(decision, run, worker, permit, grant, version):
                         yield event
                 finally:
                     permit.release()
 
-    async def _apply(self, decision: FailoverDecision, run: RequestRun, worker: WorkerRecord, permit: Permit,
-                     grant: Grant, version: str | None) -> AsyncIterator[Event]:
+    async def _apply(
+        self,
+        decision: FailoverDecision,
+        run: RequestRun,
+        worker: WorkerRecord,
+        permit: Permit,
+        grant: Grant,
+        version: str | None,
+    ) -> AsyncIterator[Event]:
         """Carries out a failed attempt's decision: the worker's breaker and marks, the
         request's quarantine tally, then a pause, another worker, or the client's error."""
         request, state, tier = run.request, run.state, run.tier
@@ -292,8 +318,14 @@ class GenerationRunner:
                 yield self._resumed(state, decision.reason)
             return
         self.metrics.worker_attempts.add(1, {"reason": decision.reason})
-        log.info("request %s (trace %s): worker %s failed (%s) after %d tokens; trying another",
-                 request.request_id, tracing.trace_id(), worker.id, decision.reason, len(state.sent_ids))
+        log.info(
+            "request %s (trace %s): worker %s failed (%s) after %d tokens; trying another",
+            request.request_id,
+            tracing.trace_id(),
+            worker.id,
+            decision.reason,
+            len(state.sent_ids),
+        )
         try:
             await self._another_slot(grant, request, self._pinned(version, state))
         except NoLiveWorker as gone:
@@ -336,16 +368,20 @@ class GenerationRunner:
         tokenizer = await self.models.tokenizer_for(worker, run.deadline - time.monotonic())
         # Fit the conversation into the model's context by the request's policy; done once,
         # so every resume continues the very same prompt.
-        _, fit = await fit_request_async(request, tokenizer, policy=request.context_policy,
-                                         max_turns=request.max_turns)
+        _, fit = await fit_request_async(request, tokenizer, policy=request.context_policy, max_turns=request.max_turns)
         state.prompt_ids = list(fit.prompt_ids)
         state.dropped = tuple(fit.dropped)
         self.metrics.context.record(fit, request.model)
         if request.schema is not None or state.keep_text:
             state.text_parts = []
         state.model_version = worker.model_version
-        return Started(request_id=request.request_id, tier=run.tier, tier_reason=run.reason,
-                       model=request.model, model_version=worker.model_version)
+        return Started(
+            request_id=request.request_id,
+            tier=run.tier,
+            tier_reason=run.reason,
+            model=request.model,
+            model_version=worker.model_version,
+        )
 
     async def _watch_lease(self, worker_id: str, control: AttemptControl) -> None:
         gone = self.membership.gone_event(worker_id)
@@ -357,7 +393,12 @@ class GenerationRunner:
         control.interrupt("lease_lost")
 
     async def _attempt(
-        self, run: RequestRun, worker: WorkerRecord, stall_s: float, grant: Grant, control: AttemptControl,
+        self,
+        run: RequestRun,
+        worker: WorkerRecord,
+        stall_s: float,
+        grant: Grant,
+        control: AttemptControl,
     ) -> AsyncIterator[Event]:
         request, state, tier = run.request, run.state, run.tier
         plan = plan_resume(state.prompt_ids, request.sampling, state.sent_ids)
@@ -369,9 +410,15 @@ class GenerationRunner:
         if control.reason == "preempted":
             control.take()
             raise Preempted()
-        attempt = TRACER.start_span("router.worker_attempt", attributes={
-            "ballast.worker": worker.id, "ballast.worker.address": worker.address,
-            "ballast.resume_from": len(plan.generated_ids), "ballast.resumes": state.resumes})
+        attempt = TRACER.start_span(
+            "router.worker_attempt",
+            attributes={
+                "ballast.worker": worker.id,
+                "ballast.worker.address": worker.address,
+                "ballast.resume_from": len(plan.generated_ids),
+                "ballast.resumes": state.resumes,
+            },
+        )
         finished = False
         with WorkerCall(self.clients, worker.address, worker_request, run.deadline, span=attempt) as worker_call:
             control.call = control.last_call = worker_call.call
@@ -434,5 +481,11 @@ class GenerationRunner:
             # validate it and repair what can be repaired.
             structured = repair("".join(state.text_parts or ()), request.schema)
             self.metrics.structured.record(structured, request.model, request.schema.name)
-        return Finished(reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        resumes=state.resumes, dropped_messages=state.dropped, structured=structured)
+        return Finished(
+            reason=reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            resumes=state.resumes,
+            dropped_messages=state.dropped,
+            structured=structured,
+        )

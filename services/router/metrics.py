@@ -24,9 +24,7 @@ class RouterMetrics:
         self.requests = meter.create_counter(
             "ballast_router_requests", description="Generate calls by tier, outcome and protocol (grpc, http)."
         )
-        self.tokens = meter.create_counter(
-            "ballast_router_streamed_tokens", description="Tokens relayed to clients."
-        )
+        self.tokens = meter.create_counter("ballast_router_streamed_tokens", description="Tokens relayed to clients.")
         self.in_flight = meter.create_up_down_counter(
             "ballast_router_in_flight", description="Streams open to clients."
         )
@@ -41,7 +39,7 @@ class RouterMetrics:
         self.quarantine = meter.create_counter(
             "ballast_router_quarantine",
             description="Poison requests: fingerprints quarantined after costing workers (event=quarantined), "
-                        "requests refused for one (event=refused).",
+            "requests refused for one (event=refused).",
         )
         self.breaker_transitions = meter.create_counter(
             "ballast_breaker_transitions", description="Circuit-breaker state changes, by new state."
@@ -62,7 +60,8 @@ class RouterMetrics:
         self.tier_capped = meter.create_counter(
             "ballast_router_tier_capped",
             description="Requests that asked for (or were tagged) a tier above their tenant's grant, by the tier "
-                        "asked, the tier given and the reason (capped_by_grant).")
+            "asked, the tier given and the reason (capped_by_grant).",
+        )
         self.rule_hits = meter.create_counter(
             "ballast_router_tiering_rule_hits", description="Auto-tagging rules that decided or weighted a request."
         )
@@ -73,9 +72,7 @@ class RouterMetrics:
         self.context = ContextMetrics(meter)
         self.turns = TurnMetrics(meter)
         self._meter = meter
-        self.ttft = telemetry.latency_histogram(
-            "ballast_router_ttft", "Time from request to first token, by tier."
-        )
+        self.ttft = telemetry.latency_histogram("ballast_router_ttft", "Time from request to first token, by tier.")
         self.e2e = telemetry.latency_histogram(
             "ballast_router_e2e", "Time from request to the finished event, by tier."
         )
@@ -102,7 +99,8 @@ class RouterMetrics:
                 yield Observation(BREAKER_STATE_VALUE.get(snap.state.value, 0), {"worker": worker_id})
 
         self._meter.create_observable_gauge(
-            "ballast_breaker_state", callbacks=[observe],
+            "ballast_breaker_state",
+            callbacks=[observe],
             description="Circuit-breaker state per worker: 0 closed, 1 half-open, 2 open.",
         )
 
@@ -121,11 +119,14 @@ class RouterMetrics:
                     yield Observation(health.temperature_c, {"worker": worker_id})
 
         self._meter.create_observable_gauge(
-            "ballast_router_worker_routable", callbacks=[observe],
+            "ballast_router_worker_routable",
+            callbacks=[observe],
             description="Whether the router sends a worker new requests (1) or not (0), and why not.",
         )
         self._meter.create_observable_gauge(
-            "ballast_router_worker_temperature_celsius", callbacks=[temperature], unit="Cel",
+            "ballast_router_worker_temperature_celsius",
+            callbacks=[temperature],
+            unit="Cel",
             description="The GPU temperature each worker last published, as the router routes by it.",
         )
 

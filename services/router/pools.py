@@ -65,8 +65,11 @@ class PoolGates:
     def _routable(self, model: str, version: str | None) -> list[WorkerRecord]:
         workers = self.membership.workers()
         self.health.update(workers)
-        return [w for w in self.health.routable(workers.values())
-                if w.model == model and (version is None or w.model_version == version)]
+        return [
+            w
+            for w in self.health.routable(workers.values())
+            if w.model == model and (version is None or w.model_version == version)
+        ]
 
     def _slots(self, model: str, version: str | None = None) -> Mapping[str, WorkerSlots]:
         """Routable workers' slots, by slot key. The mapping returned may be shared: read only."""

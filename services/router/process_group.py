@@ -97,7 +97,8 @@ class _Child:
     async def start(self) -> None:
         env = {**os.environ, SLOT_ENV: self.slot.env()}
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.router", *self.argv, env=env, stdout=asyncio.subprocess.PIPE)
+            sys.executable, "-m", "services.router", *self.argv, env=env, stdout=asyncio.subprocess.PIPE
+        )
         self.ready = asyncio.get_running_loop().create_future()
         self.started_at = time.monotonic()
         self._relay = asyncio.create_task(self._relay_output())

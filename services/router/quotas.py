@@ -44,28 +44,37 @@ CONCURRENCY_RETRY_S = 1.0
 class TenantLimits(Section):
     requests_per_minute: int = Field(0, ge=0, description="Requests a tenant may start per minute; 0: no limit.")
     tokens_per_minute: int = Field(
-        0, ge=0, description="Prompt + completion tokens a tenant may use per minute; 0: no limit.")
+        0, ge=0, description="Prompt + completion tokens a tenant may use per minute; 0: no limit."
+    )
     max_concurrent: int = Field(0, ge=0, description="Streams a tenant may have open at once; 0: no limit.")
 
     def shared_by(self, processes: int) -> "TenantLimits":
         """One of `processes` equal shares of these limits (rounded up: a limit never becomes
         0, which would mean none)."""
+
         def share(limit: int) -> int:
             return math.ceil(limit / processes) if limit else 0
 
-        return TenantLimits(requests_per_minute=share(self.requests_per_minute),
-                            tokens_per_minute=share(self.tokens_per_minute),
-                            max_concurrent=share(self.max_concurrent))
+        return TenantLimits(
+            requests_per_minute=share(self.requests_per_minute),
+            tokens_per_minute=share(self.tokens_per_minute),
+            max_concurrent=share(self.max_concurrent),
+        )
 
 
 class QuotaConfig(Section):
     default: TenantLimits = Field(default_factory=TenantLimits, description="Limits of every tenant.")
     tenants: dict[str, TenantLimits] = Field(
-        default_factory=dict, description="Limits of named tenants, in place of the default.")
+        default_factory=dict, description="Limits of named tenants, in place of the default."
+    )
     prompt_chars_per_token: float = Field(
-        4.0, gt=0, le=16, description="Characters per prompt token assumed when reserving a request's tokens "
-                                      "before its prompt is tokenized (settled to the real count at the end); "
-                                      "lower reserves more.")
+        4.0,
+        gt=0,
+        le=16,
+        description="Characters per prompt token assumed when reserving a request's tokens "
+        "before its prompt is tokenized (settled to the real count at the end); "
+        "lower reserves more.",
+    )
 
     def limits(self, tenant: str) -> TenantLimits:
         return self.tenants.get(tenant, self.default)
@@ -73,10 +82,12 @@ class QuotaConfig(Section):
     def shared_by(self, processes: int) -> "QuotaConfig":
         """What one of `processes` router processes on one port admits: a share of every limit,
         so that together they admit what one process would (router.processes)."""
-        return self.model_copy(update={
-            "default": self.default.shared_by(processes),
-            "tenants": {tenant: limits.shared_by(processes) for tenant, limits in self.tenants.items()},
-        })
+        return self.model_copy(
+            update={
+                "default": self.default.shared_by(processes),
+                "tenants": {tenant: limits.shared_by(processes) for tenant, limits in self.tenants.items()},
+            }
+        )
 
 
 @dataclass
@@ -137,8 +148,10 @@ class TenantQuotas:
         prompt = self.prompt_estimate(prompt_chars)
         reserve = prompt + max_tokens
         if limits.max_concurrent and self.open_streams(tenant) >= limits.max_concurrent:
-            raise QuotaExceeded(f"tenant {tenant!r} has its {limits.max_concurrent} streams open at once",
-                                retry_after_s=CONCURRENCY_RETRY_S)
+            raise QuotaExceeded(
+                f"tenant {tenant!r} has its {limits.max_concurrent} streams open at once",
+                retry_after_s=CONCURRENCY_RETRY_S,
+            )
         tokens = self._bucket(self._tokens, tenant, limits.tokens_per_minute)
         # A request larger than the whole minute waits for a full bucket, then goes into debt.
         need = min(float(reserve), tokens.capacity) if tokens is not None else 0.0
@@ -146,11 +159,14 @@ class TenantQuotas:
             raise QuotaExceeded(
                 f"tenant {tenant!r} used its {limits.tokens_per_minute} tokens per minute (this request "
                 f"reserves {reserve}: prompt {prompt} + max_tokens {max_tokens})",
-                retry_after_s=tokens.wait_s(max(need, 1.0)))
+                retry_after_s=tokens.wait_s(max(need, 1.0)),
+            )
         requests = self._bucket(self._requests, tenant, limits.requests_per_minute)
         if requests is not None and requests.level < 1.0:
-            raise QuotaExceeded(f"tenant {tenant!r} used its {limits.requests_per_minute} requests per minute",
-                                retry_after_s=requests.wait_s(1.0))
+            raise QuotaExceeded(
+                f"tenant {tenant!r} used its {limits.requests_per_minute} requests per minute",
+                retry_after_s=requests.wait_s(1.0),
+            )
         if requests is not None:
             requests.level -= 1.0
         if tokens is not None:

@@ -88,7 +88,9 @@ def _check_id(name: str, value: str) -> str:
     return value
 
 
-async def checked_request(request: inference_pb2.GenerateRequest, tenant: str, config: RouterConfig) -> InferenceRequest:
+async def checked_request(
+    request: inference_pb2.GenerateRequest, tenant: str, config: RouterConfig
+) -> InferenceRequest:
     """`request_from_pb`, on a thread when the request is big enough for its checks to hold
     the event loop (a small request is checked in place: a thread hop costs more than it)."""
     if request.ByteSize() >= OFF_LOOP_BYTES or len(request.response_format) >= OFF_LOOP_SCHEMA_CHARS:

@@ -40,8 +40,13 @@ class RoutingView:
 class RoutingViewPublisher:
     """Refreshes a RoutingView on the event loop; `current` is safe to read from any thread."""
 
-    def __init__(self, membership: MembershipWatcher, health: WorkerHealthView,
-                 queues: Callable[[], Mapping[str, PoolSnapshot]], interval_s: float = PUBLISH_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        membership: MembershipWatcher,
+        health: WorkerHealthView,
+        queues: Callable[[], Mapping[str, PoolSnapshot]],
+        interval_s: float = PUBLISH_INTERVAL_S,
+    ) -> None:
         self._membership = membership
         self._health = health
         self._queues = queues
@@ -53,8 +58,9 @@ class RoutingViewPublisher:
         """Takes a fresh view now (on the loop) and makes it the current one."""
         workers = self._membership.workers()
         self._health.update(workers)
-        self.current = RoutingView(MappingProxyType(self._health.snapshot(workers)),
-                                   MappingProxyType(dict(self._queues())))
+        self.current = RoutingView(
+            MappingProxyType(self._health.snapshot(workers)), MappingProxyType(dict(self._queues()))
+        )
         return self.current
 
     async def start(self) -> None:

@@ -92,7 +92,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.metrics = metrics
         self.auth = Authenticator(config.auth)
         self.models = ModelRegistry(
-            clients, config.router.worker_connect_timeout_s,
+            clients,
+            config.router.worker_connect_timeout_s,
             on_new_version=lambda tokenizer: publish_retention(tokenizer, metrics.context),
         )
         self.health = WorkerHealthView(
@@ -108,7 +109,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         # Rollouts follow etcd; the app starts and stops the controller.
         self.rollouts = RolloutController(config.etcd, clients, self.models, metrics.meter)
         self.runner = GenerationRunner(
-            config.router, membership, clients, self.models, self.health, self.retry_budget, self.pools, metrics,
+            config.router,
+            membership,
+            clients,
+            self.models,
+            self.health,
+            self.retry_budget,
+            self.pools,
+            metrics,
             rollouts=self.rollouts,
         )
         self.classifier = TierClassifier(
@@ -116,15 +124,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             on_hit=lambda rule: metrics.rule_hits.add(1, {"rule": rule}),
         )
         self.degrader = Degrader(
-            config.degrade, config.kafka.bootstrap, kafka_security=config.kafka.security_properties(),
-            encoder_for=self._encoder_for, on_fallback=lambda labels: metrics.fallbacks.add(1, labels),
+            config.degrade,
+            config.kafka.bootstrap,
+            kafka_security=config.kafka.security_properties(),
+            encoder_for=self._encoder_for,
+            on_fallback=lambda labels: metrics.fallbacks.add(1, labels),
         )
         self.degrader.register_metrics(metrics.meter)
         # Subscribe and GetBackfill relay to the backfill service; the app starts and closes it.
         self.backfill: BackfillProxy | None = None
         # The gauges read a view the event loop publishes: scrapes run on another thread.
         self.routing_view = RoutingViewPublisher(
-            membership, self.health, lambda: {m: g.scheduler.snapshot() for m, g in self.pools.gates().items()})
+            membership, self.health, lambda: {m: g.scheduler.snapshot() for m, g in self.pools.gates().items()}
+        )
         metrics.observe_breakers(lambda: self.routing_view.current.breakers())
         metrics.observe_routing(lambda: self.routing_view.current.workers)
         metrics.observe_queues(lambda: self.routing_view.current.queues)
@@ -189,8 +201,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.metrics.tier_capped.add(1, {"asked": tier, "tier": granted, "reason": why})
         return granted, why, weight
 
-    def _used_tokens(self, reservation: Reservation, finished: Finished | None,
-                     generated: int, reached_worker: bool) -> int:
+    def _used_tokens(
+        self, reservation: Reservation, finished: Finished | None, generated: int, reached_worker: bool
+    ) -> int:
         """What a stream cost its tenant: the answer's usage when it finished; else (cancelled,
         failed) the prompt's estimate and the tokens relayed, or nothing if no worker saw it."""
         if finished is not None:
@@ -270,12 +283,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self.metrics.in_flight.add(-1)
             self.metrics.requests.add(1, {"tier": tier_label, "outcome": outcome, "protocol": protocol})
             remaining = call.time_remaining()
-            self.metrics.turns.record(classify_turn(
-                failure, finished is not None,
-                finished is not None and finished.structured is not None
-                and finished.structured.status is Status.FAILED,
-                deadline_passed=remaining is not None and remaining <= 0,
-            ), model)
+            self.metrics.turns.record(
+                classify_turn(
+                    failure,
+                    finished is not None,
+                    finished is not None
+                    and finished.structured is not None
+                    and finished.structured.status is Status.FAILED,
+                    deadline_passed=remaining is not None and remaining <= 0,
+                ),
+                model,
+            )
             if outcome == "ok":
                 self.metrics.e2e.record((time.perf_counter() - started) * 1000, {"tier": tier_label})
 

@@ -24,8 +24,11 @@ from services.common.errors import BallastError
 DEFAULT_WINDOW_S = 300.0
 DEFAULT_BUCKETS = 30
 CLIENT_CODES = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -73,8 +76,12 @@ class SlidingWindowRate:
     bucket at a time.
     """
 
-    def __init__(self, window_s: float = DEFAULT_WINDOW_S, buckets: int = DEFAULT_BUCKETS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        window_s: float = DEFAULT_WINDOW_S,
+        buckets: int = DEFAULT_BUCKETS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if window_s <= 0 or buckets < 1:
             raise ValueError("window_s must be > 0 and buckets >= 1")
         self.window_s = window_s
@@ -112,10 +119,11 @@ class TurnMetrics:
         self.turns = meter.create_counter(
             "ballast_agent_turns",
             description="Finished Generate calls (agent turns) by outcome: success, timeout, format_error, "
-                        "refused, error (these five make the success rate), cancelled, rejected.",
+            "refused, error (these five make the success rate), cancelled, rejected.",
         )
         meter.create_observable_gauge(
-            "ballast_agent_turn_success_rate", callbacks=[self._observe],
+            "ballast_agent_turn_success_rate",
+            callbacks=[self._observe],
             description=f"Share of agent turns that succeeded over the last {self.window.window_s:.0f} s.",
         )
 

@@ -29,8 +29,14 @@ from services.router.worker_clients import WorkerClients
 class WorkerCall:
     """`with WorkerCall(clients, address, request, deadline) as call: async for event in call.events(): ...`"""
 
-    def __init__(self, clients: WorkerClients, address: str, request: worker_pb2.WorkerGenerateRequest,
-                 deadline: float, span: Span | None = None) -> None:
+    def __init__(
+        self,
+        clients: WorkerClients,
+        address: str,
+        request: worker_pb2.WorkerGenerateRequest,
+        deadline: float,
+        span: Span | None = None,
+    ) -> None:
         """`deadline`: time.monotonic() by which the call must end. `span`: current while the
         call is made, so the worker's span becomes its child."""
         self._clients = clients
@@ -52,19 +58,22 @@ class WorkerCall:
                 self.call = stub.Generate(self._request, timeout=timeout, metadata=trace_metadata())
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         if self._use is not None:
             self._use.__exit__(kind, error, traceback)
             self._use = None
 
-    async def events(self, stall_s: float | None = None,
-                     first_timeout_s: float | None = None) -> AsyncIterator[Tokens | WorkerFinished]:
+    async def events(
+        self, stall_s: float | None = None, first_timeout_s: float | None = None
+    ) -> AsyncIterator[Tokens | WorkerFinished]:
         """The worker's events; with `stall_s`, StreamStalled when one takes longer (the first
         `first_timeout_s`), and the call is cancelled however the iteration ends."""
         assert self.call is not None, "iterate inside `with WorkerCall(...)`"
-        source = self.call if stall_s is None else with_stall_timeout(self.call, stall_s,
-                                                                      first_timeout_s=first_timeout_s)
+        source = (
+            self.call if stall_s is None else with_stall_timeout(self.call, stall_s, first_timeout_s=first_timeout_s)
+        )
         async for message in source:
             event = worker_event_from_pb(message)
             if event is not None:

@@ -73,9 +73,15 @@ class _Child:
 class Supervisor:
     """Starts, watches and restarts a set of children (see the module docstring)."""
 
-    def __init__(self, children: Iterable[ChildSpec], state_path: Path | None = None, *,
-                 poll_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self,
+        children: Iterable[ChildSpec],
+        state_path: Path | None = None,
+        *,
+        poll_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[dict], None] | None = None,
+    ) -> None:
         specs = list(children)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -106,8 +112,14 @@ class Supervisor:
     def snapshot(self) -> dict:
         with self._lock:
             now = self._clock()
-            return {"pid": os.getpid(), "phase": self.phase, "error": self.error, "updated_at": time.time(),
-                    **self.extra_state, "children": [c.describe(now) for c in self._children]}
+            return {
+                "pid": os.getpid(),
+                "phase": self.phase,
+                "error": self.error,
+                "updated_at": time.time(),
+                **self.extra_state,
+                "children": [c.describe(now) for c in self._children],
+            }
 
     def _publish(self) -> None:
         state = self.snapshot()
@@ -164,8 +176,10 @@ class Supervisor:
                     c.ready_at = self._clock()
                     waiting.remove(c)
                 elif self._clock() - c.launched_at > c.spec.start_timeout_s:
-                    raise ProcessStartError(f"{c.spec.name} was not ready after {c.spec.start_timeout_s:.0f}s; "
-                                            f"log: {c.spec.log_path}", log_tail=c.process.log_tail())
+                    raise ProcessStartError(
+                        f"{c.spec.name} was not ready after {c.spec.start_timeout_s:.0f}s; log: {c.spec.log_path}",
+                        log_tail=c.process.log_tail(),
+                    )
             if waiting:
                 time.sleep(self.poll_s)
 
@@ -237,8 +251,12 @@ class Supervisor:
             if limit and c.process.pid is not None:
                 rss = tree_rss_bytes(c.process.pid)
                 if rss > limit:
-                    log.error("%s uses %d MB, over its limit of %d MB: killing it", c.spec.name, rss // MB,
-                              c.spec.memory_limit_mb)
+                    log.error(
+                        "%s uses %d MB, over its limit of %d MB: killing it",
+                        c.spec.name,
+                        rss // MB,
+                        c.spec.memory_limit_mb,
+                    )
                     self._kill(c, "memory limit", f"memory limit: {rss // MB} MB over {c.spec.memory_limit_mb} MB")
                     return True
             if c.status == STARTING:

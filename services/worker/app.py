@@ -67,8 +67,13 @@ def make_engine(config: BallastConfig) -> Engine:
 
         from services.worker.sim.faults import SimFaults
 
-        return SimEngine(worker.model_dir, worker.model_name, SimProfile.load(worker.sim_profile),
-                         max_concurrency=worker.max_concurrency, faults=SimFaults.from_dict(worker.sim_faults))
+        return SimEngine(
+            worker.model_dir,
+            worker.model_name,
+            SimProfile.load(worker.sim_profile),
+            max_concurrency=worker.max_concurrency,
+            faults=SimFaults.from_dict(worker.sim_faults),
+        )
     raise ValueError(f"config field 'worker.engine': engine {worker.engine!r} is not available here")
 
 
@@ -180,8 +185,12 @@ def _exit_now() -> None:
     os._exit(70)
 
 
-async def create_server(config: BallastConfig, engine: Engine | None = None,
-                        on_crash: Callable[[], None] = _exit_now, etcd: EtcdSession | None = None) -> WorkerApp:
+async def create_server(
+    config: BallastConfig,
+    engine: Engine | None = None,
+    on_crash: Callable[[], None] = _exit_now,
+    etcd: EtcdSession | None = None,
+) -> WorkerApp:
     """Loads the engine, starts serving on the configured port (0 picks one), registers.
     `on_crash`: what a sim worker's `crash` knob does (by default the process exits). `etcd`:
     the process's session when several workers share one (its owner closes it); by default
@@ -196,7 +205,12 @@ async def create_server(config: BallastConfig, engine: Engine | None = None,
     worker_id = config.worker.id or _default_worker_id(config.worker.host, port)
     metrics = WorkerMetrics(telemetry, engine.stats, lambda: state.in_flight)
     servicer = WorkerServicer(
-        engine, state, metrics, worker_id, config.worker.pool, FaultInjector(config.worker.fault_file),
+        engine,
+        state,
+        metrics,
+        worker_id,
+        config.worker.pool,
+        FaultInjector(config.worker.fault_file),
         b_tier_flush_s=config.worker.b_tier_flush_ms / 1000,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -231,8 +245,9 @@ async def create_server(config: BallastConfig, engine: Engine | None = None,
             await set_serving(health, [SERVICE_NAME], serving)
             app.registration.publish_now()
 
-        app.sim_faults = SimFaultControl(config.etcd, worker_id, engine, app.temperature, servicer.faults,
-                                         set_health, on_crash, app.etcd)
+        app.sim_faults = SimFaultControl(
+            config.etcd, worker_id, engine, app.temperature, servicer.faults, set_health, on_crash, app.etcd
+        )
         await app.sim_faults.start()
     await app.registration.start()
     await app.standby.start()
@@ -242,6 +257,12 @@ async def create_server(config: BallastConfig, engine: Engine | None = None,
         await asyncio.wait_for(app.registration.registered.wait(), config.etcd.timeout_s * 2)
     except asyncio.TimeoutError:
         log.warning("not registered in etcd yet; retrying in the background")
-    log.info("worker %s %s %s (%s) on %s", worker_id, "warm standby for" if app.is_standby else "serving",
-             engine.model.name, engine.model.version, app.address)
+    log.info(
+        "worker %s %s %s (%s) on %s",
+        worker_id,
+        "warm standby for" if app.is_standby else "serving",
+        engine.model.name,
+        engine.model.version,
+        app.address,
+    )
     return app

@@ -35,8 +35,7 @@ class IncrementalDetokenizer:
     is released only when the window decodes to more than before and does not end in U+FFFD.
     """
 
-    def __init__(self, tokenizer: Decoder, initial_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, initial_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
@@ -60,7 +59,7 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """The text still held back, at the end of generation (may hold U+FFFD when the last
@@ -68,7 +67,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
         self._prefix_offset = self._read_offset = len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
 
 class StopMatcher:
@@ -100,7 +99,7 @@ class StopMatcher:
             self._pending, self.stopped = "", True
             return buf[: min(hits)], True
         hold = self._held_suffix_length(buf)
-        self._pending = buf[len(buf) - hold:]
+        self._pending = buf[len(buf) - hold :]
         return buf[: len(buf) - hold], False
 
     def _held_suffix_length(self, buf: str) -> int:
@@ -121,8 +120,13 @@ class StopMatcher:
 class TextStream:
     """Token ids in, text deltas out: incremental detokenization, then stop strings."""
 
-    def __init__(self, tokenizer: Decoder, stops: Sequence[str] = (),
-                 initial_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        stops: Sequence[str] = (),
+        initial_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stops = StopMatcher(stops)
         for token_id in initial_ids:

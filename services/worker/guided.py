@@ -60,8 +60,14 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separ
 # still fails that one request instead of growing the worker by gigabytes. Its size check runs
 # only after the grammar is built, which is why the schema limits come first: a billion-item
 # array aborts the process while it is being built.
-PARSER_LIMITS = {"max_grammar_size": 200_000, "max_lexer_states": 50_000, "initial_lexer_fuel": 1_000_000,
-                 "step_lexer_fuel": 200_000, "step_max_items": 50_000, "verbose_errors": False}
+PARSER_LIMITS = {
+    "max_grammar_size": 200_000,
+    "max_lexer_states": 50_000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "verbose_errors": False,
+}
 
 
 class GuideMismatch(ValueError):
@@ -80,9 +86,15 @@ class GuideCompiler:
     and each request gets a copy (microseconds), so a hot schema costs nothing to reuse.
     """
 
-    def __init__(self, tokenizer_json: str | bytes, vocab_size: int,
-                 eos_token_ids: Sequence[int], *, cache_size: int = 64,
-                 limits: SchemaLimits | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str | bytes,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        cache_size: int = 64,
+        limits: SchemaLimits | None = None,
+    ) -> None:
         """`vocab_size` is the length of the model's logits (it may exceed the tokenizer's
         vocabulary when the embedding is padded); `eos_token_ids` end a generation; `limits`
         bound each schema before it is compiled (default: SchemaLimits())."""
@@ -102,8 +114,9 @@ class GuideCompiler:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, eos_token_ids: Sequence[int] | None = None,
-                       **kwargs: Any) -> "GuideCompiler":
+    def from_model_dir(
+        cls, model_dir: Path, eos_token_ids: Sequence[int] | None = None, **kwargs: Any
+    ) -> "GuideCompiler":
         """From a Hugging Face model folder: tokenizer.json, config.json's vocab_size and
         EOS ids (generation_config.json first, as transformers does)."""
         model_dir = Path(model_dir)
@@ -114,8 +127,7 @@ class GuideCompiler:
             source = json.loads(generation.read_text()) if generation.is_file() else config
             raw = source.get("eos_token_id", config.get("eos_token_id"))
             eos_token_ids = raw if isinstance(raw, list) else [raw]
-        return cls((model_dir / "tokenizer.json").read_text(), int(config["vocab_size"]),
-                   eos_token_ids, **kwargs)
+        return cls((model_dir / "tokenizer.json").read_text(), int(config["vocab_size"]), eos_token_ids, **kwargs)
 
     def guide(self, schema: str | Mapping[str, Any], generated_ids: Sequence[int] = ()) -> "JsonGuide":
         """A guide for one request, fast-forwarded over `generated_ids`.
@@ -138,7 +150,8 @@ class GuideCompiler:
         except GuideMismatch as exc:
             raise InvalidArgument(
                 f"the generated ids do not fit response_format: {exc}; a resumed guided stream must "
-                "continue a document of its own schema") from None
+                "continue a document of its own schema"
+            ) from None
 
     def _matcher(self, schema_text: str) -> llguidance.LLMatcher:
         with self._lock:
@@ -163,8 +176,7 @@ class GuideCompiler:
             raise InvalidArgument(f"response_format cannot be used for guided decoding: {exc}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits)
         if matcher.is_error():
-            raise InvalidArgument(
-                f"response_format cannot be used for guided decoding: {matcher.get_error()}")
+            raise InvalidArgument(f"response_format cannot be used for guided decoding: {matcher.get_error()}")
         return matcher
 
 
@@ -238,7 +250,9 @@ class JsonGuide:
         if not self._matcher.consume_token(int(token)):
             raise GuideMismatch(
                 f"token {token} at generated position {self.consumed} does not fit the schema: "
-                f"{self._matcher.get_error()}", self.consumed)
+                f"{self._matcher.get_error()}",
+                self.consumed,
+            )
         self.consumed += 1
         self._mask = None
 
@@ -252,7 +266,9 @@ class JsonGuide:
             index = self.consumed + accepted
             raise GuideMismatch(
                 f"generated token {ids[accepted]} at position {index} does not fit the schema; "
-                "the stream was not produced under this schema", index)
+                "the stream was not produced under this schema",
+                index,
+            )
         self.consumed += len(ids)
         self._mask = None
 

@@ -80,10 +80,16 @@ class RespawnPolicy:
     @classmethod
     def from_settings(cls, worker) -> "RespawnPolicy":
         """From the worker section of the config (services/worker/settings.py)."""
-        return cls(worker.respawn_max, worker.respawn_window_s,
-                   BackoffPolicy(initial_s=worker.respawn_backoff_initial_s, max_s=worker.respawn_backoff_max_s,
-                                 reset_after_s=worker.respawn_healthy_s),
-                   worker.memory_limit_mb)
+        return cls(
+            worker.respawn_max,
+            worker.respawn_window_s,
+            BackoffPolicy(
+                initial_s=worker.respawn_backoff_initial_s,
+                max_s=worker.respawn_backoff_max_s,
+                reset_after_s=worker.respawn_healthy_s,
+            ),
+            worker.memory_limit_mb,
+        )
 
 
 class CrashLoop:
@@ -129,8 +135,12 @@ def preload(engine: str) -> None:
 class Keeper:
     """Forks the serving worker and forks it again when it dies (see the module docstring)."""
 
-    def __init__(self, serve: Callable[[Callable[[], None]], int], policy: RespawnPolicy,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        serve: Callable[[Callable[[], None]], int],
+        policy: RespawnPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         # serve(ready) runs the worker in the child and returns its exit status; it calls
         # ready() once the worker takes requests.
         self._serve = serve
@@ -152,8 +162,11 @@ class Keeper:
         while True:
             status, was_ready, cause = self._run_child()
             self._served = self._served or was_ready
-            what = describe_status(status) + (f" ({cause})" if cause else "") + (
-                "" if was_ready else " before it was ready")
+            what = (
+                describe_status(status)
+                + (f" ({cause})" if cause else "")
+                + ("" if was_ready else " before it was ready")
+            )
             if self._stopping:
                 log.info("keeper: worker %s after the stop signal", what)
                 return exit_code(status)
@@ -167,8 +180,11 @@ class Keeper:
             served_s = self._clock() - self._ready_at if self._ready_at is not None else 0.0
             delay = self._backoff.next_delay(served_s)
             if self._loop.crashed():
-                log.error("keeper: crash loop: more than %d worker deaths within %.0f s; still restarting",
-                          self.policy.max_crashes, self.policy.window_s)
+                log.error(
+                    "keeper: crash loop: more than %d worker deaths within %.0f s; still restarting",
+                    self.policy.max_crashes,
+                    self.policy.window_s,
+                )
             self.restarts += 1
             log.warning("keeper: worker %s; starting a fresh one in %.1f s (restart %d)", what, delay, self.restarts)
             if not self._sleep(delay):
@@ -216,8 +232,7 @@ class Keeper:
         os.close(write_end)
         kills_before = oom_kills()
         # Started after the fork and stopped before the next one: a fork copies one thread.
-        watch = (MemoryWatch(pid, self.policy.memory_limit_mb * MB).start()
-                 if self.policy.memory_limit_mb > 0 else None)
+        watch = MemoryWatch(pid, self.policy.memory_limit_mb * MB).start() if self.policy.memory_limit_mb > 0 else None
         try:
             try:
                 # Blocks until the worker says it is ready, or EOF when it dies first.

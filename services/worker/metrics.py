@@ -13,40 +13,36 @@ from services.worker.engine import EngineStats
 class WorkerMetrics:
     def __init__(self, telemetry: Telemetry, stats: Callable[[], EngineStats], in_flight: Callable[[], int]) -> None:
         meter = telemetry.meter
-        self.requests = meter.create_counter(
-            "ballast_worker_requests", description="Generate calls by outcome."
-        )
-        self.tokens = meter.create_counter(
-            "ballast_worker_generated_tokens", description="Tokens generated."
-        )
+        self.requests = meter.create_counter("ballast_worker_requests", description="Generate calls by outcome.")
+        self.tokens = meter.create_counter("ballast_worker_generated_tokens", description="Tokens generated.")
         self.prefill_tokens = meter.create_counter(
             "ballast_worker_prefill_tokens", description="Prompt tokens computed by prefill."
         )
-        self.ttft = telemetry.latency_histogram(
-            "ballast_worker_ttft", "Time from request to first token."
-        )
-        self.e2e = telemetry.latency_histogram(
-            "ballast_worker_e2e", "Time from request to last token."
-        )
+        self.ttft = telemetry.latency_histogram("ballast_worker_ttft", "Time from request to first token.")
+        self.e2e = telemetry.latency_histogram("ballast_worker_e2e", "Time from request to last token.")
         self._stats = stats
         self._in_flight = in_flight
         self._meter = meter
         meter.create_observable_gauge(
-            "ballast_worker_in_flight", callbacks=[self._observe_in_flight],
+            "ballast_worker_in_flight",
+            callbacks=[self._observe_in_flight],
             description="Requests admitted and not finished.",
         )
         meter.create_observable_gauge(
-            "ballast_worker_queued", callbacks=[self._observe_queued],
+            "ballast_worker_queued",
+            callbacks=[self._observe_queued],
             description="Requests waiting for an engine slot.",
         )
         meter.create_observable_gauge(
-            "ballast_worker_kv_used_ratio", callbacks=[self._observe_kv],
+            "ballast_worker_kv_used_ratio",
+            callbacks=[self._observe_kv],
             description="Share of the KV-cache capacity in use.",
         )
         meter.create_observable_gauge(
-            "ballast_worker_kv_fragmentation_ratio", callbacks=[self._observe_fragmentation],
+            "ballast_worker_kv_fragmentation_ratio",
+            callbacks=[self._observe_fragmentation],
             description="KV slots allocated but holding no token, over slots allocated (vLLM's "
-                        "paged KV; absent where the engine does not allocate in blocks).",
+            "paged KV; absent where the engine does not allocate in blocks).",
         )
 
     def observe_temperature(self, read: Callable[[], float | None]) -> None:
@@ -58,7 +54,9 @@ class WorkerMetrics:
                 yield Observation(celsius)
 
         self._meter.create_observable_gauge(
-            "ballast_worker_temperature", callbacks=[observe], unit="Cel",
+            "ballast_worker_temperature",
+            callbacks=[observe],
+            unit="Cel",
             description="GPU temperature in degrees Celsius (NVML, or the configured override file).",
         )
 

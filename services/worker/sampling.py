@@ -35,8 +35,9 @@ def fresh_seed() -> int:
     return secrets.randbits(63)
 
 
-def select_token(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-                 generator: torch.Generator | None = None) -> int:
+def select_token(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> int:
     """Pick the next token from a 1-D logits vector.
 
     temperature == 0 is greedy (argmax, lowest id on ties), and so is any temperature below

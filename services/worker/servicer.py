@@ -125,8 +125,14 @@ class FaultInjector:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
-        self, engine: Engine, state: WorkerState, metrics: WorkerMetrics, worker_id: str, pool: str,
-        faults: FaultInjector | None = None, b_tier_flush_s: float = 0.0,
+        self,
+        engine: Engine,
+        state: WorkerState,
+        metrics: WorkerMetrics,
+        worker_id: str,
+        pool: str,
+        faults: FaultInjector | None = None,
+        b_tier_flush_s: float = 0.0,
     ) -> None:
         """`b_tier_flush_s`: after each message of a B-tier stream, the worker waits this long
         (or until the stream ends) and sends what accumulated as one message. A B answer (an
@@ -168,16 +174,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         outcome = "error"
         first_token_at: float | None = None
         index = len(engine_request.generated_ids)
-        flush_s = max(self.b_tier_flush_s if request.tier == common_pb2.TIER_B else 0.0,
-                      min(request.flush_interval_ms, MAX_FLUSH_INTERVAL_MS) / 1000)
+        flush_s = max(
+            self.b_tier_flush_s if request.tier == common_pb2.TIER_B else 0.0,
+            min(request.flush_interval_ms, MAX_FLUSH_INTERVAL_MS) / 1000,
+        )
         stream = Coalescer(self.engine.generate(engine_request), merge_deltas)
         self.state.streams.add(stream)
         # Counted as the engine reports it (restored KV is not computed), else the whole context.
         context_tokens, prefill_counted = len(engine_request.prompt_ids) + index, False
         # Siblings under the call's span, never current: the engine's own spans (KV restore and
         # save) stay children of the call, whichever phase they fall in.
-        prefill = TRACER.start_span("worker.prefill", attributes={
-            "ballast.context_tokens": context_tokens, "ballast.resume_from": index})
+        prefill = TRACER.start_span(
+            "worker.prefill", attributes={"ballast.context_tokens": context_tokens, "ballast.resume_from": index}
+        )
         decode = None
         tallied = False
         try:
@@ -204,8 +213,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     # Counted before the caller sees the end: a client holding Finished finds
                     # the request in the worker's metrics, whatever it does with the stream then.
                     tallied = True
-                    self._tally(outcome, started, index - len(engine_request.generated_ids),
-                                None if prefill_counted else context_tokens)
+                    self._tally(
+                        outcome,
+                        started,
+                        index - len(engine_request.generated_ids),
+                        None if prefill_counted else context_tokens,
+                    )
                     yield worker_pb2.WorkerGenerateEvent(
                         finished=worker_pb2.WorkerFinished(
                             reason=FINISH_TO_PB[delta.finish_reason],
@@ -237,8 +250,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await stream.aclose()
             self.state.release()
             if not tallied:
-                self._tally(outcome, started, index - len(engine_request.generated_ids),
-                            None if prefill_counted else context_tokens)
+                self._tally(
+                    outcome,
+                    started,
+                    index - len(engine_request.generated_ids),
+                    None if prefill_counted else context_tokens,
+                )
 
     def _tally(self, outcome: str, started: float, generated: int, uncounted_prefill: int | None) -> None:
         """Counts one request in the worker's metrics; `uncounted_prefill`: context tokens to

@@ -28,7 +28,12 @@ class StandbyControl:
     """This worker's role, and the watch of its role key."""
 
     def __init__(
-        self, config: EtcdConfig, worker_id: str, engine: Engine, standby: bool, publish: Callable[[], None],
+        self,
+        config: EtcdConfig,
+        worker_id: str,
+        engine: Engine,
+        standby: bool,
+        publish: Callable[[], None],
         session: EtcdSession | None = None,
     ) -> None:
         self.standby = standby

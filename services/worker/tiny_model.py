@@ -71,43 +71,90 @@ PRESETS: dict[str, Preset] = {
 # Each intent pairs a question with a fitting answer (English, then Chinese), so a trained
 # model learns that answers follow from questions.
 _INTENTS = (
-    ("Where is my order {order}?", "Your order {order} has shipped and will arrive in {n} days.",
-     "我的订单{order}在哪里？", "您的订单{order}已经发货，预计{n}天到达。"),
-    ("I want to return {item}.", "You can return {item} within 30 days for a full refund.",
-     "我想退{zitem}。", "{zitem}可以在七天内退货，退款会原路返回。"),
-    ("Can I pay with {pay}?", "Yes, we accept {pay} at checkout.",
-     "可以用{zpay}付款吗？", "可以，结账时支持{zpay}。"),
-    ("My payment failed. What should I do?",
-     "Please check your card details and try again, or choose another payment method.",
-     "支付失败了怎么办？", "请检查银行卡信息后重试，或者换一种支付方式。"),
-    ("Is {item} in stock?", "Yes, {item} is in stock and ships today.",
-     "{zitem}有货吗？", "有货，{zitem}今天就可以发货。"),
-    ("I was charged twice for {item}.",
-     "Sorry about that. The extra charge for {item} will be refunded within {n} days.",
-     "{zitem}被扣了两次钱。", "非常抱歉，多扣的款项会在{n}天内退回。"),
-    ("How do I change my delivery address?",
-     "Open your order in the app and tap Change address before it ships.",
-     "怎么修改收货地址？", "请在发货前打开订单，点击修改地址。"),
-    ("Do you have a discount on {item}?", "Yes, {item} is {n}0% off during the sale this week.",
-     "{zitem}有优惠吗？", "有的，本周活动{zitem}打{n}折。"),
+    (
+        "Where is my order {order}?",
+        "Your order {order} has shipped and will arrive in {n} days.",
+        "我的订单{order}在哪里？",
+        "您的订单{order}已经发货，预计{n}天到达。",
+    ),
+    (
+        "I want to return {item}.",
+        "You can return {item} within 30 days for a full refund.",
+        "我想退{zitem}。",
+        "{zitem}可以在七天内退货，退款会原路返回。",
+    ),
+    ("Can I pay with {pay}?", "Yes, we accept {pay} at checkout.", "可以用{zpay}付款吗？", "可以，结账时支持{zpay}。"),
+    (
+        "My payment failed. What should I do?",
+        "Please check your card details and try again, or choose another payment method.",
+        "支付失败了怎么办？",
+        "请检查银行卡信息后重试，或者换一种支付方式。",
+    ),
+    (
+        "Is {item} in stock?",
+        "Yes, {item} is in stock and ships today.",
+        "{zitem}有货吗？",
+        "有货，{zitem}今天就可以发货。",
+    ),
+    (
+        "I was charged twice for {item}.",
+        "Sorry about that. The extra charge for {item} will be refunded within {n} days.",
+        "{zitem}被扣了两次钱。",
+        "非常抱歉，多扣的款项会在{n}天内退回。",
+    ),
+    (
+        "How do I change my delivery address?",
+        "Open your order in the app and tap Change address before it ships.",
+        "怎么修改收货地址？",
+        "请在发货前打开订单，点击修改地址。",
+    ),
+    (
+        "Do you have a discount on {item}?",
+        "Yes, {item} is {n}0% off during the sale this week.",
+        "{zitem}有优惠吗？",
+        "有的，本周活动{zitem}打{n}折。",
+    ),
 )
-_ITEMS = ("a blue jacket", "the running shoes", "a phone case", "the coffee maker",
-          "a gift card", "this laptop", "the winter coat", "the headphones", "a green sweater")
+_ITEMS = (
+    "a blue jacket",
+    "the running shoes",
+    "a phone case",
+    "the coffee maker",
+    "a gift card",
+    "this laptop",
+    "the winter coat",
+    "the headphones",
+    "a green sweater",
+)
 _ZITEMS = ("蓝色外套", "跑步鞋", "手机壳", "咖啡机", "礼品卡", "这台电脑", "冬季大衣", "耳机", "绿色毛衣")
 _PAYS = ("a credit card", "PayPal", "Apple Pay", "a bank transfer", "Alipay", "WeChat Pay")
 _ZPAYS = ("信用卡", "支付宝", "微信支付", "银行转账", "花呗")
-_PROSE = ("The customer paid for {item} with {pay}.", "Support answered the question about {item}.",
-          "We shipped {item} to the new address.", "Many people buy {item} during the sale.",
-          "顾客用{zpay}买了{zitem}。", "客服回答了关于{zitem}的问题。")
-_SYSTEMS = ("You are a helpful shopping assistant.", "You answer questions about orders and payments.",
-            "你是一个购物客服助手。", "")
+_PROSE = (
+    "The customer paid for {item} with {pay}.",
+    "Support answered the question about {item}.",
+    "We shipped {item} to the new address.",
+    "Many people buy {item} during the sale.",
+    "顾客用{zpay}买了{zitem}。",
+    "客服回答了关于{zitem}的问题。",
+)
+_SYSTEMS = (
+    "You are a helpful shopping assistant.",
+    "You answer questions about orders and payments.",
+    "你是一个购物客服助手。",
+    "",
+)
 
 
 def _dialogue(rng: random.Random) -> list[dict[str, str]]:
     q, a, zq, za = rng.choice(_INTENTS)
-    slots = dict(order=str(rng.randrange(10000, 99999)), n=str(rng.randrange(2, 9)),
-                 item=rng.choice(_ITEMS), zitem=rng.choice(_ZITEMS),
-                 pay=rng.choice(_PAYS), zpay=rng.choice(_ZPAYS))
+    slots = dict(
+        order=str(rng.randrange(10000, 99999)),
+        n=str(rng.randrange(2, 9)),
+        item=rng.choice(_ITEMS),
+        zitem=rng.choice(_ZITEMS),
+        pay=rng.choice(_PAYS),
+        zpay=rng.choice(_ZPAYS),
+    )
     chinese = rng.random() < 0.3
     messages = []
     system = rng.choice(_SYSTEMS)
@@ -127,9 +174,10 @@ def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = Fa
 def _sentences(rng: random.Random) -> list[str]:
     """Prose for the plain-text stream: the intents' questions and answers as sentences."""
     dialogue = [m["content"] for m in _dialogue(rng) if m["role"] != "system"]
-    return dialogue + [s.format(item=rng.choice(_ITEMS), pay=rng.choice(_PAYS),
-                                zitem=rng.choice(_ZITEMS), zpay=rng.choice(_ZPAYS))
-                       for s in rng.sample(_PROSE, 2)]
+    return dialogue + [
+        s.format(item=rng.choice(_ITEMS), pay=rng.choice(_PAYS), zitem=rng.choice(_ZITEMS), zpay=rng.choice(_ZPAYS))
+        for s in rng.sample(_PROSE, 2)
+    ]
 
 
 def chats(n: int = 3000, seed: int = SEED) -> list[str]:
@@ -218,8 +266,7 @@ def _config_dict(p: Preset, vocab_size: int) -> dict:
     }
 
 
-def _train(model, chat_ids: list[int], prose_ids: list[int], p: Preset,
-           progress: Callable[[str], None]) -> float:
+def _train(model, chat_ids: list[int], prose_ids: list[int], p: Preset, progress: Callable[[str], None]) -> float:
     """A short, deterministic language-model fit; returns the last loss.
 
     Each batch is half chats, half prose, from separate token streams. Chat windows start at
@@ -240,8 +287,9 @@ def _train(model, chat_ids: list[int], prose_ids: list[int], p: Preset,
     for step in range(p.train_steps):
         picks = torch.randint(0, len(chat_starts), (half,), generator=gen)
         offsets = torch.randint(0, len(prose_t) - n, (p.train_batch - half,), generator=gen)
-        batch = torch.stack([chats_t[s : s + n] for s in chat_starts[picks].tolist()]
-                            + [prose_t[s : s + n] for s in offsets.tolist()])
+        batch = torch.stack(
+            [chats_t[s : s + n] for s in chat_starts[picks].tolist()] + [prose_t[s : s + n] for s in offsets.tolist()]
+        )
         lr = p.learning_rate * min(1.0, (step + 1) / 20) * (1 - step / p.train_steps) ** 0.5
         for group in opt.param_groups:
             group["lr"] = lr
@@ -256,8 +304,9 @@ def _train(model, chat_ids: list[int], prose_ids: list[int], p: Preset,
     return loss_value
 
 
-def _build_weights(p: Preset, vocab_size: int, streams: tuple[list[int], list[int]],
-                   progress: Callable[[str], None]) -> tuple[dict, int, float | None]:
+def _build_weights(
+    p: Preset, vocab_size: int, streams: tuple[list[int], list[int]], progress: Callable[[str], None]
+) -> tuple[dict, int, float | None]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -283,8 +332,7 @@ def _json(obj: dict) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n").encode()
 
 
-def build_tiny_model(out_dir: Path, preset: str = "tiny",
-                     progress: Callable[[str], None] | None = None) -> Path:
+def build_tiny_model(out_dir: Path, preset: str = "tiny", progress: Callable[[str], None] | None = None) -> Path:
     """Write a complete model folder for `preset` into `out_dir` and return it."""
     from safetensors.torch import save
 
@@ -305,37 +353,65 @@ def build_tiny_model(out_dir: Path, preset: str = "tiny",
         assert tok.token_to_id(special) == i, special
     streams: tuple[list[int], list[int]] = ([], [])
     if p.train_steps:
-        streams = tuple([i for enc in tok.encode_batch(texts) for i in enc.ids]
-                        for texts in (chat_texts, prose_texts))
+        streams = tuple([i for enc in tok.encode_batch(texts) for i in enc.ids] for texts in (chat_texts, prose_texts))
 
     tensors, params, loss = _build_weights(p, vocab_size, streams, say)
 
     say("writing files")
     _write(out_dir / "tokenizer.json", tok.to_str(pretty=False).encode())
-    _write(out_dir / "tokenizer_config.json", _json({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": IM_END,
-        "pad_token": EOT,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": p.max_position_embeddings,
-        "chat_template": CHAT_TEMPLATE,
-    }))
-    _write(out_dir / "special_tokens_map.json", _json({
-        "bos_token": BOS, "eos_token": IM_END, "pad_token": EOT,
-        "additional_special_tokens": [IM_START, IM_END],
-    }))
+    _write(
+        out_dir / "tokenizer_config.json",
+        _json(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": IM_END,
+                "pad_token": EOT,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": p.max_position_embeddings,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        ),
+    )
+    _write(
+        out_dir / "special_tokens_map.json",
+        _json(
+            {
+                "bos_token": BOS,
+                "eos_token": IM_END,
+                "pad_token": EOT,
+                "additional_special_tokens": [IM_START, IM_END],
+            }
+        ),
+    )
     _write(out_dir / "config.json", _json(_config_dict(p, vocab_size)))
-    _write(out_dir / "generation_config.json", _json({
-        "bos_token_id": 0, "eos_token_id": [3, 1], "pad_token_id": 1, "do_sample": False,
-    }))
+    _write(
+        out_dir / "generation_config.json",
+        _json(
+            {
+                "bos_token_id": 0,
+                "eos_token_id": [3, 1],
+                "pad_token_id": 1,
+                "do_sample": False,
+            }
+        ),
+    )
     _write(out_dir / "model.safetensors", save(tensors, metadata={"format": "pt"}))
-    _write(out_dir / "ballast.json", _json({
-        "preset": preset, "spec": asdict(p), "parameters": params, "vocab_size": vocab_size,
-        "train_steps": p.train_steps, "final_loss": None if loss is None else round(loss, 4),
-    }))
+    _write(
+        out_dir / "ballast.json",
+        _json(
+            {
+                "preset": preset,
+                "spec": asdict(p),
+                "parameters": params,
+                "vocab_size": vocab_size,
+                "train_steps": p.train_steps,
+                "final_loss": None if loss is None else round(loss, 4),
+            }
+        ),
+    )
     say(f"done in {time.monotonic() - started:.1f}s ({params} parameters)")
     return out_dir
 
@@ -350,13 +426,11 @@ def built_preset(out_dir: Path) -> tuple[str, bool] | None:
     preset = marker.get("preset")
     if preset not in PRESETS:
         return None
-    current = marker.get("spec") == asdict(PRESETS[preset]) and \
-        (Path(out_dir) / "model.safetensors").exists()
+    current = marker.get("spec") == asdict(PRESETS[preset]) and (Path(out_dir) / "model.safetensors").exists()
     return preset, current
 
 
-def ensure_tiny_model(out_dir: Path, preset: str = "tiny",
-                      progress: Callable[[str], None] | None = None) -> Path:
+def ensure_tiny_model(out_dir: Path, preset: str = "tiny", progress: Callable[[str], None] | None = None) -> Path:
     """Build the model unless `out_dir` already holds a complete, current one of this preset
     (a folder built from an older definition of the preset is rebuilt)."""
     if built_preset(out_dir) == (preset, True):

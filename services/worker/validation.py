@@ -13,8 +13,9 @@ from services.worker.engine import EngineRequest
 SCHEMA_LIMITS = SchemaLimits()
 
 
-def validate_request(request: EngineRequest, vocab_size: int, max_context: int,
-                     schema_limits: SchemaLimits | None = None) -> None:
+def validate_request(
+    request: EngineRequest, vocab_size: int, max_context: int, schema_limits: SchemaLimits | None = None
+) -> None:
     """Raises InvalidArgument, naming the field, for a request no engine can serve. Every
     engine runs it before anything starts (on vLLM: before vLLM's own, less specific, checks),
     so bad input gets the same status and message whatever the engine."""
@@ -32,7 +33,8 @@ def validate_request(request: EngineRequest, vocab_size: int, max_context: int,
         raise InvalidArgument(
             f"prompt ({len(request.prompt_ids)}) + generated ({len(request.generated_ids)}) "
             f"+ max_tokens ({s.max_tokens}) = {total} tokens exceeds the model's context "
-            f"of {max_context}")
+            f"of {max_context}"
+        )
     if not s.temperature >= 0.0:  # also rejects NaN
         raise InvalidArgument("temperature must be >= 0")
     if math.isinf(s.temperature):

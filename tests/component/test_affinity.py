@@ -25,7 +25,9 @@ async def mesh(etcd_server, tiny_model_dir, tmp_path_factory):
     workers = []
     for name in ("w-a", "w-b"):
         config = make_config(
-            etcd_server, tiny_model_dir, prefix,
+            etcd_server,
+            tiny_model_dir,
+            prefix,
             BALLAST__WORKER__ID=name,
             BALLAST__WORKER__TEMPERATURE_FILE=str(folder / f"{name}.temperature"),
             BALLAST__ETCD__HEARTBEAT_S="0.2",

@@ -38,8 +38,13 @@ async def store(backend):
 
 
 def answer(session: str, n: int) -> backfill_pb2.BackfilledAnswer:
-    return backfill_pb2.BackfilledAnswer(ticket=make_ticket(TENANT, f"{session}-{n}"), tenant=TENANT,
-                                         session_id=session, text=f"answer {n}", received_at=timestamp(1_800_000_000 + n))
+    return backfill_pb2.BackfilledAnswer(
+        ticket=make_ticket(TENANT, f"{session}-{n}"),
+        tenant=TENANT,
+        session_id=session,
+        text=f"answer {n}",
+        received_at=timestamp(1_800_000_000 + n),
+    )
 
 
 async def test_every_key_of_an_answer_lives_without_a_ttl(store):
@@ -48,8 +53,14 @@ async def test_every_key_of_an_answer_lives_without_a_ttl(store):
     assert await store.claim(a.ticket, "sub")
     assert await store.confirm(a.ticket, "sub")
     await store.add_attempt(a.ticket)
-    for key in (store._answer(a.ticket), store._delivered(a.ticket), store._attempts(a.ticket),
-                store._state(a.ticket), store._session(TENANT, a.session_id), store.retained_key):
+    for key in (
+        store._answer(a.ticket),
+        store._delivered(a.ticket),
+        store._attempts(a.ticket),
+        store._state(a.ticket),
+        store._session(TENANT, a.session_id),
+        store.retained_key,
+    ):
         assert await store.redis.ttl(key) == -1, key
 
 

@@ -51,30 +51,38 @@ def _gauge(telemetry: Telemetry, pool: str) -> float | None:
 async def test_a_warm_standby_takes_no_traffic_until_the_leader_promotes_it(etcd_server, tiny_model_dir):
     prefix = f"/ballast-test-{uuid.uuid4().hex[:8]}/"
     serving = await create_worker(make_config(etcd_server, tiny_model_dir, prefix, BALLAST__WORKER__ID="serving-1"))
-    warm = await create_worker(make_config(
-        etcd_server, tiny_model_dir, prefix, BALLAST__WORKER__ID="warm-1", BALLAST__WORKER__STANDBY="true"))
+    warm = await create_worker(
+        make_config(etcd_server, tiny_model_dir, prefix, BALLAST__WORKER__ID="warm-1", BALLAST__WORKER__STANDBY="true")
+    )
     router = await create_router(make_config(etcd_server, tiny_model_dir, prefix))
     leader = None
     try:
         assert await router.membership.wait_for(lambda w: {"serving-1", "warm-1"} <= set(w), timeout=15)
         record = router.membership.get("warm-1")
         assert record.standby and not record.healthy and not record.routable
-        assert not router.servicer.pools.has_capacity("tiny", excluding={
-            k for k in [router.servicer.pools.key_for("serving-1")] if k})
+        assert not router.servicer.pools.has_capacity(
+            "tiny", excluding={k for k in [router.servicer.pools.key_for("serving-1")] if k}
+        )
 
         async with grpc.aio.insecure_channel(router.address, options=CHANNEL_OPTIONS) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             # Eight at once against a capacity of four: with the standby out of routing they
             # queue on the serving worker (or degrade); none reaches the warm one.
-            results = await asyncio.gather(*(
-                collect(stub, chat_request(PROMPT, max_tokens=12, raw_prompt=True), API_KEY) for _ in range(8)))
+            results = await asyncio.gather(
+                *(collect(stub, chat_request(PROMPT, max_tokens=12, raw_prompt=True), API_KEY) for _ in range(8))
+            )
             assert all(r.finished is not None for r in results)
             assert serving.state.served >= 4 and warm.state.served == 0
 
             # A router whose elected autoscaler wants two serving replicas promotes the standby.
-            config = make_config(etcd_server, tiny_model_dir, prefix,
-                                 BALLAST__AUTOSCALER__ENABLED="true", BALLAST__AUTOSCALER__TICK_S="0.5",
-                                 BALLAST__AUTOSCALER__POOLS=POLICY)
+            config = make_config(
+                etcd_server,
+                tiny_model_dir,
+                prefix,
+                BALLAST__AUTOSCALER__ENABLED="true",
+                BALLAST__AUTOSCALER__TICK_S="0.5",
+                BALLAST__AUTOSCALER__POOLS=POLICY,
+            )
             leader = await create_router(config)
             assert await leader.autoscaler.lock.wait_leader(15)
             promoted = await poll(lambda: (r := router.membership.get("warm-1")) is not None and r.routable, 20)
@@ -87,8 +95,9 @@ async def test_a_warm_standby_takes_no_traffic_until_the_leader_promotes_it(etcd
             assert await poll(lambda: _gauge(leader.telemetry, "primary") == 2.0, 10)
 
             before = warm.state.served
-            await asyncio.gather(*(collect(stub, chat_request(PROMPT, max_tokens=12, raw_prompt=True), API_KEY)
-                                   for _ in range(8)))
+            await asyncio.gather(
+                *(collect(stub, chat_request(PROMPT, max_tokens=12, raw_prompt=True), API_KEY) for _ in range(8))
+            )
             assert warm.state.served > before, "the promoted worker took no request"
     finally:
         if leader is not None:
@@ -101,16 +110,23 @@ async def test_a_warm_standby_takes_no_traffic_until_the_leader_promotes_it(etcd
 def _controller(config, router_id: str, membership: MembershipWatcher) -> tuple[AutoscalerController, Telemetry]:
     telemetry = Telemetry(router_id, TelemetryConfig(enabled=False))
     observations = RouterObservations(config.autoscaler.policy(), lambda _model: "primary")
-    controller = AutoscalerController(config, router_id, membership, observations, RoleExecutor(config.etcd),
-                                      telemetry.meter)
+    controller = AutoscalerController(
+        config, router_id, membership, observations, RoleExecutor(config.etcd), telemetry.meter
+    )
     return controller, telemetry
 
 
 async def test_one_router_decides_and_another_takes_over_when_it_resigns(etcd_server, tiny_model_dir):
     prefix = f"/ballast-test-{uuid.uuid4().hex[:8]}/"
-    config = make_config(etcd_server, tiny_model_dir, prefix, BALLAST__AUTOSCALER__ENABLED="true",
-                         BALLAST__AUTOSCALER__TICK_S="0.3", BALLAST__AUTOSCALER__LEADER_TTL_S="2",
-                         BALLAST__AUTOSCALER__POOLS=POLICY)
+    config = make_config(
+        etcd_server,
+        tiny_model_dir,
+        prefix,
+        BALLAST__AUTOSCALER__ENABLED="true",
+        BALLAST__AUTOSCALER__TICK_S="0.3",
+        BALLAST__AUTOSCALER__LEADER_TTL_S="2",
+        BALLAST__AUTOSCALER__POOLS=POLICY,
+    )
     telemetry = Telemetry("membership", TelemetryConfig(enabled=False))
     membership = MembershipWatcher(config.etcd, telemetry.dependencies)
     await membership.start()

@@ -32,19 +32,31 @@ from tests.polling import poll
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-def make_request(text: str = "Is the phone case in stock?", session: str = "s-1", request_id: str = "",
-                 allow_degraded: bool = True) -> InferenceRequest:
+def make_request(
+    text: str = "Is the phone case in stock?", session: str = "s-1", request_id: str = "", allow_degraded: bool = True
+) -> InferenceRequest:
     return InferenceRequest(
-        request_id=request_id or uuid.uuid4().hex, session_id=session, tenant="acme", model="big",
-        sampling=Sampling(max_tokens=16, temperature=0.0), tier="A",
-        messages=(Message("user", text),), allow_degraded=allow_degraded,
+        request_id=request_id or uuid.uuid4().hex,
+        session_id=session,
+        tenant="acme",
+        model="big",
+        sampling=Sampling(max_tokens=16, temperature=0.0),
+        tier="A",
+        messages=(Message("user", text),),
+        allow_degraded=allow_degraded,
     )
 
 
 def read_topic(bootstrap: str, topic: str, count: int, timeout_s: float = 20.0):
     """Reads `count` records from the start of every partition (no group join: fast)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False, "log_level": 2})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "log_level": 2,
+        }
+    )
     try:
         deadline = time.monotonic() + timeout_s
         partitions: list[int] = []
@@ -94,8 +106,14 @@ def model_events(model: str, text: str, ids: list[int]):
 
 async def run_all(degrader: Degrader, pools: FakePools, request: InferenceRequest):
     events = []
-    async for event in degrader.run(pools.stream, request, tier="A", tier_reason="default",
-                                    deadline=time.monotonic() + 30, started=time.perf_counter()):
+    async for event in degrader.run(
+        pools.stream,
+        request,
+        tier="A",
+        tier_reason="default",
+        deadline=time.monotonic() + 30,
+        started=time.perf_counter(),
+    ):
         events.append(event_to_pb(event))  # as the client receives it
     return events
 
@@ -107,8 +125,13 @@ def topic():
 
 @pytest.fixture
 async def degrader(tmp_path, kafka_broker, topic):
-    config = DegradeConfig(ladders={"big": ["small", "rules"]}, topic=topic, topic_partitions=1,
-                           outbox_path=str(tmp_path / "outbox.sqlite"), delivery_timeout_s=3)
+    config = DegradeConfig(
+        ladders={"big": ["small", "rules"]},
+        topic=topic,
+        topic_partitions=1,
+        outbox_path=str(tmp_path / "outbox.sqlite"),
+        delivery_timeout_s=3,
+    )
     fallbacks: list[dict[str, str]] = []
     degrader = Degrader(config, kafka_broker.bootstrap, on_fallback=fallbacks.append)
     degrader.fallbacks = fallbacks
@@ -124,7 +147,12 @@ async def test_decide_is_a_pure_function_of_error_request_and_position():
     degrader = Degrader(DegradeConfig(ladders={"big": ["small", "rules"]}, handoff=False), "unused:1")
     request = make_request()
     light = degrader.decide(ResourceExhausted("queue full"), request)
-    assert (light.reason, light.rung.level, light.rung.model, light.index) == (Reason.ADMISSION, Level.LIGHT_MODEL, "small", 0)
+    assert (light.reason, light.rung.level, light.rung.model, light.index) == (
+        Reason.ADMISSION,
+        Level.LIGHT_MODEL,
+        "small",
+        0,
+    )
     rules = degrader.decide(NoLiveWorker("no live worker for model 'small'"), request, after=0)
     assert (rules.reason, rules.rung.level) == (Reason.NO_WORKER, Level.RULES)
     assert degrader.decide(Unavailable("x"), request, after=1) is None  # nothing below rules
@@ -172,13 +200,18 @@ async def test_light_model_answers_marked_with_a_ticket(degrader, kafka_broker, 
     assert degraded.ticket == finished.backfill_ticket and degraded.tenant == "acme"
     assert degraded.level == common_pb2.DEGRADATION_LIGHT_MODEL and degraded.reason == "no_worker"
     assert degraded.degraded_text == "light answer" and degraded.degraded_by == "small"
-    assert degraded.request.model == "big" and degraded.request.conversation.messages[0].content == request.messages[0].content
+    assert (
+        degraded.request.model == "big"
+        and degraded.request.conversation.messages[0].content == request.messages[0].content
+    )
     assert degraded.request.sampling.max_tokens == 16
     assert abs(degraded.received_at.ToSeconds() - time.time()) < 30
 
 
 async def test_rules_answer_after_both_pools_fail(degrader, kafka_broker, topic):
-    pools = FakePools({"big": ResourceExhausted("queue full"), "small": NoLiveWorker("no live worker for model 'small'")})
+    pools = FakePools(
+        {"big": ResourceExhausted("queue full"), "small": NoLiveWorker("no live worker for model 'small'")}
+    )
     request = make_request("我的手机壳有货吗？", session="s-rules")
     events = await run_all(degrader, pools, request)
     kinds = [e.WhichOneof("event") for e in events]
@@ -187,8 +220,10 @@ async def test_rules_answer_after_both_pools_fail(degrader, kafka_broker, topic)
     text = "".join(e.tokens.text for e in events if e.HasField("tokens"))
     assert "手机壳" in text and "库存" in text
     assert events[-1].finished.degradation == common_pb2.DEGRADATION_RULES
-    assert degrader.fallbacks == [{"reason": "admission", "level": "light_model"},
-                                  {"reason": "no_worker", "level": "rules"}]
+    assert degrader.fallbacks == [
+        {"reason": "admission", "level": "light_model"},
+        {"reason": "no_worker", "level": "rules"},
+    ]
     assert await degrader.handoff.wait_drained(15)
     (record,) = await asyncio.to_thread(read_topic, kafka_broker.bootstrap, topic, 1)
     degraded = decode_degraded(record.value())
@@ -198,10 +233,16 @@ async def test_rules_answer_after_both_pools_fail(degrader, kafka_broker, topic)
 
 
 async def test_a_rules_answer_to_a_json_request_is_a_document_of_its_schema(degrader):
-    schema = check_schema(json.dumps({
-        "type": "object", "additionalProperties": False, "required": ["status", "order_id"],
-        "properties": {"status": {"enum": ["shipped", "pending"]}, "order_id": {"type": "string"}},
-    }))
+    schema = check_schema(
+        json.dumps(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["status", "order_id"],
+                "properties": {"status": {"enum": ["shipped", "pending"]}, "order_id": {"type": "string"}},
+            }
+        )
+    )
     pools = FakePools({"big": NoLiveWorker("no live worker for model 'big'"), "small": NoLiveWorker("no live worker")})
     events = await run_all(degrader, pools, replace(make_request("Has order 7 shipped?"), schema=schema))
     text = "".join(e.tokens.text for e in events if e.HasField("tokens"))
@@ -219,7 +260,9 @@ async def test_no_degradation_when_not_allowed_or_after_tokens(degrader):
         await run_all(degrader, pools, make_request(allow_degraded=False))
     assert pools.calls == ["big"]
     started, tokens, _ = model_events("big", "partial", [1, 2])
-    pools = FakePools({"big": [started, tokens, Unavailable("worker w1 failed")], "small": model_events("small", "x", [1])})
+    pools = FakePools(
+        {"big": [started, tokens, Unavailable("worker w1 failed")], "small": model_events("small", "x", [1])}
+    )
     with pytest.raises(Unavailable):
         await run_all(degrader, pools, make_request())
     assert pools.calls == ["big"]
@@ -256,9 +299,18 @@ async def test_rules_tokens_use_the_models_tokenizer_when_given(degrader):
 async def test_broker_down_fills_the_outbox_and_back_drains_in_order(tmp_path, tmp_path_factory):
     broker = KafkaBroker(tmp_path_factory.mktemp("kafka-outage")).start()
     topic = "ballast.degraded.v1"
-    handoff = HandOff(HandOffSettings(outbox_path=tmp_path / "outbox.sqlite", bootstrap=broker.bootstrap, topic=topic,
-                                      topic_partitions=1, max_rows=12, delivery_timeout_s=2,
-                                      backoff_initial_s=0.2, backoff_max_s=1.0))
+    handoff = HandOff(
+        HandOffSettings(
+            outbox_path=tmp_path / "outbox.sqlite",
+            bootstrap=broker.bootstrap,
+            topic=topic,
+            topic_partitions=1,
+            max_rows=12,
+            delivery_timeout_s=2,
+            backoff_initial_s=0.2,
+            backoff_max_s=1.0,
+        )
+    )
     await handoff.start()
     try:
         await handoff.submit(b"s", b"before-0")
@@ -293,8 +345,11 @@ async def test_outbox_left_by_a_crash_is_drained_by_the_next_start(tmp_path, kaf
     path = tmp_path / "outbox.sqlite"
     with Outbox(path) as outbox:  # what a router that crashed before draining left behind
         outbox.append([(b"s", b"left-0"), (b"s", b"left-1")])
-    handoff = HandOff(HandOffSettings(outbox_path=path, bootstrap=kafka_broker.bootstrap, topic=topic,
-                                      topic_partitions=1, delivery_timeout_s=3))
+    handoff = HandOff(
+        HandOffSettings(
+            outbox_path=path, bootstrap=kafka_broker.bootstrap, topic=topic, topic_partitions=1, delivery_timeout_s=3
+        )
+    )
     await handoff.start()
     try:
         assert await handoff.wait_drained(15)

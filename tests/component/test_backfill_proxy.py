@@ -22,6 +22,7 @@ from services.common.processes import free_port
 from services.config import load_config
 from services.router.app import create_server as create_router
 from tests.component.conftest import API_KEY, TENANT, make_config
+
 # handoff: the same fixture, on this module's topic (names).
 from tests.component.test_backfill_service import OTHER_KEY, PROMPT, domain_request, hand_off, handoff, meta, wait_for  # noqa: F401
 
@@ -35,15 +36,24 @@ BACKFILL_DOWN = 'ballast_dependency_up{dependency="backfill"} 0.0'
 @pytest.fixture(scope="module")
 def names():
     suffix = uuid.uuid4().hex[:8]
-    return {"topic": f"degraded-{suffix}", "group": f"backfill-{suffix}", "prefix": f"proxy-{suffix}:backfill:",
-            "port": free_port()}
+    return {
+        "topic": f"degraded-{suffix}",
+        "group": f"backfill-{suffix}",
+        "prefix": f"proxy-{suffix}:backfill:",
+        "port": free_port(),
+    }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def router(etcd_server, tiny_model_dir, etcd_prefix, worker_app, names):
-    config = make_config(etcd_server, tiny_model_dir, etcd_prefix, BALLAST__AUTH__API_KEYS=KEYS,
-                         BALLAST__ROUTER__BACKFILL_ADDRESS=f"127.0.0.1:{names['port']}",
-                         BALLAST__ROUTER__BACKFILL_TIMEOUT_S="2")
+    config = make_config(
+        etcd_server,
+        tiny_model_dir,
+        etcd_prefix,
+        BALLAST__AUTH__API_KEYS=KEYS,
+        BALLAST__ROUTER__BACKFILL_ADDRESS=f"127.0.0.1:{names['port']}",
+        BALLAST__ROUTER__BACKFILL_TIMEOUT_S="2",
+    )
     app = await create_router(config)
     assert await app.membership.wait_for(lambda workers: worker_app.worker_id in workers, timeout=10)
     yield app
@@ -52,19 +62,33 @@ async def router(etcd_server, tiny_model_dir, etcd_prefix, worker_app, names):
 
 def backfill_settings(router, names) -> BackfillSettings:
     return BackfillSettings(
-        port=names["port"], topic=names["topic"], backfilled_topic=f"{names['topic']}-done",
-        deadletter_topic=f"{names['topic']}-dead", topic_partitions=1, group_id=names["group"],
-        session_timeout_ms=6000, heartbeat_interval_ms=1000, router_address=router.address, router_api_key=API_KEY,
-        replay_timeout_s=30, retry_backoff_s=0.2, busy_backoff_s=0.2, redis_prefix=names["prefix"],
+        port=names["port"],
+        topic=names["topic"],
+        backfilled_topic=f"{names['topic']}-done",
+        deadletter_topic=f"{names['topic']}-dead",
+        topic_partitions=1,
+        group_id=names["group"],
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=1000,
+        router_address=router.address,
+        router_api_key=API_KEY,
+        replay_timeout_s=30,
+        retry_backoff_s=0.2,
+        busy_backoff_s=0.2,
+        redis_prefix=names["prefix"],
         delivery_timeout_s=5,
     )
 
 
 async def start_backfill(kafka_broker, redis_server, router, names):
-    config = load_config(environ={
-        "BALLAST__KAFKA__BOOTSTRAP": kafka_broker.bootstrap, "BALLAST__REDIS__URL": redis_server.url,
-        "BALLAST__AUTH__API_KEYS": KEYS, "BALLAST__TELEMETRY__METRICS_PORT": "0",
-    })
+    config = load_config(
+        environ={
+            "BALLAST__KAFKA__BOOTSTRAP": kafka_broker.bootstrap,
+            "BALLAST__REDIS__URL": redis_server.url,
+            "BALLAST__AUTH__API_KEYS": KEYS,
+            "BALLAST__TELEMETRY__METRICS_PORT": "0",
+        }
+    )
     return await create_backfill(config, backfill_settings(router, names))
 
 
@@ -165,7 +189,8 @@ async def test_tenants_are_kept_apart_and_bad_input_is_refused(backfill, handoff
 
 
 async def test_backfill_away_is_unavailable_and_generate_goes_on(
-        backfill, handoff, router, stub, kafka_broker, redis_server, names):
+    backfill, handoff, router, stub, kafka_broker, redis_server, names
+):
     session = f"away-{uuid.uuid4().hex[:6]}"
     ticket = await hand_off(handoff, domain_request(PROMPT, session, max_tokens=8))
     await wait_for(lambda: backfill["app"].store.get(ticket), what="the answer to be stored")

@@ -38,27 +38,43 @@ PROMPT = "Where is my order? I paid for a blue phone case yesterday."
 def names():
     suffix = uuid.uuid4().hex[:8]
     return {
-        "topic": f"degraded-{suffix}", "backfilled": f"backfilled-{suffix}", "deadletter": f"dead-{suffix}",
-        "group": f"backfill-{suffix}", "prefix": f"test-{suffix}:backfill:",
+        "topic": f"degraded-{suffix}",
+        "backfilled": f"backfilled-{suffix}",
+        "deadletter": f"dead-{suffix}",
+        "group": f"backfill-{suffix}",
+        "prefix": f"test-{suffix}:backfill:",
     }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def backfill_app(kafka_broker, redis_server, router_app, names):
-    config = load_config(environ={
-        "BALLAST__ETCD__HOST": router_app.config.etcd.host,
-        "BALLAST__ETCD__PORT": str(router_app.config.etcd.port),
-        "BALLAST__ETCD__PREFIX": router_app.config.etcd.prefix,
-        "BALLAST__KAFKA__BOOTSTRAP": kafka_broker.bootstrap,
-        "BALLAST__REDIS__URL": redis_server.url,
-        "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}", "{OTHER_KEY}": "globex"}}',
-        "BALLAST__TELEMETRY__METRICS_PORT": "0",
-    })
+    config = load_config(
+        environ={
+            "BALLAST__ETCD__HOST": router_app.config.etcd.host,
+            "BALLAST__ETCD__PORT": str(router_app.config.etcd.port),
+            "BALLAST__ETCD__PREFIX": router_app.config.etcd.prefix,
+            "BALLAST__KAFKA__BOOTSTRAP": kafka_broker.bootstrap,
+            "BALLAST__REDIS__URL": redis_server.url,
+            "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}", "{OTHER_KEY}": "globex"}}',
+            "BALLAST__TELEMETRY__METRICS_PORT": "0",
+        }
+    )
     settings = BackfillSettings(
-        port=0, topic=names["topic"], backfilled_topic=names["backfilled"], deadletter_topic=names["deadletter"],
-        topic_partitions=1, group_id=names["group"], session_timeout_ms=6000, heartbeat_interval_ms=1000,
-        router_address=router_app.address, router_api_key=API_KEY, replay_timeout_s=30, max_attempts=2,
-        retry_backoff_s=0.2, busy_backoff_s=0.2, redis_prefix=names["prefix"],
+        port=0,
+        topic=names["topic"],
+        backfilled_topic=names["backfilled"],
+        deadletter_topic=names["deadletter"],
+        topic_partitions=1,
+        group_id=names["group"],
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=1000,
+        router_address=router_app.address,
+        router_api_key=API_KEY,
+        replay_timeout_s=30,
+        max_attempts=2,
+        retry_backoff_s=0.2,
+        busy_backoff_s=0.2,
+        redis_prefix=names["prefix"],
         delivery_timeout_s=5,
     )
     app = await create_backfill(config, settings)
@@ -68,9 +84,15 @@ async def backfill_app(kafka_broker, redis_server, router_app, names):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def handoff(kafka_broker, tmp_path_factory, names):
-    handoff = HandOff(HandOffSettings(outbox_path=tmp_path_factory.mktemp("outbox") / "o.sqlite",
-                                      bootstrap=kafka_broker.bootstrap, topic=names["topic"],
-                                      topic_partitions=1, delivery_timeout_s=5))
+    handoff = HandOff(
+        HandOffSettings(
+            outbox_path=tmp_path_factory.mktemp("outbox") / "o.sqlite",
+            bootstrap=kafka_broker.bootstrap,
+            topic=names["topic"],
+            topic_partitions=1,
+            delivery_timeout_s=5,
+        )
+    )
     await handoff.start()
     yield handoff
     await handoff.stop()
@@ -84,16 +106,29 @@ async def backfill_stub(backfill_app):
 
 def domain_request(text: str, session: str, model: str = "tiny", max_tokens: int = 24) -> InferenceRequest:
     return InferenceRequest(
-        request_id=uuid.uuid4().hex, session_id=session, tenant=TENANT, model=model,
-        sampling=Sampling(max_tokens=max_tokens, temperature=0.0), tier="A", prompt=text,
+        request_id=uuid.uuid4().hex,
+        session_id=session,
+        tenant=TENANT,
+        model=model,
+        sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
+        tier="A",
+        prompt=text,
     )
 
 
 async def hand_off(handoff: HandOff, request: InferenceRequest, level=Level.RULES, received_at=None) -> str:
     ticket = make_ticket(request.tenant, request.request_id)
-    record = degraded_request_pb(request, ticket=ticket, tier="A", level=level, reason="admission",
-                                 degraded_text="a quick answer", degraded_by="rules",
-                                 received_at=received_at or time.time(), origin="test")
+    record = degraded_request_pb(
+        request,
+        ticket=ticket,
+        tier="A",
+        level=level,
+        reason="admission",
+        degraded_text="a quick answer",
+        degraded_by="rules",
+        received_at=received_at or time.time(),
+        origin="test",
+    )
     await handoff.submit(kafka_key(request.session_id, ticket), record.SerializeToString())
     return ticket
 
@@ -124,13 +159,16 @@ async def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
 
 
 async def test_degraded_requests_are_replayed_stored_and_pushed_exactly_once(
-        backfill_app, backfill_stub, handoff, router_stub):
+    backfill_app, backfill_stub, handoff, router_stub
+):
     session = f"session-{uuid.uuid4().hex[:6]}"
     # Two subscriptions on the same session, open before anything is ready: each ticket must
     # reach exactly one of them.
     got_a, got_b, stop = [], [], asyncio.Event()
-    subs = [asyncio.create_task(subscribe(backfill_stub, got_a, stop, session_id=session)),
-            asyncio.create_task(subscribe(backfill_stub, got_b, stop, session_id=session))]
+    subs = [
+        asyncio.create_task(subscribe(backfill_stub, got_a, stop, session_id=session)),
+        asyncio.create_task(subscribe(backfill_stub, got_b, stop, session_id=session)),
+    ]
     await asyncio.sleep(0.5)
     original_at = time.time() - 120  # the request was degraded two minutes ago
     requests = [domain_request(f"{PROMPT} #{i}", session) for i in range(3)]
@@ -162,7 +200,9 @@ async def test_degraded_requests_are_replayed_stored_and_pushed_exactly_once(
 
     # Another tenant sees nothing of it.
     with pytest.raises(grpc.aio.AioRpcError) as denied:
-        await backfill_stub.GetAnswer(backfill_pb2.GetAnswerRequest(ticket=tickets[0]), metadata=meta(OTHER_KEY), timeout=5)
+        await backfill_stub.GetAnswer(
+            backfill_pb2.GetAnswerRequest(ticket=tickets[0]), metadata=meta(OTHER_KEY), timeout=5
+        )
     assert denied.value.code() == grpc.StatusCode.NOT_FOUND
     # A later subscription gets nothing already pushed.
     late: list = []
@@ -256,16 +296,26 @@ async def test_busy_or_down_pool_waits_without_spending_attempts(backfill_app):
     from services.backfill.replay import ReplayError, ReplayErrorKind
 
     settings = backfill_app.settings.model_copy(update={"max_attempts": 2})
-    script = [ReplayError(ReplayErrorKind.BUSY, "full", retry_after_s=0.05),
-              ReplayError(ReplayErrorKind.UNHEALTHY, "no live worker"),
-              ReplayError(ReplayErrorKind.BUSY, "full"),
-              ReplayError(ReplayErrorKind.FAILED, "INTERNAL: boom")]
+    script = [
+        ReplayError(ReplayErrorKind.BUSY, "full", retry_after_s=0.05),
+        ReplayError(ReplayErrorKind.UNHEALTHY, "no live worker"),
+        ReplayError(ReplayErrorKind.BUSY, "full"),
+        ReplayError(ReplayErrorKind.FAILED, "INTERNAL: boom"),
+    ]
     replayer = ScriptedReplayer(script)
     processor = Processor(settings, backfill_app.store, replayer, backfill_app.producer)
     request = domain_request(PROMPT, f"s-{uuid.uuid4().hex[:6]}")
     ticket = make_ticket(TENANT, request.request_id)
-    record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="deadline",
-                                 degraded_text="x", degraded_by="rules", received_at=time.time())
+    record = degraded_request_pb(
+        request,
+        ticket=ticket,
+        tier="A",
+        level=Level.RULES,
+        reason="deadline",
+        degraded_text="x",
+        degraded_by="rules",
+        received_at=time.time(),
+    )
     outcome = await processor.handle(Record("t", 0, 0, None, record.SerializeToString(), ()))
     assert outcome == "stored" and replayer.calls == 5
     # Only the real failure counted: one of two attempts.
@@ -295,8 +345,16 @@ async def test_replay_waiting_for_a_down_pool_wakes_when_etcd_shows_it_back(back
     processor = Processor(settings, backfill_app.store, replayer, backfill_app.producer, pool_watch=watch)
     request = domain_request(PROMPT, f"s-{uuid.uuid4().hex[:6]}", model=model)
     ticket = make_ticket(TENANT, request.request_id)
-    record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="no_worker",
-                                 degraded_text="x", degraded_by="rules", received_at=time.time())
+    record = degraded_request_pb(
+        request,
+        ticket=ticket,
+        tier="A",
+        level=Level.RULES,
+        reason="no_worker",
+        degraded_text="x",
+        degraded_by="rules",
+        received_at=time.time(),
+    )
     handling = asyncio.create_task(processor.handle(Record("t", 0, 0, None, record.SerializeToString(), ())))
     assert await poll(lambda: replayer.calls == 1, 15), "the processor never tried the replay"
     assert not handling.done() and replayer.calls == 1  # waiting out the down pool
@@ -325,8 +383,12 @@ async def test_router_wired_with_the_degrader(router_app, router_stub, kafka_bro
     from services.router.degrade.degrader import Degrader
 
     topic = f"wired-{uuid.uuid4().hex[:8]}"
-    config = DegradeConfig(ladders={"tiny-unserved": ["tiny", "rules"], "tiny": ["missing-light", "rules"]},
-                           topic=topic, topic_partitions=1, outbox_path=str(tmp_path / "o.sqlite"))
+    config = DegradeConfig(
+        ladders={"tiny-unserved": ["tiny", "rules"], "tiny": ["missing-light", "rules"]},
+        topic=topic,
+        topic_partitions=1,
+        outbox_path=str(tmp_path / "o.sqlite"),
+    )
     labels: list[dict] = []
     degrader = Degrader(config, kafka_broker.bootstrap, on_fallback=labels.append)
     await degrader.start()
@@ -335,21 +397,29 @@ async def test_router_wired_with_the_degrader(router_app, router_stub, kafka_bro
     servicer.degrader = degrader
     try:
         # "tiny-unserved" has no worker: the light rung ("tiny", a real worker) answers.
-        light = await collect(router_stub, chat_request(PROMPT, model="tiny-unserved", max_tokens=12,
-                                                        raw_prompt=True, session_id="wired"), API_KEY)
+        light = await collect(
+            router_stub,
+            chat_request(PROMPT, model="tiny-unserved", max_tokens=12, raw_prompt=True, session_id="wired"),
+            API_KEY,
+        )
         direct = await collect(router_stub, chat_request(PROMPT, model="tiny", max_tokens=12, raw_prompt=True), API_KEY)
         assert light.started.model == "tiny" and light.text == direct.text
         assert light.finished.degradation == common_pb2.DEGRADATION_LIGHT_MODEL and light.finished.backfill_ticket
         assert direct.finished.degradation == common_pb2.DEGRADATION_NONE
         # Unserved request with no light pool either: the rules answer.
         degrader.ladder = type(degrader.ladder)({"tiny-unserved": ["missing-light", "rules"]})
-        ruled = await collect(router_stub, chat_request("How much is the charger?", model="tiny-unserved",
-                                                        max_tokens=12, session_id="wired"), API_KEY)
+        ruled = await collect(
+            router_stub,
+            chat_request("How much is the charger?", model="tiny-unserved", max_tokens=12, session_id="wired"),
+            API_KEY,
+        )
         assert ruled.started.model == "rules" and "charger" in ruled.text
         assert ruled.finished.degradation == common_pb2.DEGRADATION_RULES
-        assert labels == [{"reason": "no_worker", "level": "light_model"},  # tiny-unserved -> tiny
-                          {"reason": "no_worker", "level": "light_model"},  # tiny-unserved -> missing-light
-                          {"reason": "no_worker", "level": "rules"}]  # missing-light -> rules
+        assert labels == [
+            {"reason": "no_worker", "level": "light_model"},  # tiny-unserved -> tiny
+            {"reason": "no_worker", "level": "light_model"},  # tiny-unserved -> missing-light
+            {"reason": "no_worker", "level": "rules"},
+        ]  # missing-light -> rules
         assert await degrader.handoff.wait_drained(15)
         records = await asyncio.to_thread(read_topic, kafka_broker.bootstrap, topic, 2)
         handed = [decode_degraded(r.value()) for r in records]

@@ -53,7 +53,10 @@ async def kill_pubsub_connections(client) -> int:
 
 def answer(session: str, n: int, tenant: str = TENANT) -> backfill_pb2.BackfilledAnswer:
     return backfill_pb2.BackfilledAnswer(
-        ticket=make_ticket(tenant, f"{session}-{n}"), tenant=tenant, session_id=session, text=f"answer {n}",
+        ticket=make_ticket(tenant, f"{session}-{n}"),
+        tenant=tenant,
+        session_id=session,
+        text=f"answer {n}",
         received_at=timestamp(1_800_000_000 + n),
     )
 

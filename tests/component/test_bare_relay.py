@@ -30,10 +30,15 @@ async def test_the_relay_streams_what_the_worker_streams_and_stops_on_sigterm(wo
     relay, address = await asyncio.to_thread(start_bare_relay, [worker_app.address], tmp_path / "relay.log")
     try:
         request = worker_pb2.WorkerGenerateRequest(
-            request_id="relay-1", tenant="t", prompt_ids=[5, 6, 7, 8],
-            sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0.0))
-        async with grpc.aio.insecure_channel(worker_app.address, options=CHANNEL_OPTIONS) as direct_channel, \
-                grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as relay_channel:
+            request_id="relay-1",
+            tenant="t",
+            prompt_ids=[5, 6, 7, 8],
+            sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0.0),
+        )
+        async with (
+            grpc.aio.insecure_channel(worker_app.address, options=CHANNEL_OPTIONS) as direct_channel,
+            grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as relay_channel,
+        ):
             direct = await events(worker_pb2_grpc.WorkerStub(direct_channel), request)
             relayed = await events(worker_pb2_grpc.WorkerStub(relay_channel), request)
             # Greedy: the same tokens, text and end both ways. (How the tokens are cut into

@@ -9,7 +9,9 @@ def test_loading_config_imports_no_kafka_client_nor_outbox():
     import subprocess
     import sys
 
-    probe = ("import sys; from services.config import load_config; load_config(environ={}); "
-             "print(sorted(m for m in sys.modules if 'kafka' in m or m.endswith(('outbox', 'handoff', 'degrader'))))")
+    probe = (
+        "import sys; from services.config import load_config; load_config(environ={}); "
+        "print(sorted(m for m in sys.modules if 'kafka' in m or m.endswith(('outbox', 'handoff', 'degrader'))))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -25,11 +25,22 @@ REVOKED_KEY, ENV_KEY = "revoked-key", "env-only-key"
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def env_router(etcd_server, tiny_model_dir, etcd_prefix, worker_app, tmp_path_factory):
     path = tmp_path_factory.mktemp("env-keys") / "ballast.yaml"
-    path.write_text(json.dumps({"auth": {"api_keys": {REVOKED_KEY: TENANT, API_KEY: TENANT}},
-                                "router": {"quotas": {"prompt_chars_per_token": 2.5}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "auth": {"api_keys": {REVOKED_KEY: TENANT, API_KEY: TENANT}},
+                "router": {"quotas": {"prompt_chars_per_token": 2.5}},
+            }
+        )
+    )
     # make_config grants TENANT every tier; newco, named by the environment alone, has no grant.
-    config = make_config(etcd_server, tiny_model_dir, etcd_prefix, BALLAST_CONFIG=str(path),
-                         BALLAST__AUTH__API_KEYS=json.dumps({API_KEY: TENANT, ENV_KEY: "newco"}))
+    config = make_config(
+        etcd_server,
+        tiny_model_dir,
+        etcd_prefix,
+        BALLAST_CONFIG=str(path),
+        BALLAST__AUTH__API_KEYS=json.dumps({API_KEY: TENANT, ENV_KEY: "newco"}),
+    )
     assert config.router.quotas.prompt_chars_per_token == 2.5  # the file was read
     assert set(config.auth.api_keys) == {API_KEY, ENV_KEY}
     app = await create_router(config)

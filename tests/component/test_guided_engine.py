@@ -29,27 +29,59 @@ PRODUCT = {
 }
 SCHEMAS = {
     "product": PRODUCT,
-    "product_short_id": {**PRODUCT, "properties": {**PRODUCT["properties"],
-                                                   "product_id": {"type": "string", "maxLength": 10}}},
-    "order": {"type": "object", "properties": {
-        "order_id": {"type": "integer"}, "status": {"enum": ["pending", "shipped", "delivered"]},
-        "gift": {"type": "boolean"}}, "required": ["order_id", "status", "gift"], "additionalProperties": False},
-    "cart": {"type": "object", "properties": {
-        "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                      "vip": {"type": "boolean"}},
-                     "required": ["name", "vip"], "additionalProperties": False},
-        "items": {"type": "array", "maxItems": 3, "items": {
-            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 6},
-                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["sku", "qty"], "additionalProperties": False}}},
-        "required": ["customer", "items"], "additionalProperties": False},
-    "sentiment": {"type": "object", "properties": {
-        "label": {"enum": ["positive", "neutral", "negative"]},
-        "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
-        "required": ["label", "confidence"], "additionalProperties": False},
+    "product_short_id": {
+        **PRODUCT,
+        "properties": {**PRODUCT["properties"], "product_id": {"type": "string", "maxLength": 10}},
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "integer"},
+            "status": {"enum": ["pending", "shipped", "delivered"]},
+            "gift": {"type": "boolean"},
+        },
+        "required": ["order_id", "status", "gift"],
+        "additionalProperties": False,
+    },
+    "cart": {
+        "type": "object",
+        "properties": {
+            "customer": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 12}, "vip": {"type": "boolean"}},
+                "required": ["name", "vip"],
+                "additionalProperties": False,
+            },
+            "items": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 6},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        "required": ["customer", "items"],
+        "additionalProperties": False,
+    },
+    "sentiment": {
+        "type": "object",
+        "properties": {
+            "label": {"enum": ["positive", "neutral", "negative"]},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["label", "confidence"],
+        "additionalProperties": False,
+    },
 }
-PROMPT = render_chat([{"role": "user", "content": "Is the phone case in stock? Answer in JSON."}],
-                     add_generation_prompt=True)
+PROMPT = render_chat(
+    [{"role": "user", "content": "Is the phone case in stock? Answer in JSON."}], add_generation_prompt=True
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,8 +114,17 @@ def prompt_ids(tokenizer):
     return tokenizer.encode(PROMPT, add_special_tokens=False)
 
 
-def decode(model, prompt_ids: list[int], guide: JsonGuide | None, *, max_tokens: int, seed: int,
-           eos: tuple[int, ...], temperature: float = 1.0, generated: list[int] = ()) -> tuple[list[int], str]:
+def decode(
+    model,
+    prompt_ids: list[int],
+    guide: JsonGuide | None,
+    *,
+    max_tokens: int,
+    seed: int,
+    eos: tuple[int, ...],
+    temperature: float = 1.0,
+    generated: list[int] = (),
+) -> tuple[list[int], str]:
     """Generates after prompt + `generated` the way an engine would, with the guide hook:
     mask the logits, sample with position seeds, advance, stop where `document_end` says."""
     cache, feed, out = None, [*prompt_ids, *generated], []
@@ -114,8 +155,15 @@ def test_guided_output_is_schema_valid_over_many_seeds(model, tokenizer, compile
     reasons = []
     for seed in [*range(6), None]:  # None: greedy
         guide = compiler.guide(schema.text)
-        ids, reason = decode(model, prompt_ids, guide, max_tokens=80, seed=seed or 0,
-                             eos=compiler.eos_token_ids, temperature=0.0 if seed is None else 1.0)
+        ids, reason = decode(
+            model,
+            prompt_ids,
+            guide,
+            max_tokens=80,
+            seed=seed or 0,
+            eos=compiler.eos_token_ids,
+            temperature=0.0 if seed is None else 1.0,
+        )
         text = tokenizer.decode(ids)
         reasons.append(reason)
         if reason == "stop":
@@ -131,8 +179,9 @@ def test_guided_output_is_schema_valid_over_many_seeds(model, tokenizer, compile
 @pytest.mark.parametrize("max_tokens", [3, 9, 17, 30])
 def test_output_cut_by_max_tokens_is_repaired(model, tokenizer, compiler, prompt_ids, max_tokens):
     schema = check_schema(json.dumps(PRODUCT))
-    ids, reason = decode(model, prompt_ids, compiler.guide(schema.text), max_tokens=max_tokens, seed=11,
-                         eos=compiler.eos_token_ids)
+    ids, reason = decode(
+        model, prompt_ids, compiler.guide(schema.text), max_tokens=max_tokens, seed=11, eos=compiler.eos_token_ids
+    )
     assert reason == "length" and len(ids) == max_tokens
     text = tokenizer.decode(ids)
     with pytest.raises(ValueError):

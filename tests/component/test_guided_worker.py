@@ -16,8 +16,12 @@ from tests.engine_conformance import GUIDED_BUDGET, GUIDED_PROMPT, ORDER_SCHEMA
 
 def request(worker_app, generated=(), max_tokens: int = GUIDED_BUDGET) -> worker_pb2.WorkerGenerateRequest:
     return worker_pb2.WorkerGenerateRequest(
-        request_id="guided", prompt_ids=worker_app.engine.tokenize(GUIDED_PROMPT), generated_ids=list(generated),
-        response_format=ORDER_SCHEMA, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        request_id="guided",
+        prompt_ids=worker_app.engine.tokenize(GUIDED_PROMPT),
+        generated_ids=list(generated),
+        response_format=ORDER_SCHEMA,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
 
 
 async def test_resumed_ids_that_break_the_schema_are_invalid_argument(worker_stub, worker_app):

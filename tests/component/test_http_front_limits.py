@@ -39,8 +39,12 @@ LIMITS = {
     # buffers and the front's, which an answer of few, larger events may not.
     "BALLAST__ROUTER__STREAM_INTERVAL_MS": "0",
 }
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Is the red charger in stock?"}],
-        "max_tokens": 4, "temperature": 0}
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "Is the red charger in stock?"}],
+    "max_tokens": 4,
+    "temperature": 0,
+}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -61,8 +65,9 @@ async def front(etcd_server, tiny_model_dir, etcd_prefix, front_worker):
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def http(front):
-    async with httpx.AsyncClient(base_url=f"http://{front.http_address}", timeout=30,
-                                 headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    async with httpx.AsyncClient(
+        base_url=f"http://{front.http_address}", timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as client:
         yield client
 
 
@@ -84,8 +89,12 @@ async def test_unencodable_text_is_400_and_the_router_goes_on_serving(front, htt
         (rb'{"model": "tiny", "prompt": "a\udc00"}', "prompt"),
         (b'{"model": "tiny", "prompt": "\xed\xa0\x80"}', None),  # a surrogate as raw bytes: not UTF-8
     ]
-    headers = [("x-ballast-session-id", "caf\u00e9".encode()), ("x-ballast-session-id", b"\xff\xfe"),
-               ("x-api-key", "cl\u00e9".encode()), ("x-ballast-tier", b"\xc3")]
+    headers = [
+        ("x-ballast-session-id", "caf\u00e9".encode()),
+        ("x-ballast-session-id", b"\xff\xfe"),
+        ("x-api-key", "cl\u00e9".encode()),
+        ("x-ballast-tier", b"\xc3"),
+    ]
     with caplog.at_level(logging.INFO):
         for body, param in bodies:
             path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
@@ -107,8 +116,9 @@ async def test_unencodable_text_is_400_and_the_router_goes_on_serving(front, htt
 
 async def test_an_empty_x_api_key_does_not_hide_a_bearer_key(front):
     async with httpx.AsyncClient(base_url=f"http://{front.http_address}", timeout=30) as client:
-        response = await client.post("/v1/chat/completions", json=CHAT,
-                                     headers={"x-api-key": "", "Authorization": f"Bearer {API_KEY}"})
+        response = await client.post(
+            "/v1/chat/completions", json=CHAT, headers={"x-api-key": "", "Authorization": f"Bearer {API_KEY}"}
+        )
         assert response.status_code == 200, response.text
         assert response.json()["ballast"]["degradation"] == "none"
         response = await client.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": ""})
@@ -166,8 +176,11 @@ async def test_slow_headers_are_closed_after_the_header_timeout(front, http):
 
 async def test_a_slow_body_is_408_and_closed(front):
     reader, writer = await asyncio.open_connection(*front.http_address.rsplit(":", 1))
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
-                 + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + API_KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+    )
     async with asyncio.timeout(BODY_TIMEOUT_S * 20):
         answer = await _until_closed(reader, writer, b'"model": "tiny", ')
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
@@ -185,12 +198,26 @@ async def test_a_client_that_never_reads_holds_little_and_its_request_is_cancell
     sock.setblocking(False)
     await loop.sock_connect(sock, (host, int(port)))
     # A raw prompt, greedy: the tiny model answers for as long as the context allows.
-    body = httpx.Request("POST", "http://x/v1/completions", json={
-        "model": "tiny", "prompt": "Is the red charger in stock, and what does it cost?", "max_tokens": 1800,
-        "temperature": 0, "stream": True}).content
-    await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-                            + API_KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    body = httpx.Request(
+        "POST",
+        "http://x/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "Is the red charger in stock, and what does it cost?",
+            "max_tokens": 1800,
+            "temperature": 0,
+            "stream": True,
+        },
+    ).content
+    await loop.sock_sendall(
+        sock,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + API_KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body,
+    )
     try:
         await _until(lambda: front_worker.state.in_flight == 1, 10, "the stream never reached the worker")
         peak = 0
@@ -227,8 +254,10 @@ async def test_an_over_long_prompt_is_400_with_no_live_worker(front, front_worke
     response = await http.post("/v1/completions", json={"model": "tiny", "prompt": long_text, "max_tokens": 8})
     assert response.status_code == 400, response.text
     assert "context" in response.json()["error"]["message"]
-    response = await http.post("/v1/chat/completions", json={
-        "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": long_text}]})
+    response = await http.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": long_text}]},
+    )
     assert response.status_code == 400, response.text
     async with grpc.aio.insecure_channel(front.address, options=CHANNEL_OPTIONS) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:

@@ -99,8 +99,7 @@ async def test_overlapping_resets_leave_no_record_without_an_answer(kafka_broker
                 await asyncio.sleep(0)
 
         await asyncio.gather(sender(), producer.reset(), producer.reset())
-        outcomes = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
-                                          DELIVERY_TIMEOUT_S + 5)
+        outcomes = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), DELIVERY_TIMEOUT_S + 5)
         assert all(isinstance(o, (Delivered, DeliveryFailed)) for o in outcomes)
         assert not [o for o in outcomes if isinstance(o, DeliveryFailed) and "stopped" in str(o)]
         assert producer.resets == 2

@@ -77,12 +77,19 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_keeper(tmp_path: Path, mode: str, max_crashes: int = 10, memory_limit_mb: int = 0,
-               **kwargs) -> subprocess.Popen:
+def run_keeper(
+    tmp_path: Path, mode: str, max_crashes: int = 10, memory_limit_mb: int = 0, **kwargs
+) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'protos'}"}
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(tmp_path / "runs"), str(max_crashes),
-                             str(memory_limit_mb)],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, mode, str(tmp_path / "runs"), str(max_crashes), str(memory_limit_mb)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 def runs(tmp_path: Path) -> list[str]:
@@ -219,4 +226,3 @@ def test_exit_code_reads_like_a_shell():
     assert exit_code(0) == 0
     assert exit_code(3 << 8) == 3
     assert exit_code(signal.SIGKILL) == 128 + signal.SIGKILL
-

@@ -126,8 +126,12 @@ async def test_get_messages_stay_within_the_chunk_size(cache):
         await client.close()
     async with grpc.aio.insecure_channel(cache.address, options=CHANNEL_OPTIONS) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
-        replies = [r async for r in stub.Get(kvcache_pb2.KVGetRequest(
-            scope=SCOPE.to_pb(), block_hashes=hashes, layout=LAYOUT.to_pb()), timeout=5)]
+        replies = [
+            r
+            async for r in stub.Get(
+                kvcache_pb2.KVGetRequest(scope=SCOPE.to_pb(), block_hashes=hashes, layout=LAYOUT.to_pb()), timeout=5
+            )
+        ]
     assert [len(r.headers) for r in replies] == [1, 0, 1, 0]  # each 8 KiB block spans two messages
     assert [r.headers[0].block_index for r in replies if r.headers] == [0, 1]
     assert all(len(r.data) == CHUNK for r in replies)
@@ -219,6 +223,7 @@ def put_stream(*messages):
     async def gen():
         for m in messages:
             yield m
+
     return gen()
 
 
@@ -226,7 +231,8 @@ async def test_bad_input_is_invalid_argument_and_stores_nothing(cache, client):
     hashes, blocks = blocks_for(SCOPE, 2, seed=9)
     open_ = kvcache_pb2.KVPutOpen(scope=SCOPE.to_pb())
     header = kvcache_pb2.KVBlockHeader(
-        block_hash=hashes[0], block_index=0, layout=LAYOUT.to_pb(), size=LAYOUT.block_bytes, crc32=blocks[0].crc32)
+        block_hash=hashes[0], block_index=0, layout=LAYOUT.to_pb(), size=LAYOUT.block_bytes, crc32=blocks[0].crc32
+    )
     half = blocks[0].payload[:CHUNK]
     bad_streams = [
         [],  # empty
@@ -236,8 +242,11 @@ async def test_bad_input_is_invalid_argument_and_stores_nothing(cache, client):
         [kvcache_pb2.KVPutRequest(open=open_, headers=[header], data=blocks[0].payload + b"x")],  # overruns
         [kvcache_pb2.KVPutRequest(open=open_), kvcache_pb2.KVPutRequest(open=open_)],
         [kvcache_pb2.KVPutRequest(open=kvcache_pb2.KVPutOpen(scope=kvcache_pb2.KVScope(model_version="bad version")))],
-        [kvcache_pb2.KVPutRequest(open=open_, headers=[kvcache_pb2.KVBlockHeader(
-            block_hash=hashes[0], layout=LAYOUT.to_pb(), size=7)])],  # size does not match the layout
+        [
+            kvcache_pb2.KVPutRequest(
+                open=open_, headers=[kvcache_pb2.KVBlockHeader(block_hash=hashes[0], layout=LAYOUT.to_pb(), size=7)]
+            )
+        ],  # size does not match the layout
     ]
     async with grpc.aio.insecure_channel(cache.address, options=CHANNEL_OPTIONS) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
@@ -245,15 +254,18 @@ async def test_bad_input_is_invalid_argument_and_stores_nothing(cache, client):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Put(put_stream(*messages), timeout=5)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, messages
-        for bad_lookup in (kvcache_pb2.KVLookupRequest(scope=SCOPE.to_pb(), block_hashes=[b"short"]),
-                           kvcache_pb2.KVLookupRequest(scope=kvcache_pb2.KVScope(model_version=""))):
+        for bad_lookup in (
+            kvcache_pb2.KVLookupRequest(scope=SCOPE.to_pb(), block_hashes=[b"short"]),
+            kvcache_pb2.KVLookupRequest(scope=kvcache_pb2.KVScope(model_version="")),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Lookup(bad_lookup, timeout=5)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as err:
             bad_layout = KVLayout("int4", (1, 16), 1, 16)
-            async for _ in stub.Get(kvcache_pb2.KVGetRequest(scope=SCOPE.to_pb(), block_hashes=hashes,
-                                                             layout=bad_layout.to_pb()), timeout=5):
+            async for _ in stub.Get(
+                kvcache_pb2.KVGetRequest(scope=SCOPE.to_pb(), block_hashes=hashes, layout=bad_layout.to_pb()), timeout=5
+            ):
                 pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert await client.lookup(SCOPE, hashes, 1) == 0
@@ -264,7 +276,8 @@ async def test_bad_input_is_invalid_argument_and_stores_nothing(cache, client):
 async def health_status(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="ballast.v1.KVCache"), timeout=2)
+            health_pb2.HealthCheckRequest(service="ballast.v1.KVCache"), timeout=2
+        )
     return reply.status
 
 
@@ -320,8 +333,10 @@ async def test_eviction_under_the_memory_bound_never_serves_a_broken_prefix(tmp_
     app = await create_server(make_config(redis.url, "evict:"))
     client = KVCacheClient(app.address, chunk_bytes=CHUNK)
     try:
-        sessions = [blocks_for(KVScope("modelv1", f"tenant{i}"), 20, seed=20 + i) + (KVScope("modelv1", f"tenant{i}"),)
-                    for i in range(8)]
+        sessions = [
+            blocks_for(KVScope("modelv1", f"tenant{i}"), 20, seed=20 + i) + (KVScope("modelv1", f"tenant{i}"),)
+            for i in range(8)
+        ]
         for hashes, blocks, scope in sessions:  # 160 blocks: well over the bound
             await client.put(scope, LAYOUT, blocks, 0, 5)
         full = partial = 0
@@ -334,7 +349,9 @@ async def test_eviction_under_the_memory_bound_never_serves_a_broken_prefix(tmp_
         assert partial > 0, "nothing was evicted"
         stats = await client.stats(2)
         assert stats.evicted_keys > 0 and stats.max_memory_bytes == bound
-        assert await wait_for(lambda: _positive(lambda: metric(app.telemetry.render(), "ballast_cache_evictions_total")))
+        assert await wait_for(
+            lambda: _positive(lambda: metric(app.telemetry.render(), "ballast_cache_evictions_total"))
+        )
     finally:
         await client.close()
         await app.shutdown(grace_s=1.0)

@@ -12,8 +12,9 @@ from tests.model_fixtures import tiny_model_dir  # noqa: F401
 TEXT = "The customer paid for the winter coat with Apple Pay. Support answered the question. "
 
 
-async def run(engine: TorchEngine, ids: list[int], session: str = "", tenant: str = "acme",
-              max_tokens: int = 20) -> tuple[list[int], int | None]:
+async def run(
+    engine: TorchEngine, ids: list[int], session: str = "", tenant: str = "acme", max_tokens: int = 20
+) -> tuple[list[int], int | None]:
     tokens: list[int] = []
     prefill = None
     request = EngineRequest("r", tuple(ids), (), Sampling(max_tokens=max_tokens, temperature=0.0), tenant, session)

@@ -51,13 +51,15 @@ def worker_config(etcd, model_dir, prefix: str, cache_address: str = "", **extra
 
 
 def cache_config(redis_url: str, key_prefix: str, port: int = 0):
-    return load_config(environ={
-        "BALLAST__REDIS__URL": redis_url,
-        "BALLAST__REDIS__TIMEOUT_S": "0.5",
-        "BALLAST__CACHE__PORT": str(port),
-        "BALLAST__CACHE__KEY_PREFIX": key_prefix,
-        "BALLAST__TELEMETRY__METRICS_PORT": "0",
-    })
+    return load_config(
+        environ={
+            "BALLAST__REDIS__URL": redis_url,
+            "BALLAST__REDIS__TIMEOUT_S": "0.5",
+            "BALLAST__CACHE__PORT": str(port),
+            "BALLAST__CACHE__KEY_PREFIX": key_prefix,
+            "BALLAST__TELEMETRY__METRICS_PORT": "0",
+        }
+    )
 
 
 def metric(app, name: str, **labels) -> float:
@@ -69,11 +71,16 @@ def metric(app, name: str, **labels) -> float:
     return total
 
 
-async def generate(app, prompt_ids: list[int], session: str = "", tenant: str = "acme",
-                   max_tokens: int = 24, on_token=None) -> list[int]:
+async def generate(
+    app, prompt_ids: list[int], session: str = "", tenant: str = "acme", max_tokens: int = 24, on_token=None
+) -> list[int]:
     request = worker_pb2.WorkerGenerateRequest(
-        request_id=uuid.uuid4().hex, tenant=tenant, session_id=session, prompt_ids=prompt_ids,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        request_id=uuid.uuid4().hex,
+        tenant=tenant,
+        session_id=session,
+        prompt_ids=prompt_ids,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
     tokens: list[int] = []
     async with grpc.aio.insecure_channel(app.address, options=CHANNEL_OPTIONS) as channel:
         async for event in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60):
@@ -91,9 +98,12 @@ def next_turn(app, prompt: list[int], answer: list[int], user: str) -> list[int]
 
 
 def first_turn(app, user: str) -> list[int]:
-    return app.engine.tokenize(render_chat(
-        [{"role": "system", "content": "You are a helpful shopping assistant."},
-         {"role": "user", "content": user}], add_generation_prompt=True))
+    return app.engine.tokenize(
+        render_chat(
+            [{"role": "system", "content": "You are a helpful shopping assistant."}, {"role": "user", "content": user}],
+            add_generation_prompt=True,
+        )
+    )
 
 
 async def wait_for(predicate, timeout: float = 15.0) -> bool:
@@ -134,7 +144,8 @@ async def restorer(etcd_server, tiny_model_dir, etcd_prefix, cache):
 
 
 async def test_next_turns_on_fresh_workers_restore_and_match_a_recompute(
-        etcd_server, tiny_model_dir, etcd_prefix, cache, reference, restorer):
+    etcd_server, tiny_model_dir, etcd_prefix, cache, reference, restorer
+):
     p1 = first_turn(restorer, "Where is my order 12345?")
     a1 = await generate(restorer, p1, session="s-multi")
     assert a1 == await generate(reference, p1)
@@ -159,8 +170,10 @@ async def test_next_turns_on_fresh_workers_restore_and_match_a_recompute(
     p3 = next_turn(restorer, p2, a2, "Thanks. Is the winter coat in stock?")
     before = metric(restorer, "ballast_worker_kv_prefix_tokens_total", source="cache")
     a3 = await generate(restorer, p3, session="s-multi")
-    assert metric(restorer, "ballast_worker_kv_prefix_tokens_total", source="cache") - before \
+    assert (
+        metric(restorer, "ballast_worker_kv_prefix_tokens_total", source="cache") - before
         >= (len(p2) + len(a2) - 1) // BLOCK * BLOCK
+    )
     assert a3 == await generate(reference, p3)
 
 
@@ -203,7 +216,8 @@ async def test_a_tenant_never_restores_another_tenants_blocks(reference, restore
 
 
 async def test_another_model_version_never_reads_these_blocks(
-        etcd_server, tiny_model_dir, etcd_prefix, cache, restorer, tmp_path):
+    etcd_server, tiny_model_dir, etcd_prefix, cache, restorer, tmp_path
+):
     p1 = first_turn(restorer, "How do I change my delivery address?")
     a1 = await generate(restorer, p1, session="s-version")
     assert await restorer.session_kv.flush(10)
@@ -231,7 +245,8 @@ async def kv_health(app) -> int:
 
 
 async def test_losing_redis_or_the_cache_mid_session_only_costs_recompute(
-        etcd_server, tiny_model_dir, etcd_prefix, reference, tmp_path):
+    etcd_server, tiny_model_dir, etcd_prefix, reference, tmp_path
+):
     redis = RedisServer(tmp_path).start()
     cache = await create_cache(cache_config(redis.url, "loss:"))
     worker = await create_worker(worker_config(etcd_server, tiny_model_dir, etcd_prefix, cache.address))
@@ -280,7 +295,8 @@ async def test_losing_redis_or_the_cache_mid_session_only_costs_recompute(
 
 
 async def test_sessions_evicted_under_the_memory_bound_restore_what_is_left(
-        etcd_server, tiny_model_dir, etcd_prefix, reference, tmp_path):
+    etcd_server, tiny_model_dir, etcd_prefix, reference, tmp_path
+):
     probe = RedisServer(tmp_path / "probe").start()
     try:
         baseline = int(redis_sync.Redis.from_url(probe.url).info("memory")["used_memory"])

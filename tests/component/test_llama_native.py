@@ -32,8 +32,13 @@ PROMPTS = [
     "The customer paid for the winter coat",
     render_chat([{"role": "user", "content": "Where is my order 12345?"}], add_generation_prompt=True),
     "我想退跑步鞋。",
-    render_chat([{"role": "system", "content": "You are a helpful shopping assistant."},
-                 {"role": "user", "content": "Can I pay with PayPal?"}], add_generation_prompt=True),
+    render_chat(
+        [
+            {"role": "system", "content": "You are a helpful shopping assistant."},
+            {"role": "user", "content": "Can I pay with PayPal?"},
+        ],
+        add_generation_prompt=True,
+    ),
 ]
 
 
@@ -50,8 +55,7 @@ def tiny(tiny_model_dir, request):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     assert len({len(i) for i in ids}) == len(ids), "prompts should differ in length"
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
-                                              local_files_only=True).eval()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, local_files_only=True).eval()
     return native(tiny_model_dir, request.param), hf, ids
 
 
@@ -134,7 +138,7 @@ def test_batched_greedy_decode_matches_transformers_generate(tiny):
     for ids, mine in zip(prompts, native):
         with torch.inference_mode():
             out = hf.generate(torch.tensor([ids]), generation_config=config)
-        theirs = out[0, len(ids):].tolist()
+        theirs = out[0, len(ids) :].tolist()
         assert len(theirs) == steps
         assert mine == theirs
     # Batching is not cosmetic: alone, each sequence decodes the same tokens.
@@ -158,13 +162,21 @@ def test_batched_decode_logits_match_transformers(tiny):
 @pytest.fixture(scope="module", params=[False, True], ids=["per-sequence", "pooled"])
 def qwen2(tmp_path_factory, request):
     torch.manual_seed(1234)
-    config = Qwen2Config(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=256, rms_norm_eps=1e-6,
-                         # Weights large enough that logits are O(1): a wrong bias or rope
-                         # theta then moves them by far more than ATOL.
-                         initializer_range=0.2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    config = Qwen2Config(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        # Weights large enough that logits are O(1): a wrong bias or rope
+        # theta then moves them by far more than ATOL.
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
     hf = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():  # non-trivial biases and norm scales (they initialise to 0 and 1)
         for name, param in hf.named_parameters():
@@ -213,16 +225,27 @@ def test_supports_accepts_the_tiny_model(tiny_model_dir):
     assert supports(json.loads((tiny_model_dir / "config.json").read_text()))
 
 
-@pytest.mark.parametrize("change", [
-    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
-    {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
-    {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192}},
-    {"architectures": ["GPT2LMHeadModel"]},
-    {"architectures": ["Qwen3ForCausalLM"]},
-    {"architectures": []},
-], ids=["linear-rope", "legacy-dynamic-rope", "llama3-rope", "gpt2", "qwen3", "no-architecture"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+        {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "rope_theta": 500000.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        },
+        {"architectures": ["GPT2LMHeadModel"]},
+        {"architectures": ["Qwen3ForCausalLM"]},
+        {"architectures": []},
+    ],
+    ids=["linear-rope", "legacy-dynamic-rope", "llama3-rope", "gpt2", "qwen3", "no-architecture"],
+)
 def test_supports_rejects_what_it_does_not_compute(tiny_model_dir, change):
     config = json.loads((tiny_model_dir / "config.json").read_text())
     config.update(change)
@@ -311,8 +334,9 @@ def test_pooled_caches_live_in_slots_and_decode_as_one_batch(tiny_model_dir):
         tokens = theirs.argmax(-1).tolist()
     mixed = in_pool[:2] + [SequenceKV.from_pairs([(l.keys, l.values) for l in in_pool[2].layers])]
     assert mixed[2].pool is None
-    torch.testing.assert_close(pooled.decode(mixed, tokens[:3]), plain.decode(reference[:3], tokens[:3]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        pooled.decode(mixed, tokens[:3]), plain.decode(reference[:3], tokens[:3]), atol=1e-5, rtol=0
+    )
 
 
 def test_a_slot_comes_back_only_when_its_cache_is_collected(tiny_model_dir):
@@ -339,8 +363,7 @@ def test_a_full_pool_hands_out_caches_of_their_own(tiny_model_dir):
 
 def test_a_cache_that_outgrows_its_slot_leaves_the_pool_with_its_tokens(tiny_model_dir):
     model = LlamaModel(tiny_model_dir)
-    pool = model.attach_pool(slots=2, max_bytes=2 * 256 * 2 * model.layers_count * model.kv_heads
-                             * model.head_dim * 4)
+    pool = model.attach_pool(slots=2, max_bytes=2 * 256 * 2 * model.layers_count * model.kv_heads * model.head_dim * 4)
     assert pool.capacity == 256
     cache = model.new_cache()
     ids = [4 + i % 50 for i in range(pool.capacity - 1)]
@@ -369,8 +392,9 @@ def test_truncated_and_restored_caches_land_in_the_pool(tiny_model_dir):
 
 
 def test_pool_slots_are_zeroed_views():
-    pool = KVPool(layers=2, slots=3, kv_heads=2, capacity=8, head_dim=4, dtype=torch.float32,
-                  device=torch.device("cpu"))
+    pool = KVPool(
+        layers=2, slots=3, kv_heads=2, capacity=8, head_dim=4, dtype=torch.float32, device=torch.device("cpu")
+    )
     cache = pool.take()
     assert cache.keys[0].shape == (2, 8, 4) and cache.keys[0].data_ptr() == pool.keys[0][cache.slot].data_ptr()
     assert all(float(t.abs().sum()) == 0.0 for t in pool.keys + pool.values)

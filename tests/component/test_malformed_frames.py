@@ -23,8 +23,9 @@ GARBAGE = [b"\xff\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x05abc", byt
 async def test_unparseable_frames_are_invalid_argument_and_log_nothing(router_app, router_stub, caplog):
     before = malformed_requests()
     async with grpc.aio.insecure_channel(router_app.address, options=CHANNEL_OPTIONS) as channel:
-        generate = channel.unary_stream("/ballast.v1.Inference/Generate",
-                                        request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        generate = channel.unary_stream(
+            "/ballast.v1.Inference/Generate", request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+        )
         with caplog.at_level(logging.DEBUG):
             for frame in GARBAGE * 25:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -52,14 +53,19 @@ async def test_a_string_that_is_not_utf8_is_a_malformed_frame_with_its_reason(ro
     def field(number: int, raw: bytes) -> bytes:
         return bytes([number << 3 | 2, len(raw)]) + raw
 
-    model, prompt = (inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name[name].number for name in ("model", "prompt"))
-    frames = [field(model, b"\xed\xa0\x80") + field(prompt, b"hello"),  # "\ud800" as CESU-8
-              field(model, b"tiny") + field(prompt, b"\xed\xbf\xbf"),  # "\udfff"
-              field(model, b"tiny") + field(prompt, b"\xff\xfe")]
+    model, prompt = (
+        inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name[name].number for name in ("model", "prompt")
+    )
+    frames = [
+        field(model, b"\xed\xa0\x80") + field(prompt, b"hello"),  # "\ud800" as CESU-8
+        field(model, b"tiny") + field(prompt, b"\xed\xbf\xbf"),  # "\udfff"
+        field(model, b"tiny") + field(prompt, b"\xff\xfe"),
+    ]
     assert inference_pb2.GenerateRequest.FromString(field(model, b"tiny") + field(prompt, b"hello")).model == "tiny"
     async with grpc.aio.insecure_channel(router_app.address, options=CHANNEL_OPTIONS) as channel:
-        generate = channel.unary_stream("/ballast.v1.Inference/Generate",
-                                        request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        generate = channel.unary_stream(
+            "/ballast.v1.Inference/Generate", request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+        )
         with caplog.at_level(logging.DEBUG):
             for frame in frames:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -76,12 +82,14 @@ async def test_a_string_that_is_not_utf8_is_a_malformed_frame_with_its_reason(ro
 async def test_a_client_stream_with_a_frame_that_does_not_parse_is_invalid_argument(cache, caplog):
     from ballast.v1 import kvcache_pb2
 
-    opening = kvcache_pb2.KVPutRequest(open=kvcache_pb2.KVPutOpen(
-        scope=kvcache_pb2.KVScope(model_version="v1", tenant="malformed"), ttl_s=60)).SerializeToString()
+    opening = kvcache_pb2.KVPutRequest(
+        open=kvcache_pb2.KVPutOpen(scope=kvcache_pb2.KVScope(model_version="v1", tenant="malformed"), ttl_s=60)
+    ).SerializeToString()
     before = malformed_requests()
     async with grpc.aio.insecure_channel(cache.address, options=CHANNEL_OPTIONS) as channel:
-        put = channel.stream_unary("/ballast.v1.KVCache/Put",
-                                   request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        put = channel.stream_unary(
+            "/ballast.v1.KVCache/Put", request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+        )
         with caplog.at_level(logging.DEBUG):
             for frames in ([opening, GARBAGE[0]], [GARBAGE[1]], [opening, GARBAGE[2], opening]):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -89,8 +97,11 @@ async def test_a_client_stream_with_a_frame_that_does_not_parse_is_invalid_argum
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
                 assert "does not parse as KVPutRequest" in err.value.details()
                 assert (REASON_KEY, Fault.INVALID_ARGUMENT.value) in tuple(err.value.trailing_metadata())
-        stats = channel.unary_unary("/ballast.v1.KVCache/Stats", request_serializer=lambda raw: raw,
-                                    response_deserializer=kvcache_pb2.KVStatsReply.FromString)
+        stats = channel.unary_unary(
+            "/ballast.v1.KVCache/Stats",
+            request_serializer=lambda raw: raw,
+            response_deserializer=kvcache_pb2.KVStatsReply.FromString,
+        )
         await stats(b"", timeout=10)  # still serving
     assert malformed_requests() - before == 3
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.records[:3]
@@ -108,14 +119,16 @@ async def test_a_refused_client_stream_still_sending_large_frames_gets_its_statu
     large = kvcache_pb2.KVPutRequest(data=b"\x00" * 1_200_000).SerializeToString()
     codes = []
     async with grpc.aio.insecure_channel(cache.address, options=CHANNEL_OPTIONS) as channel:
-        put = channel.stream_unary("/ballast.v1.KVCache/Put",
-                                   request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        put = channel.stream_unary(
+            "/ballast.v1.KVCache/Put", request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+        )
         for _ in range(300):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await put(iter([bad_opening, large, large, b"\x08\x01"]), timeout=10)
             codes.append((err.value.code(), err.value.details()))
-    assert all(code == grpc.StatusCode.INVALID_ARGUMENT for code, _ in codes), \
-        [c for c in codes if c[0] != grpc.StatusCode.INVALID_ARGUMENT][:3]
+    assert all(code == grpc.StatusCode.INVALID_ARGUMENT for code, _ in codes), [
+        c for c in codes if c[0] != grpc.StatusCode.INVALID_ARGUMENT
+    ][:3]
 
 
 async def test_a_refused_client_stream_that_never_ends_is_still_answered(cache):
@@ -135,8 +148,9 @@ async def test_a_refused_client_stream_that_never_ends_is_still_answered(cache):
         await asyncio.Event().wait()  # never half-closes
 
     async with grpc.aio.insecure_channel(cache.address, options=CHANNEL_OPTIONS) as channel:
-        put = channel.stream_unary("/ballast.v1.KVCache/Put",
-                                   request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        put = channel.stream_unary(
+            "/ballast.v1.KVCache/Put", request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+        )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await put(endless(), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value

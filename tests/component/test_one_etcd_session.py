@@ -43,8 +43,11 @@ pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(180
 FAST_ETCD = {"BALLAST__ETCD__RECONNECT_BACKOFF_S": "0.1"}
 # A leader's refresh every 2 s, each with the default 2 s deadline: a loaded 2-core host does
 # not end a term by itself while the test looks.
-AUTOSCALER = {"BALLAST__AUTOSCALER__ENABLED": "true", "BALLAST__AUTOSCALER__TICK_S": "0.3",
-              "BALLAST__AUTOSCALER__LEADER_TTL_S": "6"}
+AUTOSCALER = {
+    "BALLAST__AUTOSCALER__ENABLED": "true",
+    "BALLAST__AUTOSCALER__TICK_S": "0.3",
+    "BALLAST__AUTOSCALER__LEADER_TTL_S": "6",
+}
 
 
 class Census:
@@ -110,17 +113,21 @@ def parts_sessions(router: RouterApp) -> dict[str, EtcdSession]:
     assert autoscaler is not None and rollouts.leader is not None and rollouts._watch is not None
     assert quarantine.watch is not None and quarantine.publisher is not None
     return {
-        "membership": router.membership.session, "rules": router.rules_watch.session,
-        "quarantine watch": quarantine.watch.session, "quarantine publisher": quarantine.publisher.session,
-        "rollout watch": rollouts._watch.session, "rollout gate lock": rollouts.leader.session,
-        "rollout store": rollouts.session, "autoscaler": autoscaler.session,
-        "autoscaler reports": autoscaler.board.session, "autoscaler lock": autoscaler.lock.session,
+        "membership": router.membership.session,
+        "rules": router.rules_watch.session,
+        "quarantine watch": quarantine.watch.session,
+        "quarantine publisher": quarantine.publisher.session,
+        "rollout watch": rollouts._watch.session,
+        "rollout gate lock": rollouts.leader.session,
+        "rollout store": rollouts.session,
+        "autoscaler": autoscaler.session,
+        "autoscaler reports": autoscaler.board.session,
+        "autoscaler lock": autoscaler.lock.session,
         "autoscaler executor": autoscaler.executor.session,
     }
 
 
-async def test_a_router_holds_one_etcd_session_through_an_etcd_restart(restartable_etcd, tiny_model_dir,
-                                                                       monkeypatch):
+async def test_a_router_holds_one_etcd_session_through_an_etcd_restart(restartable_etcd, tiny_model_dir, monkeypatch):
     prefix = f"/one-session-{uuid.uuid4().hex[:8]}/"
     config = make_config(restartable_etcd, tiny_model_dir, prefix, **FAST_ETCD, **AUTOSCALER)
     census = Census(monkeypatch)
@@ -163,8 +170,9 @@ async def test_a_router_holds_one_etcd_session_through_an_etcd_restart(restartab
         # Quarantine, in: another router's entry reaches this router's store.
         quarantine = router.servicer.runner.quarantine
         elsewhere = QuarantineEntry("e" * 64, "acme", "worker_lost", time.time(), 2, 60.0)
-        await in_etcd(config, lambda c: c.put(quarantine_key(prefix, elsewhere.fingerprint).encode(),
-                                              elsewhere.to_json()))
+        await in_etcd(
+            config, lambda c: c.put(quarantine_key(prefix, elsewhere.fingerprint).encode(), elsewhere.to_json())
+        )
         assert await poll(lambda: quarantine.store.get(elsewhere.fingerprint) is not None, 20)
         # Quarantine, out: this router's own reaches etcd.
         quarantine.worker_lost(poison("a"), "worker_lost", "w1")
@@ -215,10 +223,13 @@ def still_running(router: RouterApp) -> list[str]:
     quarantine, rollouts, autoscaler = router.servicer.runner.quarantine, router.servicer.rollouts, router.autoscaler
     assert autoscaler is not None and rollouts.leader is not None and quarantine.publisher is not None
     tasks = {
-        "membership": router.membership._watch._task, "rules": router.rules_watch._watch._task,
+        "membership": router.membership._watch._task,
+        "rules": router.rules_watch._watch._task,
         "quarantine watch": quarantine.watch._watch._task if quarantine.watch is not None else None,
-        "quarantine publisher": quarantine.publisher._task, "rollout gate lock": rollouts.leader._task,
-        "autoscaler": autoscaler._task, "autoscaler reports": autoscaler.board._task,
+        "quarantine publisher": quarantine.publisher._task,
+        "rollout gate lock": rollouts.leader._task,
+        "autoscaler": autoscaler._task,
+        "autoscaler reports": autoscaler.board._task,
         "autoscaler lock": autoscaler.lock._task,
     }
     running = [name for name, task in tasks.items() if task is not None and not task.done()]
@@ -238,15 +249,23 @@ async def test_a_worker_holds_one_etcd_session_and_closes_it_last(etcd_server, t
     finally:
         await app.shutdown(grace_s=1.0)
     assert census.open_clients() == []
-    assert await in_etcd(app.config, lambda c: c.get(worker_key(app.config.etcd, "w1").encode())) is None, \
+    assert await in_etcd(app.config, lambda c: c.get(worker_key(app.config.etcd, "w1").encode())) is None, (
         "the lease was revoked before the session closed"
+    )
 
 
 async def test_a_sim_host_shares_one_session_and_a_crash_ends_only_that_workers_part(
-        etcd_server, tiny_model_dir, monkeypatch):
+    etcd_server, tiny_model_dir, monkeypatch
+):
     prefix = f"/one-session-{uuid.uuid4().hex[:8]}/"
-    config = make_config(etcd_server, tiny_model_dir, prefix, BALLAST__WORKER__ENGINE="sim",
-                         BALLAST__WORKER__ID="sim", BALLAST__ETCD__HEARTBEAT_S="0.2")
+    config = make_config(
+        etcd_server,
+        tiny_model_dir,
+        prefix,
+        BALLAST__WORKER__ENGINE="sim",
+        BALLAST__WORKER__ID="sim",
+        BALLAST__ETCD__HEARTBEAT_S="0.2",
+    )
     census = Census(monkeypatch)
     host = SimHost(config, count=2)
     await host.start()
@@ -258,8 +277,9 @@ async def test_a_sim_host_shares_one_session_and_a_crash_ends_only_that_workers_
         assert len(census.open_clients()) == 1, "a crashed worker leaves the shared session open"
         # The survivor's registration and fault watch still follow etcd on the shared session.
         assert survivor.sim_faults is not None
-        await in_etcd(config, lambda c: c.put(faults_key(prefix, survivor.worker_id).encode(),
-                                              b'{"temperature_c": 91}'))
+        await in_etcd(
+            config, lambda c: c.put(faults_key(prefix, survivor.worker_id).encode(), b'{"temperature_c": 91}')
+        )
         assert await poll(lambda: survivor.temperature.read() == 91, 10)
         assert await poll(lambda: json.loads(survivor.record().to_json())["temperature_c"] == 91, 5)
 
@@ -282,13 +302,17 @@ async def test_calls_cut_by_another_parts_reset_fail_as_etcd_errors_and_every_wa
     etcd answers again, and a plain call raises `EtcdCallCut`, not a bare cancellation."""
     prefix = f"/cut-{uuid.uuid4().hex[:8]}/"
     # A long call deadline: the calls must still be waiting when the client is dropped.
-    config = EtcdConfig(host=restartable_etcd.host, port=restartable_etcd.port, prefix=prefix,
-                        timeout_s=20.0, reconnect_backoff_s=0.05)
+    config = EtcdConfig(
+        host=restartable_etcd.host, port=restartable_etcd.port, prefix=prefix, timeout_s=20.0, reconnect_backoff_s=0.05
+    )
     session = EtcdSession(config)
     seen: dict[str, list[bytes]] = {"a": [], "b": []}
-    watches = {name: session.watch_prefix(f"{prefix}{name}/".encode(),
-                                          on_change=lambda change, name=name: seen[name].append(change.key))
-               for name in seen}
+    watches = {
+        name: session.watch_prefix(
+            f"{prefix}{name}/".encode(), on_change=lambda change, name=name: seen[name].append(change.key)
+        )
+        for name in seen
+    }
     pid = restartable_etcd.pid
     assert pid is not None
     try:
@@ -302,7 +326,9 @@ async def test_calls_cut_by_another_parts_reset_fail_as_etcd_errors_and_every_wa
             # reads wait on the stopped etcd; a plain call waits beside them.
             connects = session.connects
             await session.reset()
-            assert await poll(lambda: session.connects > connects and not any(w.synced.is_set() for w in watches.values()), 15)
+            assert await poll(
+                lambda: session.connects > connects and not any(w.synced.is_set() for w in watches.values()), 15
+            )
             call = asyncio.create_task(session.get(f"{prefix}x".encode()))
             await asyncio.sleep(0.2)  # the loop starts the calls; each then waits on etcd
             assert not call.done()
@@ -319,4 +345,3 @@ async def test_calls_cut_by_another_parts_reset_fail_as_etcd_errors_and_every_wa
         assert await poll(lambda: all(seen[name] == [f"{prefix}{name}/k".encode()] for name in seen), 15)
     finally:
         await session.close()
-

@@ -30,11 +30,23 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
 # Decode steps of 2 ms: short answers take milliseconds, a 1500-token one seconds (long enough
 # to leave in the middle of it).
-FAST_PROFILE = {"source": "tests", "prefill_base_ms": 1.0, "prefill_ms_per_token": 0.0, "decode_base_ms": 2.0,
-                "decode_ms_per_seq": 0.0, "decode_ms_per_kv_token": 0.0, "max_num_seqs": 4, "jitter": 0.0}
+FAST_PROFILE = {
+    "source": "tests",
+    "prefill_base_ms": 1.0,
+    "prefill_ms_per_token": 0.0,
+    "decode_base_ms": 2.0,
+    "decode_ms_per_seq": 0.0,
+    "decode_ms_per_kv_token": 0.0,
+    "max_num_seqs": 4,
+    "jitter": 0.0,
+}
 MESSAGES = [{"role": "user", "content": "Where is my order 123?"}]
-SCHEMA = {"type": "object", "properties": {"order": {"type": "integer"}, "status": {"type": "string", "maxLength": 20}},
-          "required": ["order", "status"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"order": {"type": "integer"}, "status": {"type": "string", "maxLength": 20}},
+    "required": ["order", "status"],
+    "additionalProperties": False,
+}
 
 
 class ServerDidNotStart(Exception):
@@ -85,8 +97,13 @@ def _read_ready_port(process: subprocess.Popen, log: Path) -> int:
 def start_server(log_dir: Path, *args: str) -> PlainServer:
     log = log_dir / "plain-server.log"
     with log.open("w") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "bench.plain_server", "--port", "0", *args],
-                                   cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bench.plain_server", "--port", "0", *args],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
     server = PlainServer(process, 0, log)
     try:
         server.port = _read_ready_port(process, log)
@@ -100,8 +117,19 @@ def start_sim_server(tmp_path_factory, model_dir: Path) -> PlainServer:
     folder = tmp_path_factory.mktemp("plain-sim")
     profile = folder / "profile.json"
     profile.write_text(json.dumps(FAST_PROFILE))
-    return start_server(folder, "--engine", "sim", "--model-dir", str(model_dir), "--model-name", "tiny",
-                        "--sim-profile", str(profile), "--max-concurrency", "4")
+    return start_server(
+        folder,
+        "--engine",
+        "sim",
+        "--model-dir",
+        str(model_dir),
+        "--model-name",
+        "tiny",
+        "--sim-profile",
+        str(profile),
+        "--max-concurrency",
+        "4",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +142,17 @@ def sim_server(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def torch_server(tmp_path_factory, tiny_model_dir):
     # No --model-name: the server names the model after its folder.
-    server = start_server(tmp_path_factory.mktemp("plain-torch"), "--engine", "torch",
-                          "--model-dir", str(tiny_model_dir))
+    server = start_server(
+        tmp_path_factory.mktemp("plain-torch"), "--engine", "torch", "--model-dir", str(tiny_model_dir)
+    )
     yield server
     server.stop()
 
 
 async def _streamed(client: AsyncOpenAI, model: str, **kwargs) -> tuple[list, str]:
-    stream = await client.chat.completions.create(model=model, messages=MESSAGES, stream=True,
-                                                  stream_options={"include_usage": True}, **kwargs)
+    stream = await client.chat.completions.create(
+        model=model, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **kwargs
+    )
     chunks = [chunk async for chunk in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return chunks, text
@@ -137,6 +167,7 @@ async def _metric(server: PlainServer, name: str) -> float:
 
 
 # -- sim engine --------------------------------------------------------------------------------
+
 
 async def test_a_stream_reports_the_usage_of_what_it_streamed(sim_server):
     async with sim_server.client() as client:
@@ -157,8 +188,10 @@ async def test_a_stream_reports_the_usage_of_what_it_streamed(sim_server):
 
 async def test_greedy_answers_repeat_on_sim(sim_server):
     async with sim_server.client() as client:
-        answers = [await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)
-                   for _ in range(2)]
+        answers = [
+            await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)
+            for _ in range(2)
+        ]
     texts = [a.choices[0].message.content for a in answers]
     assert texts[0] and texts[0] == texts[1]
 
@@ -177,13 +210,19 @@ async def test_max_tokens_past_the_context_is_a_bad_request(sim_server):
                 await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=max_tokens)
 
 
-@pytest.mark.parametrize("body", [b'{"model": "tiny", "messages": [', b'{"model": "tiny", "messages": "hi"}',
-                                  b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
-                                  b'"max_tokens": "ten"}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "tiny", "messages": [',
+        b'{"model": "tiny", "messages": "hi"}',
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}',
+    ],
+)
 async def test_a_malformed_body_is_a_400_in_openai_shape(sim_server, body):
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"{sim_server.url}/v1/chat/completions", data=body,
-                                headers={"Content-Type": "application/json"}) as response:
+        async with session.post(
+            f"{sim_server.url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        ) as response:
             assert response.status == 400
             error = (await response.json())["error"]
     assert error["message"] and error["type"] == "invalid_request_error" and error["code"]
@@ -221,13 +260,16 @@ def test_sigterm_stops_the_server_cleanly(tmp_path_factory, tiny_model_dir):
 
 # -- torch engine ------------------------------------------------------------------------------
 
+
 async def test_torch_greedy_answers_repeat_streamed_or_not(torch_server, tiny_model_dir):
     model = tiny_model_dir.name
     async with torch_server.client() as client:
         assert [m.id for m in (await client.models.list()).data] == [model]
         chunks, streamed = await _streamed(client, model, max_tokens=40, temperature=0)
-        answers = [await client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, temperature=0)
-                   for _ in range(2)]
+        answers = [
+            await client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, temperature=0)
+            for _ in range(2)
+        ]
     texts = [a.choices[0].message.content for a in answers]
     assert texts[0] and texts == [streamed, streamed]
     assert answers[0].usage == chunks[-1].usage
@@ -241,10 +283,15 @@ async def test_torch_json_schema_output_validates(torch_server, tiny_model_dir):
     response_format = {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA}}
     async with torch_server.client() as client:
         answer = await client.chat.completions.create(
-            model=tiny_model_dir.name, messages=MESSAGES, max_tokens=80, temperature=0, response_format=response_format)
+            model=tiny_model_dir.name, messages=MESSAGES, max_tokens=80, temperature=0, response_format=response_format
+        )
         loose = await client.chat.completions.create(
-            model=tiny_model_dir.name, messages=MESSAGES, max_tokens=80, temperature=0,
-            response_format={"type": "json_object"})
+            model=tiny_model_dir.name,
+            messages=MESSAGES,
+            max_tokens=80,
+            temperature=0,
+            response_format={"type": "json_object"},
+        )
     assert answer.choices[0].finish_reason == "stop"  # the document closed before max_tokens
     jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
     assert isinstance(json.loads(loose.choices[0].message.content), dict)

@@ -102,8 +102,7 @@ def test_output_env_and_cwd_go_where_asked(procs, tmp_path):
         print("err:" + os.getcwd(), file=sys.stderr, flush=True)
         print("path-kept:" + str(bool(os.environ.get("PATH"))), flush=True)
     """)
-    p = _spawn(procs, tmp_path, "printer", [PY, "-c", code],
-               env={"BALLAST_TEST_VAR": "hello"}, cwd=work)
+    p = _spawn(procs, tmp_path, "printer", [PY, "-c", code], env={"BALLAST_TEST_VAR": "hello"}, cwd=work)
     assert p.wait(timeout=10) == 0
     log = (tmp_path / "printer.log").read_text()
     assert "out:hello" in log
@@ -188,8 +187,9 @@ def test_death_during_startup_reports_log_tail(procs, tmp_path):
 
 
 def test_readiness_timeout_reports_log_tail(procs, tmp_path):
-    p = _spawn(procs, tmp_path, "slowpoke",
-               [PY, "-c", "import time; print('still warming up', flush=True); time.sleep(30)"])
+    p = _spawn(
+        procs, tmp_path, "slowpoke", [PY, "-c", "import time; print('still warming up', flush=True); time.sleep(30)"]
+    )
     with pytest.raises(ProcessStartError) as info:
         wait_until_ready(p, lambda: 1 / 0, timeout=0.5)  # a raising probe means "not yet"
     assert "not ready after" in str(info.value)

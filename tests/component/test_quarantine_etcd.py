@@ -28,8 +28,15 @@ def etcd_config(etcd_server):
 
 
 def poison(request_id: str) -> InferenceRequest:
-    return InferenceRequest(request_id=request_id, session_id="", tenant="acme", model="tiny",
-                            sampling=Sampling(max_tokens=4), tier="A", messages=(Message("user", "boom"),))
+    return InferenceRequest(
+        request_id=request_id,
+        session_id="",
+        tenant="acme",
+        model="tiny",
+        sampling=Sampling(max_tokens=4),
+        tier="A",
+        messages=(Message("user", "boom"),),
+    )
 
 
 async def until(predicate, timeout: float = 10.0) -> bool:

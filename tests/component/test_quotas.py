@@ -28,10 +28,15 @@ OTHER_KEY = "other-key"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def quota_router(etcd_server, tiny_model_dir, etcd_prefix, worker_app):
-    config = make_config(etcd_server, tiny_model_dir, etcd_prefix, **{
-        "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}", "{OTHER_KEY}": "other"}}',
-        "BALLAST__ROUTER__QUOTAS__TENANTS": f'{{"{TENANT}": {{"requests_per_minute": {LIMIT}}}}}',
-    })
+    config = make_config(
+        etcd_server,
+        tiny_model_dir,
+        etcd_prefix,
+        **{
+            "BALLAST__AUTH__API_KEYS": f'{{"{API_KEY}": "{TENANT}", "{OTHER_KEY}": "other"}}',
+            "BALLAST__ROUTER__QUOTAS__TENANTS": f'{{"{TENANT}": {{"requests_per_minute": {LIMIT}}}}}',
+        },
+    )
     app = await create_router(config)
     assert await app.membership.wait_for(lambda workers: worker_app.worker_id in workers, timeout=10)
     yield app

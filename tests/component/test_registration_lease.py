@@ -14,8 +14,13 @@ from services.common.telemetry import DependencyStatus
 
 
 def etcd_config(etcd_server) -> EtcdConfig:
-    return EtcdConfig(host=etcd_server.host, port=etcd_server.port, prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
-                      lease_ttl_s=10, heartbeat_s=5.0)  # no heartbeat of its own during the test
+    return EtcdConfig(
+        host=etcd_server.host,
+        port=etcd_server.port,
+        prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
+        lease_ttl_s=10,
+        heartbeat_s=5.0,
+    )  # no heartbeat of its own during the test
 
 
 async def lease_of(config: EtcdConfig, worker_id: str) -> int | None:
@@ -82,8 +87,14 @@ async def written_again(config: EtcdConfig, worker_id: str, since: int | None, w
 
 async def test_an_unchanged_record_is_not_rewritten_but_stays_alive_and_a_change_goes_out(etcd_server):
     """Every write wakes every router's watch: an idle worker only refreshes its lease."""
-    config = EtcdConfig(host=etcd_server.host, port=etcd_server.port, prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
-                        lease_ttl_s=2, heartbeat_s=0.2, record_refresh_s=60)
+    config = EtcdConfig(
+        host=etcd_server.host,
+        port=etcd_server.port,
+        prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
+        lease_ttl_s=2,
+        heartbeat_s=0.2,
+        record_refresh_s=60,
+    )
     record = WorkerRecord(id="w-quiet", address="127.0.0.1:1", model="tiny", model_version="v1")
     registration = WorkerRegistration(config, lambda: record, DependencyStatus())
     await registration.start()
@@ -97,15 +108,21 @@ async def test_an_unchanged_record_is_not_rewritten_but_stays_alive_and_a_change
 
         record.in_flight = 2
         await written_again(config, "w-quiet", written)
-        (published, _), = [row for row in await list_workers(config) if row[0].id == "w-quiet"]
+        ((published, _),) = [row for row in await list_workers(config) if row[0].id == "w-quiet"]
         assert published.in_flight == 2
     finally:
         await registration.stop()
 
 
 async def test_an_unchanged_record_is_written_again_after_record_refresh_s(etcd_server):
-    config = EtcdConfig(host=etcd_server.host, port=etcd_server.port, prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
-                        lease_ttl_s=5, heartbeat_s=0.2, record_refresh_s=0.5)
+    config = EtcdConfig(
+        host=etcd_server.host,
+        port=etcd_server.port,
+        prefix=f"/reg-{uuid.uuid4().hex[:8]}/",
+        lease_ttl_s=5,
+        heartbeat_s=0.2,
+        record_refresh_s=0.5,
+    )
     record = WorkerRecord(id="w-refresh", address="127.0.0.1:1", model="tiny", model_version="v1")
     registration = WorkerRegistration(config, lambda: record, DependencyStatus())
     await registration.start()

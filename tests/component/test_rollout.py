@@ -28,9 +28,14 @@ from tests.model_variants import tiny_model_v2_dir  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(240)]
 
-PROMPTS = ("Where is my order? I paid for a blue phone case yesterday.", "Can I pay with PayPal?",
-           "I was charged twice for the coffee maker.", "Is the winter coat in stock?",
-           "How do I change my delivery address?", "The customer paid for a gift card with")
+PROMPTS = (
+    "Where is my order? I paid for a blue phone case yesterday.",
+    "Can I pay with PayPal?",
+    "I was charged twice for the coffee maker.",
+    "Is the winter coat in stock?",
+    "How do I change my delivery address?",
+    "The customer paid for a gift card with",
+)
 
 
 @dataclass
@@ -57,15 +62,23 @@ async def mesh(etcd_server, tiny_model_dir, tiny_model_v2_dir, tmp_path_factory)
     fault_file = folder / "candidate.fault"
     fast = {"BALLAST__ETCD__HEARTBEAT_S": "0.2"}
     stable = await create_worker(make_config(etcd_server, tiny_model_dir, prefix, BALLAST__WORKER__ID="w-v1", **fast))
-    candidate = await create_worker(make_config(
-        etcd_server, tiny_model_v2_dir, prefix, BALLAST__WORKER__ID="w-v2",
-        BALLAST__WORKER__FAULT_FILE=str(fault_file), **fast))
+    candidate = await create_worker(
+        make_config(
+            etcd_server,
+            tiny_model_v2_dir,
+            prefix,
+            BALLAST__WORKER__ID="w-v2",
+            BALLAST__WORKER__FAULT_FILE=str(fault_file),
+            **fast,
+        )
+    )
     router = await create_router(make_config(etcd_server, tiny_model_dir, prefix))
     assert await router.membership.wait_for(lambda ws: {"w-v1", "w-v2"} <= set(ws), timeout=10)
     assert await router.servicer.rollouts.leader.wait_leader(timeout=15)
     config_file = folder / "ballast.yaml"
-    config_file.write_text(yaml.safe_dump({"etcd": {"host": etcd_server.host, "port": etcd_server.port,
-                                                    "prefix": prefix}}))
+    config_file.write_text(
+        yaml.safe_dump({"etcd": {"host": etcd_server.host, "port": etcd_server.port, "prefix": prefix}})
+    )
     yield RolloutMesh(router, stable, candidate, fault_file, config_file)
     await router.shutdown(grace_s=1.0)
     for worker in (stable, candidate):
@@ -107,13 +120,16 @@ async def router_follows(mesh: RolloutMesh, predicate, timeout: float = 10.0) ->
 
 
 async def ask(stub, session_id: str, prompt: str = PROMPTS[0], max_tokens: int = 2):
-    return await collect(stub, chat_request(prompt, max_tokens=max_tokens, raw_prompt=True, session_id=session_id),
-                         API_KEY)
+    return await collect(
+        stub, chat_request(prompt, max_tokens=max_tokens, raw_prompt=True, session_id=session_id), API_KEY
+    )
 
 
 async def greedy(worker: WorkerApp, prompt: str, max_tokens: int) -> list[int]:
     ids = []
-    request = EngineRequest("direct", tuple(worker.engine.tokenize(prompt)), (), Sampling(max_tokens=max_tokens, temperature=0.0))
+    request = EngineRequest(
+        "direct", tuple(worker.engine.tokenize(prompt)), (), Sampling(max_tokens=max_tokens, temperature=0.0)
+    )
     async for delta in worker.engine.generate(request):
         ids.extend(delta.token_ids)
     return ids
@@ -158,8 +174,9 @@ async def test_mirrored_answers_never_reach_the_client(mesh, stub, capsys):
     assert code == 0, out
     await router_follows(mesh, lambda r: r.running and r.mirror_percent == 100)
     scored = []
-    mesh.router.servicer.rollouts.mirrors.business_score = lambda request, primary, candidate: scored.append(
-        (request.request_id, primary, candidate)) or float(primary == candidate)
+    mesh.router.servicer.rollouts.mirrors.business_score = lambda request, primary, candidate: (
+        scored.append((request.request_id, primary, candidate)) or float(primary == candidate)
+    )
     copies_before = mesh.candidate.state.served
     for i, prompt in enumerate(PROMPTS):
         result = await ask(stub, f"mirror-{i}", prompt, max_tokens=8)
@@ -178,7 +195,10 @@ async def test_mirrored_answers_never_reach_the_client(mesh, stub, capsys):
     assert f'ballast_rollout_mirror_requests_total{{model="tiny",outcome="compared"}} {len(PROMPTS)}.0' in metrics
     assert "ballast_rollout_mirror_token_agreement_count" in metrics
     # The business hook saw both answers: the primary's is what the client got.
-    assert len(scored) == len(PROMPTS) and f"ballast_rollout_mirror_business_score_count{{model=\"tiny\"}} {len(PROMPTS)}" in metrics
+    assert (
+        len(scored) == len(PROMPTS)
+        and f'ballast_rollout_mirror_business_score_count{{model="tiny"}} {len(PROMPTS)}' in metrics
+    )
     assert any(primary != candidate for _id, primary, candidate in scored)
     mesh.router.servicer.rollouts.mirrors.business_score = None
     code, out = await cli(mesh, capsys, "abort", "tiny")
@@ -186,8 +206,9 @@ async def test_mirrored_answers_never_reach_the_client(mesh, stub, capsys):
 
 
 async def test_a_clean_candidate_is_promoted_by_the_gate(mesh, stub, capsys):
-    code, out = await cli(mesh, capsys, "start", "tiny", mesh.v2, "--weight", "50",
-                          "--window-s", "2", "--min-requests", "5")
+    code, out = await cli(
+        mesh, capsys, "start", "tiny", mesh.v2, "--weight", "50", "--window-s", "2", "--min-requests", "5"
+    )
     assert code == 0, out
     await router_follows(mesh, lambda r: r.running and r.weight == 50)
     # Bursts of asks, so the gate's 2 s window holds its 5 candidate samples however long
@@ -210,8 +231,7 @@ async def test_a_clean_candidate_is_promoted_by_the_gate(mesh, stub, capsys):
 async def test_an_erroring_candidate_is_rolled_back_and_clients_never_see_it(mesh, stub, capsys):
     mesh.fault_file.write_text("unavailable")
     try:
-        code, out = await cli(mesh, capsys, "start", "tiny", mesh.v2, "--stable", mesh.v1, "--weight", "50",
-                              *LONG_GATE)
+        code, out = await cli(mesh, capsys, "start", "tiny", mesh.v2, "--stable", mesh.v1, "--weight", "50", *LONG_GATE)
         assert code == 0, out
         rollout = await router_follows(mesh, lambda r: r.running and r.stable == mesh.v1)
         answered = []
@@ -225,7 +245,9 @@ async def test_an_erroring_candidate_is_rolled_back_and_clients_never_see_it(mes
         assert "error rate" in decided.reason and decided.weight == 0
         # Canary requests failed on the candidate before any token and fell back to stable.
         assert all(r.finished is not None and r.started.model_version == mesh.v1 for r in answered)
-        canaries = [f"faulty-{i}" for i in range(200) if choose(rollout, TENANT, f"faulty-{i}", "").role is Role.CANDIDATE]
+        canaries = [
+            f"faulty-{i}" for i in range(200) if choose(rollout, TENANT, f"faulty-{i}", "").role is Role.CANDIDATE
+        ]
         await router_follows(mesh, lambda r: r.state is Phase.ROLLED_BACK)
         assert {(await ask(stub, sid)).started.model_version for sid in canaries[:4]} == {mesh.v1}
         code, out = await cli(mesh, capsys, "promote", "tiny")

@@ -133,9 +133,18 @@ def _bad(**fields):
         (_bad(model="no-such-model"), grpc.StatusCode.NOT_FOUND),
         (_bad(model="tiny-unserved"), grpc.StatusCode.UNAVAILABLE),
     ],
-    ids=["empty-messages", "max-tokens-0", "max-tokens-negative", "max-tokens-over-limit", "unknown-tier",
-         "flush-interval-over-limit",
-         "oversized", "over-context", "unknown-model", "no-live-worker"],
+    ids=[
+        "empty-messages",
+        "max-tokens-0",
+        "max-tokens-negative",
+        "max-tokens-over-limit",
+        "unknown-tier",
+        "flush-interval-over-limit",
+        "oversized",
+        "over-context",
+        "unknown-model",
+        "no-live-worker",
+    ],
 )
 async def test_bad_input_gets_its_status_code(router_stub, request_, code, worker_app):
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -176,7 +185,8 @@ async def test_worker_continues_from_generated_ids(worker_stub, worker_app):
     prompt = worker_app.engine.tokenize(PROMPT)
     full, _ = await engine_greedy(worker_app.engine, prompt, 20)
     request = worker_pb2.WorkerGenerateRequest(
-        prompt_ids=prompt, generated_ids=full[:8],
+        prompt_ids=prompt,
+        generated_ids=full[:8],
         sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0.0),
     )
     ids, first_indices = [], []
@@ -199,7 +209,8 @@ async def test_b_tier_stream_leaves_the_worker_in_chunks(worker_stub, worker_app
 
     async def stream(tier):
         request = worker_pb2.WorkerGenerateRequest(
-            prompt_ids=prompt, tier=tier, sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0.0))
+            prompt_ids=prompt, tier=tier, sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0.0)
+        )
         messages = []
         async for event in worker_stub.Generate(request, timeout=20):
             if event.HasField("tokens"):
@@ -253,7 +264,9 @@ async def test_a_live_stream_comes_in_fewer_messages_than_tokens_by_default(rout
 async def test_health_and_reflection(router_app, worker_app):
     for address, service in [(router_app.address, "ballast.v1.Inference"), (worker_app.address, "ballast.v1.Worker")]:
         async with grpc.aio.insecure_channel(address) as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
             stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
@@ -292,7 +305,9 @@ async def test_structured_output_is_validated_and_reported(router_stub):
     result = await collect(router_stub, request, API_KEY)
     finished = result.finished
     assert finished.structured_status in (
-        common_pb2.STRUCTURED_VALID, common_pb2.STRUCTURED_REPAIRED, common_pb2.STRUCTURED_FAILED
+        common_pb2.STRUCTURED_VALID,
+        common_pb2.STRUCTURED_REPAIRED,
+        common_pb2.STRUCTURED_FAILED,
     )
     if finished.structured_status != common_pb2.STRUCTURED_FAILED:
         document = json.loads(finished.structured_output)
@@ -318,7 +333,9 @@ async def test_long_conversation_is_fitted_by_policy(router_stub):
         request.conversation.messages.add(role="user", content="How much is the blue phone case SKU-77?")
         request.conversation.messages.add(role="assistant", content="The blue phone case SKU-77 costs 39 dollars.")
         for i in range(120):
-            request.conversation.messages.add(role="user", content=f"Tell me about delivery slot number {i} on the weekend.")
+            request.conversation.messages.add(
+                role="user", content=f"Tell me about delivery slot number {i} on the weekend."
+            )
             request.conversation.messages.add(role="assistant", content=f"Slot {i} is open on Saturday morning.")
         request.conversation.messages.add(role="user", content="What did you say the phone case SKU-77 costs?")
         request.context.policy = policy
@@ -366,7 +383,9 @@ async def test_resumed_guided_stream_continues_the_grammar(worker_stub, worker_a
 
     async def run(generated, max_tokens):
         request = worker_pb2.WorkerGenerateRequest(
-            prompt_ids=prompt, generated_ids=generated, response_format=PRODUCT_SCHEMA,
+            prompt_ids=prompt,
+            generated_ids=generated,
+            response_format=PRODUCT_SCHEMA,
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=11),
         )
         ids, text = [], ""

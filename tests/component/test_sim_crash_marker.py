@@ -17,8 +17,12 @@ MARKER = "QUERY-OF-DEATH-7"
 
 
 def _request(engine: SimEngine, text: str) -> EngineRequest:
-    return EngineRequest(request_id=text[:8], prompt_ids=tuple(engine.tokenize(text)), generated_ids=(),
-                         sampling=Sampling(max_tokens=6, temperature=0.0))
+    return EngineRequest(
+        request_id=text[:8],
+        prompt_ids=tuple(engine.tokenize(text)),
+        generated_ids=(),
+        sampling=Sampling(max_tokens=6, temperature=0.0),
+    )
 
 
 async def test_a_prompt_with_the_marker_kills_the_engine_before_any_token(tiny_model_dir):

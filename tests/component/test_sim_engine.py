@@ -16,8 +16,17 @@ from tests.engine_conformance import conf_engine, endless  # noqa: F401  (fixtur
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 # Fast, so the suite's long streams take a fraction of a second.
-FAST = SimProfile(source="tests", prefill_base_ms=1.0, prefill_ms_per_token=0.001, decode_base_ms=0.5,
-                  decode_ms_per_seq=0.05, decode_ms_per_kv_token=0.0, max_num_seqs=4, jitter=0.1, seed=3)
+FAST = SimProfile(
+    source="tests",
+    prefill_base_ms=1.0,
+    prefill_ms_per_token=0.001,
+    decode_base_ms=0.5,
+    decode_ms_per_seq=0.05,
+    decode_ms_per_kv_token=0.0,
+    max_num_seqs=4,
+    jitter=0.1,
+    seed=3,
+)
 
 
 def _make(model_dir: Path, eos_token_ids: Sequence[int] | None = None, max_concurrency: int = 4) -> SimEngine:
@@ -40,8 +49,12 @@ def _request(max_tokens: int = 30):
     from services.common.generation import Sampling
     from services.worker.engine import EngineRequest
 
-    return EngineRequest(request_id="faults", prompt_ids=(5, 6, 7), generated_ids=(),
-                         sampling=Sampling(max_tokens=max_tokens, temperature=0.0))
+    return EngineRequest(
+        request_id="faults",
+        prompt_ids=(5, 6, 7),
+        generated_ids=(),
+        sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
+    )
 
 
 async def test_fail_after_k_tokens_fails_the_stream_there(tiny_model_dir):
@@ -112,8 +125,16 @@ async def test_slowdown_scales_every_wait(tiny_model_dir, monkeypatch):
     from services.worker.sim import SimFaults
     from services.worker.sim import engine as engine_module
 
-    steady = SimProfile(source="tests", prefill_base_ms=4.0, prefill_ms_per_token=0.0, decode_base_ms=2.0,
-                        decode_ms_per_seq=0.0, decode_ms_per_kv_token=0.0, max_num_seqs=4, jitter=0.0)
+    steady = SimProfile(
+        source="tests",
+        prefill_base_ms=4.0,
+        prefill_ms_per_token=0.0,
+        decode_base_ms=2.0,
+        decode_ms_per_seq=0.0,
+        decode_ms_per_kv_token=0.0,
+        max_num_seqs=4,
+        jitter=0.0,
+    )
     waits: list[float] = []
     real_sleep = asyncio.sleep
 
@@ -131,8 +152,11 @@ async def test_slowdown_scales_every_wait(tiny_model_dir, monkeypatch):
 
 ORDER_SCHEMA = {
     "type": "object",
-    "properties": {"order": {"type": "integer"}, "status": {"type": "string", "enum": ["shipped", "late"]},
-                   "note": {"type": "string", "maxLength": 12}},
+    "properties": {
+        "order": {"type": "integer"},
+        "status": {"type": "string", "enum": ["shipped", "late"]},
+        "note": {"type": "string", "maxLength": 12},
+    },
     "required": ["order", "status", "note"],
     "additionalProperties": False,
 }
@@ -144,9 +168,13 @@ async def _guided(engine: SimEngine, seed: int, generated: tuple[int, ...] = (),
     from services.common.generation import Sampling
     from services.worker.engine import EngineRequest
 
-    request = EngineRequest(request_id=f"guided-{seed}", prompt_ids=(5, 6, 7), generated_ids=generated,
-                            sampling=Sampling(max_tokens=max_tokens, temperature=1.0, seed=seed),
-                            response_format=json.dumps(ORDER_SCHEMA))
+    request = EngineRequest(
+        request_id=f"guided-{seed}",
+        prompt_ids=(5, 6, 7),
+        generated_ids=generated,
+        sampling=Sampling(max_tokens=max_tokens, temperature=1.0, seed=seed),
+        response_format=json.dumps(ORDER_SCHEMA),
+    )
     tokens, text, finish = [], "", None
     async for delta in engine.generate(request):
         tokens += delta.token_ids
@@ -186,8 +214,13 @@ async def test_a_schema_that_cannot_be_guided_is_refused_before_anything_starts(
 
     engine = _make(tiny_model_dir)
     await engine.start()
-    request = EngineRequest(request_id="bad-schema", prompt_ids=(5, 6, 7), generated_ids=(),
-                            sampling=Sampling(max_tokens=8), response_format='{"type": "no-such-type"}')
+    request = EngineRequest(
+        request_id="bad-schema",
+        prompt_ids=(5, 6, 7),
+        generated_ids=(),
+        sampling=Sampling(max_tokens=8),
+        response_format='{"type": "no-such-type"}',
+    )
     with pytest.raises(InvalidArgument):
         engine.generate(request)
     assert engine.stats().running == 0
@@ -203,9 +236,13 @@ async def test_a_complete_document_that_could_go_on_ends_at_a_drawn_eos(tiny_mod
     await engine.start()
     finishes, at_eos = set(), 0
     for seed in range(8):
-        request = EngineRequest(request_id=f"number-{seed}", prompt_ids=(5, 6, 7), generated_ids=(),
-                                sampling=Sampling(max_tokens=64, temperature=1.0, seed=seed),
-                                response_format='{"type": "integer"}')
+        request = EngineRequest(
+            request_id=f"number-{seed}",
+            prompt_ids=(5, 6, 7),
+            generated_ids=(),
+            sampling=Sampling(max_tokens=64, temperature=1.0, seed=seed),
+            response_format='{"type": "integer"}',
+        )
         deltas = [d async for d in engine.generate(request)]
         tokens = [t for d in deltas for t in d.token_ids]
         finishes.add(deltas[-1].finish_reason)

@@ -72,8 +72,14 @@ HEALTH_SERVER = textwrap.dedent("""
 def child(tmp_path: Path, name: str, mode: str, **kwargs) -> ChildSpec:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    return ChildSpec(name, [sys.executable, str(script), mode, str(tmp_path / f"{name}.runs"), name],
-                     tmp_path / f"{name}.log", policy=kwargs.pop("policy", FAST), stop_grace_s=5.0, **kwargs)
+    return ChildSpec(
+        name,
+        [sys.executable, str(script), mode, str(tmp_path / f"{name}.runs"), name],
+        tmp_path / f"{name}.log",
+        policy=kwargs.pop("policy", FAST),
+        stop_grace_s=5.0,
+        **kwargs,
+    )
 
 
 def runs(tmp_path: Path, name: str) -> list[int]:
@@ -99,8 +105,11 @@ def test_a_child_that_exits_is_started_again_and_the_state_file_says_why(tmp_pat
     supervisor = Supervisor([child(tmp_path, "flaky", "exit-3-twice")], state_path)
     try:
         supervisor.start()
-        tick_until(supervisor, lambda: len(runs(tmp_path, "flaky")) == 3 and supervisor.child("flaky").status == "up",
-                   "the third run")
+        tick_until(
+            supervisor,
+            lambda: len(runs(tmp_path, "flaky")) == 3 and supervisor.child("flaky").status == "up",
+            "the third run",
+        )
         state = read_state(state_path)
         flaky = entry(state, "flaky")
         assert flaky["restarts"] == 2
@@ -142,8 +151,11 @@ def test_a_killed_child_is_started_again_with_its_signal_recorded(tmp_path):
     try:
         first = supervisor.pid("victim")
         os.kill(first, signal.SIGKILL)
-        tick_until(supervisor, lambda: supervisor.child("victim").restarts == 1
-                   and supervisor.child("victim").status == "up", "the restart")
+        tick_until(
+            supervisor,
+            lambda: supervisor.child("victim").restarts == 1 and supervisor.child("victim").status == "up",
+            "the restart",
+        )
         assert supervisor.pid("victim") not in (None, first)
         last = entry(read_state(tmp_path / "s.json"), "victim")["last_exit"]
         assert last["signal"] == "SIGKILL" and last["code"] is None
@@ -160,8 +172,11 @@ def test_a_child_over_its_memory_limit_is_killed_alone_and_started_again(tmp_pat
         bystander_pid = supervisor.pid("bystander")
         tick_until(supervisor, lambda: (tmp_path / "hog.runs.ready1").exists(), "the hog to run")
         (tmp_path / "hog.runs.grow").touch()  # the command to grow past the limit
-        tick_until(supervisor, lambda: supervisor.child("hog").restarts == 1
-                   and supervisor.child("hog").status == "up", "the hog's restart")
+        tick_until(
+            supervisor,
+            lambda: supervisor.child("hog").restarts == 1 and supervisor.child("hog").status == "up",
+            "the hog's restart",
+        )
         last = entry(read_state(tmp_path / "s.json"), "hog")["last_exit"]
         assert last["signal"] == "SIGKILL"
         assert last["cause"] == "memory limit" and last["oom_killed"]
@@ -175,9 +190,17 @@ def test_a_child_over_its_memory_limit_is_killed_alone_and_started_again(tmp_pat
 def test_stop_stops_the_children_in_reverse_start_order(tmp_path):
     names = ["first", "second", "third"]
     stops = tmp_path / "stops"
-    specs = [child(tmp_path, name, "log-stop", stage=stage, env={"STOPS": str(stops)},
-                   ready=lambda name=name: (tmp_path / f"{name}.runs.ready").exists())
-             for name, stage in zip(names, (0, 1, 1))]
+    specs = [
+        child(
+            tmp_path,
+            name,
+            "log-stop",
+            stage=stage,
+            env={"STOPS": str(stops)},
+            ready=lambda name=name: (tmp_path / f"{name}.runs.ready").exists(),
+        )
+        for name, stage in zip(names, (0, 1, 1))
+    ]
     supervisor = Supervisor(specs, tmp_path / "s.json")
     supervisor.start()
     pids = [supervisor.pid(n) for n in names]
@@ -200,8 +223,13 @@ def test_readiness_comes_from_the_grpc_health_check(tmp_path):
     script.write_text(HEALTH_SERVER)
     port = free_port()
     go = tmp_path / "go"
-    spec = ChildSpec("server", [sys.executable, str(script), str(port), str(go)], tmp_path / "server.log",
-                     ready=GrpcHealthProbe(f"127.0.0.1:{port}"), start_timeout_s=60.0)
+    spec = ChildSpec(
+        "server",
+        [sys.executable, str(script), str(port), str(go)],
+        tmp_path / "server.log",
+        ready=GrpcHealthProbe(f"127.0.0.1:{port}"),
+        start_timeout_s=60.0,
+    )
     supervisor = Supervisor([spec], tmp_path / "s.json")
     starting = threading.Thread(target=supervisor.start)
     starting.start()

@@ -36,16 +36,21 @@ ALPHA = 0.001
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def worker(etcd_server, tiny_model_dir, etcd_prefix, cache):  # noqa: F811
-    app = await create_worker(worker_config(etcd_server, tiny_model_dir, etcd_prefix, cache.address,
-                                            BALLAST__WORKER__KV_MEMORY_SESSIONS="16"))
+    app = await create_worker(
+        worker_config(etcd_server, tiny_model_dir, etcd_prefix, cache.address, BALLAST__WORKER__KV_MEMORY_SESSIONS="16")
+    )
     yield app
     await app.shutdown(grace_s=1.0)
 
 
 async def ttft_ms(stub, prompt_ids: list[int], session: str, tenant: str, max_tokens: int = 2) -> float:
     request = worker_pb2.WorkerGenerateRequest(
-        request_id=uuid.uuid4().hex, tenant=tenant, session_id=session, prompt_ids=prompt_ids,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        request_id=uuid.uuid4().hex,
+        tenant=tenant,
+        session_id=session,
+        prompt_ids=prompt_ids,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
     started = time.perf_counter()
     first = None
     async for event in stub.Generate(request, timeout=60):
@@ -62,7 +67,7 @@ def permutation_p(a: list[float], b: list[float], rng: random.Random, rounds: in
     hits = 0
     for _ in range(rounds):
         rng.shuffle(pooled)
-        if abs(statistics.median(pooled[:len(a)]) - statistics.median(pooled[len(a):])) >= observed:
+        if abs(statistics.median(pooled[: len(a)]) - statistics.median(pooled[len(a) :])) >= observed:
             hits += 1
     return (hits + 1) / (rounds + 1)
 
@@ -80,8 +85,11 @@ async def test_tenant_b_cannot_time_tenant_a_s_cached_prefix(worker, tiny_model_
             await ttft_ms(stub, first_turn, session, "tenant-a", max_tokens=4)
             context = first_turn + [rng.randrange(4, vocab) for _ in range(16)]
             fresh = [rng.randrange(4, vocab) for _ in range(len(context))]
-            runs = [("a_reused", context, session, "tenant-a"), ("b_on_a", context, session, "tenant-b"),
-                    ("b_cold", fresh, f"b-{trial}", "tenant-b")]
+            runs = [
+                ("a_reused", context, session, "tenant-a"),
+                ("b_on_a", context, session, "tenant-b"),
+                ("b_cold", fresh, f"b-{trial}", "tenant-b"),
+            ]
             rng.shuffle(runs)
             for name, ids, sess, tenant in runs:
                 samples[name].append(await ttft_ms(stub, ids, sess, tenant))

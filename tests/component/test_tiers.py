@@ -36,7 +36,9 @@ def prefix():
 def tier_config(etcd_server, tiny_model_dir, prefix):
     scheduling = {"tiers": {"S": {"max_queue": 2}, "A": {"max_queue": 1}, "B": {"max_queue": 1}}}
     return make_config(
-        etcd_server, tiny_model_dir, prefix,
+        etcd_server,
+        tiny_model_dir,
+        prefix,
         BALLAST__WORKER__MAX_CONCURRENCY="2",
         BALLAST__ROUTER__SCHEDULING=json.dumps(scheduling),
     )
@@ -68,8 +70,12 @@ async def test_s_request_preempts_b_and_b_still_completes_exactly(mesh, stub):
     router, worker, _ = mesh
     references = [await collect(stub, b_request(i), API_KEY, timeout=60) for i in range(2)]
     decoding: set[int] = set()
-    b_streams = [asyncio.create_task(collect(stub, b_request(i), API_KEY, timeout=60,
-                                             on_tokens=lambda _tokens, i=i: decoding.add(i))) for i in range(2)]
+    b_streams = [
+        asyncio.create_task(
+            collect(stub, b_request(i), API_KEY, timeout=60, on_tokens=lambda _tokens, i=i: decoding.add(i))
+        )
+        for i in range(2)
+    ]
     while worker.state.in_flight < 2 or len(decoding) < 2:  # both slots taken by B, both decoding
         await asyncio.sleep(0.01)
     s_result = await collect(stub, chat_request(S_PROMPT, max_tokens=8, raw_prompt=True, tier="S"), API_KEY, timeout=10)
@@ -90,8 +96,11 @@ async def test_s_request_preempts_b_and_b_still_completes_exactly(mesh, stub):
 def queued(router, tier: str) -> float:
     """Requests of `tier` waiting in the router's queue, as its metrics say."""
     line_start = "ballast_router_queue_length{"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in router.telemetry.render().splitlines()
-               if line.startswith(line_start) and f'tier="{tier}"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in router.telemetry.render().splitlines()
+        if line.startswith(line_start) and f'tier="{tier}"' in line
+    )
 
 
 async def test_full_queue_refuses_at_once(mesh, stub):

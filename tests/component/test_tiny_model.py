@@ -20,8 +20,13 @@ from services.worker.tiny_model import (
 from tests.model_fixtures import tiny_model_dir  # noqa: F401
 
 EXPECTED_FILES = {
-    "ballast.json", "config.json", "generation_config.json", "model.safetensors",
-    "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+    "ballast.json",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
 }
 MESSAGES = [
     {"role": "system", "content": "You are a helpful shopping assistant."},
@@ -60,9 +65,13 @@ def test_loads_with_transformers_and_generates(tiny_model_dir):
 def test_chat_template_renders_chatml(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
     rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    assert rendered == render_chat(MESSAGES, add_generation_prompt=True) == (
-        "<|begin_of_text|><|im_start|>system\nYou are a helpful shopping assistant.<|im_end|>\n"
-        "<|im_start|>user\n可以用支付宝付款吗？<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        rendered
+        == render_chat(MESSAGES, add_generation_prompt=True)
+        == (
+            "<|begin_of_text|><|im_start|>system\nYou are a helpful shopping assistant.<|im_end|>\n"
+            "<|im_start|>user\n可以用支付宝付款吗？<|im_end|>\n<|im_start|>assistant\n"
+        )
     )
     turn = [*MESSAGES, {"role": "assistant", "content": "可以。"}]
     assert tokenizer.apply_chat_template(turn, tokenize=False) == render_chat(turn)

@@ -16,9 +16,13 @@ from services.common.tls.settings import TLSConfig
 
 
 def tls_for(directory, role, **changes):
-    return TLSConfig(enabled=True, ca_file=str(directory / certs.CA_CERT),
-                     cert_file=str(certs.cert_path(directory, role)), key_file=str(certs.key_path(directory, role)),
-                     **changes)
+    return TLSConfig(
+        enabled=True,
+        ca_file=str(directory / certs.CA_CERT),
+        cert_file=str(certs.cert_path(directory, role)),
+        key_file=str(certs.key_path(directory, role)),
+        **changes,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +48,19 @@ class Calls:
             return b"".join([r async for r in requests])
 
         return [
-            grpc.method_handlers_generic_handler("ballast.v1.Worker", {
-                "Generate": grpc.unary_stream_rpc_method_handler(server_stream),
-                "GetModelInfo": grpc.unary_unary_rpc_method_handler(unary)}),
-            grpc.method_handlers_generic_handler("ballast.v1.KVCache", {
-                "Put": grpc.stream_unary_rpc_method_handler(client_stream)}),
-            grpc.method_handlers_generic_handler("ballast.v1.Inference", {
-                "Generate": grpc.unary_stream_rpc_method_handler(server_stream)}),
+            grpc.method_handlers_generic_handler(
+                "ballast.v1.Worker",
+                {
+                    "Generate": grpc.unary_stream_rpc_method_handler(server_stream),
+                    "GetModelInfo": grpc.unary_unary_rpc_method_handler(unary),
+                },
+            ),
+            grpc.method_handlers_generic_handler(
+                "ballast.v1.KVCache", {"Put": grpc.stream_unary_rpc_method_handler(client_stream)}
+            ),
+            grpc.method_handlers_generic_handler(
+                "ballast.v1.Inference", {"Generate": grpc.unary_stream_rpc_method_handler(server_stream)}
+            ),
         ]
 
 
@@ -78,7 +88,9 @@ async def refused(channel, method, kind="unary") -> grpc.StatusCode:
 
 
 async def test_internal_port_allows_only_the_calling_role(cert_dir):
-    server, port, calls = await serve(tls_for(cert_dir, "worker"), server_credentials(tls_for(cert_dir, "worker"), "worker"))
+    server, port, calls = await serve(
+        tls_for(cert_dir, "worker"), server_credentials(tls_for(cert_dir, "worker"), "worker")
+    )
     address = f"127.0.0.1:{port}"
     try:
         async with open_channel(address, tls_for(cert_dir, "router")) as channel:
@@ -86,10 +98,15 @@ async def test_internal_port_allows_only_the_calling_role(cert_dir):
             assert await call(channel, "/ballast.v1.Worker/GetModelInfo") == b"x"
         assert calls.count == 2
         async with open_channel(address, tls_for(cert_dir, "worker")) as channel:
-            assert await refused(channel, "/ballast.v1.Worker/Generate", "server_stream") == grpc.StatusCode.PERMISSION_DENIED
+            assert (
+                await refused(channel, "/ballast.v1.Worker/Generate", "server_stream")
+                == grpc.StatusCode.PERMISSION_DENIED
+            )
             assert await refused(channel, "/ballast.v1.Worker/GetModelInfo") == grpc.StatusCode.PERMISSION_DENIED
         async with open_channel(address, tls_for(cert_dir, "cli")) as channel:
-            assert await refused(channel, "/ballast.v1.KVCache/Put", "client_stream") == grpc.StatusCode.PERMISSION_DENIED
+            assert (
+                await refused(channel, "/ballast.v1.KVCache/Put", "client_stream") == grpc.StatusCode.PERMISSION_DENIED
+            )
             assert await call(channel, "/ballast.v1.Inference/Generate", "server_stream") == [b"x"]
         async with open_channel(address, tls_for(cert_dir, "worker")) as channel:
             assert await call(channel, "/ballast.v1.KVCache/Put", "client_stream") == b"ab"
@@ -99,7 +116,9 @@ async def test_internal_port_allows_only_the_calling_role(cert_dir):
 
 
 async def test_handshake_refuses_no_certificate_and_another_ca(cert_dir, tmp_path):
-    server, port, calls = await serve(tls_for(cert_dir, "worker"), server_credentials(tls_for(cert_dir, "worker"), "worker"))
+    server, port, calls = await serve(
+        tls_for(cert_dir, "worker"), server_credentials(tls_for(cert_dir, "worker"), "worker")
+    )
     address = f"127.0.0.1:{port}"
     other = certs.init_certs(tmp_path / "other", roles=("router",))
     try:
@@ -110,8 +129,10 @@ async def test_handshake_refuses_no_certificate_and_another_ca(cert_dir, tmp_pat
             assert await refused(channel, "/ballast.v1.Worker/GetModelInfo") == grpc.StatusCode.UNAVAILABLE
         # The other CA's router certificate, presented by a client that trusts our CA.
         foreign_credentials = grpc.ssl_channel_credentials(
-            (cert_dir / certs.CA_CERT).read_bytes(), certs.key_path(other, "router").read_bytes(),
-            certs.cert_path(other, "router").read_bytes())
+            (cert_dir / certs.CA_CERT).read_bytes(),
+            certs.key_path(other, "router").read_bytes(),
+            certs.cert_path(other, "router").read_bytes(),
+        )
         async with grpc.aio.secure_channel(address, foreign_credentials) as channel:
             assert await refused(channel, "/ballast.v1.Worker/GetModelInfo") == grpc.StatusCode.UNAVAILABLE
         assert calls.count == 0
@@ -196,9 +217,12 @@ async def test_the_plaintext_health_port_serves_health_checks_only(cert_dir):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            for method, kind in (("/ballast.v1.Worker/Generate", "server_stream"), ("/ballast.v1.Worker/GetModelInfo", "unary"),
-                                 ("/ballast.v1.KVCache/Put", "client_stream"),
-                                 ("/ballast.v1.Inference/Generate", "server_stream")):
+            for method, kind in (
+                ("/ballast.v1.Worker/Generate", "server_stream"),
+                ("/ballast.v1.Worker/GetModelInfo", "unary"),
+                ("/ballast.v1.KVCache/Put", "client_stream"),
+                ("/ballast.v1.Inference/Generate", "server_stream"),
+            ):
                 assert await refused(channel, method, kind) == grpc.StatusCode.PERMISSION_DENIED, method
         # The TLS port still serves the router as before.
         async with open_channel(f"127.0.0.1:{port}", tls_for(cert_dir, "router")) as channel:

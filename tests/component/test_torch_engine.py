@@ -30,8 +30,7 @@ class Result:
     deltas: list[TokenDelta] = field(default_factory=list)
 
 
-async def run(engine: TorchEngine, prompt: str | list[int], generated: list[int] | tuple = (),
-              **sampling) -> Result:
+async def run(engine: TorchEngine, prompt: str | list[int], generated: list[int] | tuple = (), **sampling) -> Result:
     ids = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
     sampling.setdefault("temperature", 0.0)
     request = EngineRequest("r", tuple(ids), tuple(generated), Sampling(**sampling))
@@ -87,7 +86,7 @@ async def test_greedy_matches_transformers_generate(engine, hf_model, prompt):
     ids = engine.tokenize(prompt)
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
-    expected = out[0, len(ids):].tolist()
+    expected = out[0, len(ids) :].tolist()
     ended_by_eos = expected[-1] in (1, 3)
     if ended_by_eos:
         expected = expected[:-1]  # the engine never emits the EOS token itself
@@ -177,8 +176,10 @@ async def test_a_step_whose_stream_was_released_fails_alone(endless):
     prompt = endless.tokenize(RAW)
     _logits, (live.cache,) = endless._runner.prefill_many([None], [prompt])
     released = _Sequence()  # cache None: what the stream's cleanup leaves
-    steps = [DecodeStep(2, 0, released, reference.tokens[0], None),
-             DecodeStep(2, 1, live, reference.tokens[0], (Sampling(max_tokens=2, temperature=0.0), 0, 1, None))]
+    steps = [
+        DecodeStep(2, 0, released, reference.tokens[0], None),
+        DecodeStep(2, 1, live, reference.tokens[0], (Sampling(max_tokens=2, temperature=0.0), 0, 1, None)),
+    ]
     results = await endless._steps.call(endless._decode_batch, steps)
     assert isinstance(results[0], Unavailable)
     assert results[1] == reference.tokens[1]
@@ -207,11 +208,14 @@ async def test_seeded_sampling_is_reproducible(endless):
     assert unseeded[0].tokens != unseeded[1].tokens
 
 
-@pytest.mark.parametrize("sampling", [
-    {"temperature": 0.0},
-    {"temperature": 1.5, "top_p": 0.9, "seed": 7},
-    {"temperature": 2.0, "seed": 8},
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.5, "top_p": 0.9, "seed": 7},
+        {"temperature": 2.0, "seed": 8},
+    ],
+)
 async def test_resume_from_generated_ids_continues_the_same_stream(endless, sampling):
     n = 40
     full = await run(endless, CHAT_ZH, max_tokens=n, **sampling)
@@ -284,8 +288,9 @@ async def test_cancelling_the_consumer_frees_the_slot_and_reraises(endless):
     started = asyncio.Event()
 
     async def consume():
-        async for _ in endless.generate(EngineRequest("c", tuple(endless.tokenize(RAW)), (),
-                                                      Sampling(max_tokens=1000))):
+        async for _ in endless.generate(
+            EngineRequest("c", tuple(endless.tokenize(RAW)), (), Sampling(max_tokens=1000))
+        ):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -320,20 +325,23 @@ async def test_waiting_requests_are_counted_and_bounded(tiny_model_dir):
         await e.stop()
 
 
-@pytest.mark.parametrize("prompt, generated, sampling, match", [
-    ([], (), {}, "prompt is empty"),
-    ([5, 512], (), {}, "outside the vocabulary"),
-    ([5, -1], (), {}, "outside the vocabulary"),
-    ([5], (600,), {}, "outside the vocabulary"),
-    ([5] * 2000, (), {"max_tokens": 49}, "exceeds the model's context"),
-    ([5] * 2000, (6,) * 40, {"max_tokens": 9}, "exceeds the model's context"),
-    ([5], (), {"max_tokens": -1}, "max_tokens"),
-    ([5], (), {"temperature": -0.5}, "temperature"),
-    ([5], (), {"temperature": float("nan")}, "temperature"),
-    ([5], (), {"top_p": 0.0}, "top_p"),
-    ([5], (), {"top_p": 1.5}, "top_p"),
-    ([5], (), {"stop": ("",)}, "stop"),
-])
+@pytest.mark.parametrize(
+    "prompt, generated, sampling, match",
+    [
+        ([], (), {}, "prompt is empty"),
+        ([5, 512], (), {}, "outside the vocabulary"),
+        ([5, -1], (), {}, "outside the vocabulary"),
+        ([5], (600,), {}, "outside the vocabulary"),
+        ([5] * 2000, (), {"max_tokens": 49}, "exceeds the model's context"),
+        ([5] * 2000, (6,) * 40, {"max_tokens": 9}, "exceeds the model's context"),
+        ([5], (), {"max_tokens": -1}, "max_tokens"),
+        ([5], (), {"temperature": -0.5}, "temperature"),
+        ([5], (), {"temperature": float("nan")}, "temperature"),
+        ([5], (), {"top_p": 0.0}, "top_p"),
+        ([5], (), {"top_p": 1.5}, "top_p"),
+        ([5], (), {"stop": ("",)}, "stop"),
+    ],
+)
 async def test_invalid_requests_are_rejected(engine, prompt, generated, sampling, match):
     sampling.setdefault("max_tokens", 4)
     request = EngineRequest("bad", tuple(prompt), tuple(generated), Sampling(**sampling))

@@ -36,7 +36,11 @@ from services.worker.app import create_server as create_worker
 from tests.component.conftest import API_KEY, make_config
 from tests.component.test_backfill_handoff import read_topic
 from tests.component.test_backfill_service import (  # noqa: F401  (fixtures used below)
-    backfill_app, domain_request, hand_off, handoff, names,
+    backfill_app,
+    domain_request,
+    hand_off,
+    handoff,
+    names,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -62,25 +66,33 @@ def etcd_prefix():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def cache(redis_server, spans):
-    app = await create_cache(load_config(environ={
-        "BALLAST__REDIS__URL": redis_server.url,
-        "BALLAST__CACHE__PORT": "0",
-        "BALLAST__CACHE__KEY_PREFIX": f"trace-{uuid.uuid4().hex[:8]}:",
-        "BALLAST__TELEMETRY__METRICS_PORT": "0",
-    }))
+    app = await create_cache(
+        load_config(
+            environ={
+                "BALLAST__REDIS__URL": redis_server.url,
+                "BALLAST__CACHE__PORT": "0",
+                "BALLAST__CACHE__KEY_PREFIX": f"trace-{uuid.uuid4().hex[:8]}:",
+                "BALLAST__TELEMETRY__METRICS_PORT": "0",
+            }
+        )
+    )
     yield app
     await app.shutdown(grace_s=1.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def router(etcd_server, tiny_model_dir, etcd_prefix, cache, spans):
-    worker = await create_worker(make_config(
-        etcd_server, tiny_model_dir, etcd_prefix,
-        BALLAST__WORKER__CACHE_ADDRESS=cache.address,
-        BALLAST__WORKER__KV_BLOCK_TOKENS="16",
-        BALLAST__WORKER__KV_MEMORY_SESSIONS="0",
-        BALLAST__WORKER__KV_RESTORE_POLICY="always",
-    ))
+    worker = await create_worker(
+        make_config(
+            etcd_server,
+            tiny_model_dir,
+            etcd_prefix,
+            BALLAST__WORKER__CACHE_ADDRESS=cache.address,
+            BALLAST__WORKER__KV_BLOCK_TOKENS="16",
+            BALLAST__WORKER__KV_MEMORY_SESSIONS="0",
+            BALLAST__WORKER__KV_RESTORE_POLICY="always",
+        )
+    )
     await worker.registration.registered.wait()
     app = await create_router(make_config(etcd_server, tiny_model_dir, etcd_prefix, BALLAST__ROUTER__HTTP_PORT="0"))
     assert await app.membership.wait_for(lambda workers: worker.worker_id in workers, timeout=10)
@@ -92,16 +104,20 @@ async def router(etcd_server, tiny_model_dir, etcd_prefix, cache, spans):
 @pytest_asyncio.fixture(loop_scope="session")
 async def traced_stub(router):
     """A client whose channel sends the current span's context, as a traced caller's would."""
-    async with grpc.aio.insecure_channel(router.address, options=CHANNEL_OPTIONS,
-                                         interceptors=client_interceptors()) as channel:
+    async with grpc.aio.insecure_channel(
+        router.address, options=CHANNEL_OPTIONS, interceptors=client_interceptors()
+    ) as channel:
         yield inference_pb2_grpc.InferenceStub(channel)
 
 
 def turns(router, outcome: str) -> float:
     """The router's `ballast_agent_turns_total` for one outcome (all models)."""
     prefix = "ballast_agent_turns_total{"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in router.telemetry.render().splitlines()
-               if line.startswith(prefix) and f'outcome="{outcome}"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in router.telemetry.render().splitlines()
+        if line.startswith(prefix) and f'outcome="{outcome}"' in line
+    )
 
 
 def of_trace(exporter: InMemorySpanExporter, trace_id: int) -> list[ReadableSpan]:
@@ -116,7 +132,9 @@ async def wait_for_spans(exporter, trace_id: int, names: set[str], timeout_s: fl
         missing = names - {s.name for s in found}
         if not missing:
             return found
-        assert time.monotonic() < deadline, f"spans never ended: {sorted(missing)}; have {sorted(s.name for s in found)}; all {[(s.name, hex(s.context.trace_id), s.parent) for s in exporter.get_finished_spans()]}"
+        assert time.monotonic() < deadline, (
+            f"spans never ended: {sorted(missing)}; have {sorted(s.name for s in found)}; all {[(s.name, hex(s.context.trace_id), s.parent) for s in exporter.get_finished_spans()]}"
+        )
         await asyncio.sleep(0.1)
 
 
@@ -129,16 +147,28 @@ def only(found: list[ReadableSpan], name: str, parent: ReadableSpan | None = Non
 async def test_one_request_is_one_trace_through_router_worker_and_cache(router, traced_stub, spans):
     succeeded = turns(router, "success")
     with TEST_TRACER.start_as_current_span("client") as client:
-        result = await collect(traced_stub, chat_request(PROMPT, max_tokens=8, session_id=f"s-{uuid.uuid4().hex}"),
-                               API_KEY)
+        result = await collect(
+            traced_stub, chat_request(PROMPT, max_tokens=8, session_id=f"s-{uuid.uuid4().hex}"), API_KEY
+        )
     assert result.finished is not None
     assert turns(router, "success") == succeeded + 1
     trace_id = client.get_span_context().trace_id
-    found = await wait_for_spans(spans, trace_id, {
-        "ballast.v1.Inference/Generate", "router.admission", "router.worker_attempt",
-        "ballast.v1.Worker/Generate", "worker.prefill", "worker.decode", "worker.kv_restore",
-        "worker.kv_save", "ballast.v1.KVCache/Lookup", "ballast.v1.KVCache/Put",
-    })
+    found = await wait_for_spans(
+        spans,
+        trace_id,
+        {
+            "ballast.v1.Inference/Generate",
+            "router.admission",
+            "router.worker_attempt",
+            "ballast.v1.Worker/Generate",
+            "worker.prefill",
+            "worker.decode",
+            "worker.kv_restore",
+            "worker.kv_save",
+            "ballast.v1.KVCache/Lookup",
+            "ballast.v1.KVCache/Put",
+        },
+    )
 
     router_span = only(found, "ballast.v1.Inference/Generate")
     assert router_span.parent.span_id == client.get_span_context().span_id
@@ -175,12 +205,15 @@ async def test_an_http_request_continues_the_callers_traceparent(router, spans):
         context = client.get_span_context()
         traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
         async with aiohttp.ClientSession() as session:
-            async with session.post(f"http://127.0.0.1:{router.http.port}/v1/completions",
-                                    json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
-                                    headers={"Authorization": f"Bearer {API_KEY}", "traceparent": traceparent}) as reply:
+            async with session.post(
+                f"http://127.0.0.1:{router.http.port}/v1/completions",
+                json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+                headers={"Authorization": f"Bearer {API_KEY}", "traceparent": traceparent},
+            ) as reply:
                 assert reply.status == 200, await reply.text()
-    found = await wait_for_spans(spans, context.trace_id, {"POST /v1/completions", "router.worker_attempt",
-                                                           "ballast.v1.Worker/Generate"})
+    found = await wait_for_spans(
+        spans, context.trace_id, {"POST /v1/completions", "router.worker_attempt", "ballast.v1.Worker/Generate"}
+    )
     http_span = only(found, "POST /v1/completions")
     assert http_span.kind is SpanKind.SERVER and http_span.parent.span_id == context.span_id
     assert http_span.attributes["http.response.status_code"] == 200
@@ -191,11 +224,17 @@ async def test_an_http_request_continues_the_callers_traceparent(router, spans):
 
 async def test_a_request_without_trace_context_starts_its_own_trace(router, spans):
     async with grpc.aio.insecure_channel(router.address, options=CHANNEL_OPTIONS) as channel:
-        result = await collect(inference_pb2_grpc.InferenceStub(channel),
-                               chat_request("Hello there", max_tokens=4, request_id="untraced-1"), API_KEY)
+        result = await collect(
+            inference_pb2_grpc.InferenceStub(channel),
+            chat_request("Hello there", max_tokens=4, request_id="untraced-1"),
+            API_KEY,
+        )
     assert result.finished is not None
-    roots = [s for s in spans.get_finished_spans()
-             if s.name == "ballast.v1.Inference/Generate" and s.attributes.get("ballast.request_id") == "untraced-1"]
+    roots = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == "ballast.v1.Inference/Generate" and s.attributes.get("ballast.request_id") == "untraced-1"
+    ]
     assert len(roots) == 1 and roots[0].parent is None
     worker_spans = await wait_for_spans(spans, roots[0].context.trace_id, {"ballast.v1.Worker/Generate"})
     assert only(worker_spans, "router.worker_attempt").parent.span_id == roots[0].context.span_id
@@ -218,6 +257,7 @@ async def test_bad_input_is_recorded_on_the_span_but_is_not_a_server_error(route
 
 # --- through Kafka ------------------------------------------------------------------------------
 
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def router_app(router):
     """The backfill service of test_backfill_service replays through this module's router."""
@@ -225,7 +265,8 @@ async def router_app(router):
 
 
 async def test_handoff_carries_the_trace_and_the_backfill_replay_continues_it(
-        kafka_broker, handoff, backfill_app, names, spans):
+    kafka_broker, handoff, backfill_app, names, spans
+):
     request = domain_request("Is the blue phone case back in stock?", session=f"s-{uuid.uuid4().hex}")
     # Stands for the router's span of the request that degraded: the hand-off reads the current one.
     with TEST_TRACER.start_as_current_span("degraded request") as original:
@@ -235,10 +276,17 @@ async def test_handoff_carries_the_trace_and_the_backfill_replay_continues_it(
     records = await asyncio.to_thread(read_topic, kafka_broker.bootstrap, names["topic"], 1)
     assert [name for name, _value in records[0].headers()].count("traceparent") == 1
     headers = dict(records[0].headers())
-    assert headers["traceparent"].decode() == f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+    assert (
+        headers["traceparent"].decode()
+        == f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+    )
 
-    found = await wait_for_spans(spans, context.trace_id, {
-        "backfill.handle", "ballast.v1.Inference/Generate", "ballast.v1.Worker/Generate"}, timeout_s=90)
+    found = await wait_for_spans(
+        spans,
+        context.trace_id,
+        {"backfill.handle", "ballast.v1.Inference/Generate", "ballast.v1.Worker/Generate"},
+        timeout_s=90,
+    )
     handle = only(found, "backfill.handle")
     assert handle.parent.span_id == context.span_id and handle.parent.is_remote
     assert handle.kind is SpanKind.CONSUMER and handle.attributes["ballast.ticket"] == ticket
@@ -249,6 +297,7 @@ async def test_handoff_carries_the_trace_and_the_backfill_replay_continues_it(
 
 
 # --- export ----------------------------------------------------------------------------------------
+
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
     """An OTLP/gRPC trace collector on loopback that keeps what it receives."""
@@ -276,9 +325,13 @@ async def test_spans_are_exported_to_the_configured_otlp_collector():
     finally:
         await asyncio.to_thread(provider.shutdown)
         await server.stop(grace=None)
-    exported = [(resource_spans.resource, exported_span)
-                for request in collector.requests for resource_spans in request.resource_spans
-                for scope_spans in resource_spans.scope_spans for exported_span in scope_spans.spans]
+    exported = [
+        (resource_spans.resource, exported_span)
+        for request in collector.requests
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for exported_span in scope_spans.spans
+    ]
     assert [s.name for _, s in exported] == ["exported"]
     resource, exported_span = exported[0]
     assert exported_span.trace_id == span.get_span_context().trace_id.to_bytes(16, "big")
@@ -297,7 +350,9 @@ class EndlessWorker(worker_pb2_grpc.WorkerServicer):
         try:
             i = 0
             while True:
-                yield worker_pb2.WorkerGenerateEvent(tokens=common_pb2.Tokens(text="x" * 1000, token_ids=[i], first_index=i))
+                yield worker_pb2.WorkerGenerateEvent(
+                    tokens=common_pb2.Tokens(text="x" * 1000, token_ids=[i], first_index=i)
+                )
                 i += 1
         finally:
             self.cleaned_up.set()
@@ -314,7 +369,9 @@ async def test_a_stream_the_caller_cancels_ends_its_span_without_a_context_error
             for _ in range(5):
                 servicer.cleaned_up.clear()
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    call = worker_pb2_grpc.WorkerStub(channel).Generate(worker_pb2.WorkerGenerateRequest(prompt_ids=[1]))
+                    call = worker_pb2_grpc.WorkerStub(channel).Generate(
+                        worker_pb2.WorkerGenerateRequest(prompt_ids=[1])
+                    )
                     async for _event in call:
                         break
                     await asyncio.sleep(0.2)  # the server fills the window and waits to send

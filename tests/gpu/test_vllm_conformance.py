@@ -33,10 +33,10 @@ def gpu_settings(model_dir) -> VllmSettings:
     facts = read_model_facts(model_dir)
     length = min(2048, facts.max_position_embeddings)
     if facts.weights_dtype == "float32":
-        return VllmSettings(kv_cache_dtype="float16", dtype="float16", gpu_memory_utilization=UTILIZATION,
-                            max_model_len=length)
-    return VllmSettings(kv_cache_dtype=facts.weights_dtype, gpu_memory_utilization=UTILIZATION,
-                        max_model_len=length)
+        return VllmSettings(
+            kv_cache_dtype="float16", dtype="float16", gpu_memory_utilization=UTILIZATION, max_model_len=length
+        )
+    return VllmSettings(kv_cache_dtype=facts.weights_dtype, gpu_memory_utilization=UTILIZATION, max_model_len=length)
 
 
 def vllm_factory() -> EngineFactory:

@@ -38,15 +38,19 @@ PATIENCE_S = 15
 
 def policy(standby: int) -> str:
     # At most two replicas: one serving plus, on a breach, either a cold start or the standby.
-    return ('{"primary": {"min_replicas": 1, "max_replicas": 2, '
-            f'"target_p99_ttft_ms": {TARGET_MS}, "calm_p99_ttft_ms": {TARGET_MS // 2}, '
-            '"min_samples": 10, "latency_window_s": 8, "scale_out_cooldown_s": 10, '
-            f'"calm_for_s": 600, "standby_replicas": {standby}}}}}')
+    return (
+        '{"primary": {"min_replicas": 1, "max_replicas": 2, '
+        f'"target_p99_ttft_ms": {TARGET_MS}, "calm_p99_ttft_ms": {TARGET_MS // 2}, '
+        '"min_samples": 10, "latency_window_s": 8, "scale_out_cooldown_s": 10, '
+        f'"calm_for_s": 600, "standby_replicas": {standby}}}}}'
+    )
 
 
 def autoscaled_config(etcd_server, model_dir, state_dir, standby: int):
     return make_config(
-        etcd_server, model_dir, f"/ballast-test-{uuid.uuid4().hex[:8]}/",
+        etcd_server,
+        model_dir,
+        f"/ballast-test-{uuid.uuid4().hex[:8]}/",
         BALLAST__WORKER__MAX_CONCURRENCY="1",
         BALLAST__WORKER__DRAIN_GRACE_S="2",
         BALLAST__AUTOSCALER__ENABLED="true",
@@ -64,7 +68,8 @@ async def load_step(address: str):
     async with open_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         service_ms = await median_service_ms(
-            lambda: collect(stub, chat_request(PROMPT, max_tokens=MAX_TOKENS, raw_prompt=True), API_KEY))
+            lambda: collect(stub, chat_request(PROMPT, max_tokens=MAX_TOKENS, raw_prompt=True), API_KEY)
+        )
         clients = clients_for_queue_wait(service_ms, STEP_WAIT_TARGETS * TARGET_MS, slots=1)
         print(f"\nservice time {service_ms:.0f} ms unloaded: a load step of {clients} clients")
         load = ClosedLoopLoad(stub, api_key_metadata(API_KEY), PROMPT, MAX_TOKENS)
@@ -96,8 +101,9 @@ async def test_a_load_step_breaches_the_p99_and_a_cold_started_worker_serves(etc
         assert await poll(lambda: len(serving_ids(router)) == 1, 60), "the first worker never served"
         first = serving_ids(router)
         async with load_step(router.address) as load:
-            assert await grow_until(load, lambda: scale_out(router) is not None, PATIENCE_S), \
+            assert await grow_until(load, lambda: scale_out(router) is not None, PATIENCE_S), (
                 f"the load step never breached, even at {load.clients} clients"
+            )
             decision = scale_out(router)
             # The breach is the load's doing (its latency or its growing queue), not a floor or a surge.
             assert "p99 TTFT" in decision.reason or "queue wait growing" in decision.reason, decision.reason
@@ -116,16 +122,22 @@ async def test_a_warm_standby_is_promoted_on_a_breach_and_serves(etcd_server, ti
     router = await create_router(autoscaled_config(etcd_server, tiny_model_dir, tmp_path, standby=1))
     try:
         assert await router.autoscaler.lock.wait_leader(15)
-        assert await poll(lambda: len(serving_ids(router)) == 1 and len(standby_ids(router)) == 1, 60), \
+        assert await poll(lambda: len(serving_ids(router)) == 1 and len(standby_ids(router)) == 1, 60), (
             "the pool never reached one serving and one warm worker"
+        )
         (warm,) = standby_ids(router)
         async with load_step(router.address) as load:
-            assert await grow_until(load, lambda: scale_out(router) is not None, PATIENCE_S), \
+            assert await grow_until(load, lambda: scale_out(router) is not None, PATIENCE_S), (
                 f"the load step never breached, even at {load.clients} clients"
+            )
             decision = scale_out(router)
-            assert await poll(lambda: warm in serving_ids(router), 10, interval=0.01), "the warm standby was not promoted"
+            assert await poll(lambda: warm in serving_ids(router), 10, interval=0.01), (
+                "the warm standby was not promoted"
+            )
             promoted_after = time.time() - decision.at
-            assert await poll(lambda: router.membership.get(warm).in_flight > 0, 15), "the promoted worker took no request"
+            assert await poll(lambda: router.membership.get(warm).in_flight > 0, 15), (
+                "the promoted worker took no request"
+            )
             # At max_replicas no warm replacement is started: the pool is serving two, standby none.
             assert (decision.serving, decision.standby) == (2, 0)
             assert len(router.autoscaler.executor.children) == 2

@@ -38,9 +38,16 @@ def mesh(tmp_path_factory, tiny_model_dir):
     overrides = {
         "degrade": {"delivery_timeout_s": 5},
         # Quick group joins, and a short wait for a pool that comes back, so tests stay short.
-        "backfill": {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "busy_backoff_s": 0.5,
-                     "busy_backoff_max_s": 2, "retry_backoff_s": 0.5, "replay_concurrency": 4,
-                     "subscribe_poll_s": 0.5, "delivery_timeout_s": 5},
+        "backfill": {
+            "session_timeout_ms": 6000,
+            "heartbeat_interval_ms": 1000,
+            "busy_backoff_s": 0.5,
+            "busy_backoff_max_s": 2,
+            "retry_backoff_s": 0.5,
+            "replay_concurrency": 4,
+            "subscribe_poll_s": 0.5,
+            "delivery_timeout_s": 5,
+        },
     }
     spec = MeshSpec(
         state_dir=tmp_path_factory.mktemp("delivery"),
@@ -65,18 +72,32 @@ async def stored_count(mesh) -> float:
 
 async def hand_off(handoff: HandOff, session: str, text: str = PROMPT, max_tokens: int = 16) -> str:
     request = InferenceRequest(
-        request_id=uuid.uuid4().hex, session_id=session, tenant="local", model="tiny",
-        sampling=Sampling(max_tokens=max_tokens, temperature=0.0), tier="A", prompt=text,
+        request_id=uuid.uuid4().hex,
+        session_id=session,
+        tenant="local",
+        model="tiny",
+        sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
+        tier="A",
+        prompt=text,
     )
     ticket = make_ticket("local", request.request_id)
-    record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="admission",
-                                 degraded_text="quick answer", degraded_by="rules", received_at=time.time())
+    record = degraded_request_pb(
+        request,
+        ticket=ticket,
+        tier="A",
+        level=Level.RULES,
+        reason="admission",
+        degraded_text="quick answer",
+        degraded_by="rules",
+        received_at=time.time(),
+    )
     await handoff.submit(kafka_key(session, ticket), record.SerializeToString())
     return ticket
 
 
-async def pushes(router, sessions: list[str], expected: int, timeout_s: float = 120.0,
-                 settle_s: float = 2.0) -> list[str]:
+async def pushes(
+    router, sessions: list[str], expected: int, timeout_s: float = 120.0, settle_s: float = 2.0
+) -> list[str]:
     """Tickets pushed to one router subscription per session until `expected` arrived, plus
     any that come within `settle_s` after (a duplicate would). Resubscribes when the
     backfill is briefly away, as a client would."""
@@ -85,8 +106,11 @@ async def pushes(router, sessions: list[str], expected: int, timeout_s: float = 
 
     async def follow(session: str) -> None:
         while True:
-            call = router.Subscribe(backfill_pb2.SubscribeRequest(session_id=session),
-                                    metadata=(("x-api-key", LOCAL_API_KEY),), timeout=timeout_s)
+            call = router.Subscribe(
+                backfill_pb2.SubscribeRequest(session_id=session),
+                metadata=(("x-api-key", LOCAL_API_KEY),),
+                timeout=timeout_s,
+            )
             try:
                 async for answer in call:
                     got.append(answer.ticket)
@@ -117,8 +141,9 @@ async def pushes(router, sessions: list[str], expected: int, timeout_s: float = 
 
 
 async def get_backfill(router, ticket: str, key: str = LOCAL_API_KEY) -> backfill_pb2.BackfilledAnswer:
-    return await router.GetBackfill(backfill_pb2.GetAnswerRequest(ticket=ticket), metadata=(("x-api-key", key),),
-                                    timeout=10)
+    return await router.GetBackfill(
+        backfill_pb2.GetAnswerRequest(ticket=ticket), metadata=(("x-api-key", key),), timeout=10
+    )
 
 
 async def wait_stored(router, ticket: str, timeout_s: float = 90.0) -> backfill_pb2.BackfilledAnswer:
@@ -172,8 +197,9 @@ async def test_another_tenant_cannot_read_a_ticket(mesh, router, handoff):
         await get_backfill(router, ticket, OTHER_KEY)
     assert denied.value.code() == grpc.StatusCode.NOT_FOUND
     for target in ({"ticket": ticket}, {"session_id": session}):
-        call = router.Subscribe(backfill_pb2.SubscribeRequest(**target), metadata=(("x-api-key", OTHER_KEY),),
-                                timeout=3)
+        call = router.Subscribe(
+            backfill_pb2.SubscribeRequest(**target), metadata=(("x-api-key", OTHER_KEY),), timeout=3
+        )
         with pytest.raises(grpc.aio.AioRpcError) as waited:
             async for leaked in call:
                 raise AssertionError(f"another tenant got ticket {leaked.ticket}")
@@ -202,6 +228,7 @@ async def test_requests_degraded_while_the_broker_is_down_are_each_answered_once
     await asyncio.to_thread(mesh.kafka.stop)
     sessions = [f"outage-{i}-{uuid.uuid4().hex[:6]}" for i in range(10)]
     try:
+
         async def degrade(i: int) -> str:
             request = chat_request(f"{PROMPT} #{i}", max_tokens=16, raw_prompt=True, session_id=sessions[i % 10])
             result = await collect(router, request, LOCAL_API_KEY)

@@ -16,7 +16,10 @@ pytestmark = pytest.mark.integration
 def ballast(*args, cwd, timeout=180):
     return subprocess.run(
         [sys.executable, "-m", "services.cli.main", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -31,12 +34,34 @@ def alive(pid: int) -> bool:
 def test_up_chat_status_down(tmp_path, tiny_model_dir):
     state = tmp_path / "state"
     port = str(free_port())
-    up = ballast("up", "--state-dir", str(state), "--model", "tiny", "--model-dir", str(tiny_model_dir), "--router-port", port, cwd=tmp_path)
+    up = ballast(
+        "up",
+        "--state-dir",
+        str(state),
+        "--model",
+        "tiny",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--router-port",
+        port,
+        cwd=tmp_path,
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     pids = [p["pid"] for p in json.loads((state / "mesh.json").read_text())["processes"]]
     try:
         assert len(pids) == 8  # etcd, redis, kafka, cache, backfill, router, 2 workers
-        again = ballast("up", "--state-dir", str(state), "--model", "tiny", "--model-dir", str(tiny_model_dir), "--router-port", port, cwd=tmp_path)
+        again = ballast(
+            "up",
+            "--state-dir",
+            str(state),
+            "--model",
+            "tiny",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--router-port",
+            port,
+            cwd=tmp_path,
+        )
         assert again.returncode == 0 and "already running" in again.stdout
 
         chat = ballast("chat", "Where is my order?", "--state-dir", str(state), "--max-tokens", "16", cwd=tmp_path)

@@ -35,12 +35,26 @@ def mesh(tmp_path_factory, tiny_model_dir):
         "worker": {"kv_block_tokens": 16},
         "degrade": {"delivery_timeout_s": 5},
         # Quick group joins and retries, so the test stays short.
-        "backfill": {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "retry_backoff_s": 0.5,
-                     "replay_concurrency": 4, "subscribe_poll_s": 0.5, "delivery_timeout_s": 5,
-                     "redis_prefix": BACKFILL_PREFIX},
+        "backfill": {
+            "session_timeout_ms": 6000,
+            "heartbeat_interval_ms": 1000,
+            "retry_backoff_s": 0.5,
+            "replay_concurrency": 4,
+            "subscribe_poll_s": 0.5,
+            "delivery_timeout_s": 5,
+            "redis_prefix": BACKFILL_PREFIX,
+        },
     }
-    spec = MeshSpec(state_dir=tmp_path_factory.mktemp("cluster-mesh"), model_dir=tiny_model_dir, workers=2,
-                    worker_capacity=4, redis_cluster=True, etcd_cluster=True, routers=2, overrides=overrides)
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("cluster-mesh"),
+        model_dir=tiny_model_dir,
+        workers=2,
+        worker_capacity=4,
+        redis_cluster=True,
+        etcd_cluster=True,
+        routers=2,
+        overrides=overrides,
+    )
     running = Mesh(spec).start()
     yield running
     running.stop()
@@ -63,8 +77,11 @@ async def turn_on_a_fresh_worker(mesh, router, text: str, session: str) -> tuple
     recompute gives. Returns the answer's text, the prefix tokens restored from the cache, the
     worker that served it and its count of saved sessions before the turn."""
     before = await worker_counters(mesh)
-    answer = await collect(router, chat_request(text, max_tokens=16, raw_prompt=True, session_id=session,
-                                                allow_degraded=False), LOCAL_API_KEY)
+    answer = await collect(
+        router,
+        chat_request(text, max_tokens=16, raw_prompt=True, session_id=session, allow_degraded=False),
+        LOCAL_API_KEY,
+    )
     assert answer.finished is not None and answer.finished.degradation == common_pb2.DEGRADATION_NONE
     name = await served_by(mesh, before)
     server = next(w for w in mesh.workers() if w.name == name)
@@ -77,8 +94,7 @@ async def save_then_lose_the_worker(mesh, name: str, saves_before: float) -> Non
     """Waits until worker `name` saved the turn's KV, then kills it (SIGKILL) and brings it back
     empty, so the next turn runs where the session was never seen."""
     server = next(w for w in mesh.workers() if w.name == name)
-    assert await wait_metric(server.metrics_port, "ballast_worker_kv_saves_total", saves_before + 1,
-                             outcome="saved")
+    assert await wait_metric(server.metrics_port, "ballast_worker_kv_saves_total", saves_before + 1, outcome="saved")
     server.process.kill()
     await wait_lease_gone(mesh, name)
     await asyncio.to_thread(mesh.restart_service, server)
@@ -150,8 +166,9 @@ async def test_the_etcd_leader_killed_under_load_breaks_no_stream_and_loses_no_l
     leases = await worker_leases(etcd)
     assert sorted(leases) == sorted(w.name for w in mesh.workers())
 
-    requests = [chat_request(f"Tell me about parcel {i} and its route.", max_tokens=300, raw_prompt=True)
-                for i in range(4)]
+    requests = [
+        chat_request(f"Tell me about parcel {i} and its route.", max_tokens=300, raw_prompt=True) for i in range(4)
+    ]
     references = [await collect(router, r, LOCAL_API_KEY, timeout=120) for r in requests]
     tasks = [asyncio.create_task(collect(router, r, LOCAL_API_KEY, timeout=120)) for r in requests]
     deadline = time.monotonic() + 30

@@ -53,8 +53,9 @@ def mesh(tmp_path_factory, tiny_model_dir):
 
 
 async def first_answer(stub, timeout_s: float = 90.0, **target) -> backfill_pb2.BackfilledAnswer:
-    call = stub.Subscribe(backfill_pb2.SubscribeRequest(**target), metadata=(("x-api-key", LOCAL_API_KEY),),
-                          timeout=timeout_s)
+    call = stub.Subscribe(
+        backfill_pb2.SubscribeRequest(**target), metadata=(("x-api-key", LOCAL_API_KEY),), timeout=timeout_s
+    )
     try:
         async for answer in call:
             return answer
@@ -64,18 +65,32 @@ async def first_answer(stub, timeout_s: float = 90.0, **target) -> backfill_pb2.
 
 
 async def test_handed_off_request_is_replayed_by_the_backfill_process(mesh, router, tmp_path):
-    handoff = HandOff(HandOffSettings(outbox_path=tmp_path / "outbox.sqlite", bootstrap=mesh.kafka.bootstrap,
-                                      delivery_timeout_s=5))
+    handoff = HandOff(
+        HandOffSettings(outbox_path=tmp_path / "outbox.sqlite", bootstrap=mesh.kafka.bootstrap, delivery_timeout_s=5)
+    )
     await handoff.start()
     try:
         session = f"s-{uuid.uuid4().hex[:8]}"
         request = InferenceRequest(
-            request_id=uuid.uuid4().hex, session_id=session, tenant="local", model="tiny",
-            sampling=Sampling(max_tokens=24, temperature=0.0), tier="A", prompt=PROMPT,
+            request_id=uuid.uuid4().hex,
+            session_id=session,
+            tenant="local",
+            model="tiny",
+            sampling=Sampling(max_tokens=24, temperature=0.0),
+            tier="A",
+            prompt=PROMPT,
         )
         ticket = make_ticket("local", request.request_id)
-        record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="admission",
-                                     degraded_text="quick answer", degraded_by="rules", received_at=time.time())
+        record = degraded_request_pb(
+            request,
+            ticket=ticket,
+            tier="A",
+            level=Level.RULES,
+            reason="admission",
+            degraded_text="quick answer",
+            degraded_by="rules",
+            received_at=time.time(),
+        )
         # Subscribed through the router, which relays from the backfill service.
         subscription = asyncio.create_task(first_answer(router, session_id=session))
         await handoff.submit(kafka_key(session, ticket), record.SerializeToString())
@@ -96,7 +111,9 @@ async def test_primary_down_degrades_to_light_then_rules_and_backfills_when_back
     await wait_router_forgets(mesh, primary.name)
 
     session = f"s-{uuid.uuid4().hex[:8]}"
-    degraded = await collect(router, chat_request(PROMPT, max_tokens=16, raw_prompt=True, session_id=session), LOCAL_API_KEY)
+    degraded = await collect(
+        router, chat_request(PROMPT, max_tokens=16, raw_prompt=True, session_id=session), LOCAL_API_KEY
+    )
     assert degraded.started.model == LIGHT_MODEL
     assert degraded.finished.degradation == common_pb2.DEGRADATION_LIGHT_MODEL
     ticket = degraded.finished.backfill_ticket

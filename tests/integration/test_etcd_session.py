@@ -136,10 +136,10 @@ async def test_a_restarted_etcd_is_reconnected_with_backoff_and_the_watch_report
         await writer.put(key["c"], b"c")
         recorder.resume.set()
         await until(lambda: watch.syncs > syncs_before, 30, "resync after etcd returned")
-        assert recorder.resyncs[-1] == {key["a"]: b"a2", key["b"]: None, key["c"]: b"c"}, \
+        assert recorder.resyncs[-1] == {key["a"]: b"a2", key["b"]: None, key["c"]: b"c"}, (
             "the resync reports exactly what changed while the watch was away (d did not)"
-        assert {k: c.value for k, c in watch.snapshot().items()} == {key["a"]: b"a2", key["c"]: b"c",
-                                                                     key["d"]: b"d"}
+        )
+        assert {k: c.value for k, c in watch.snapshot().items()} == {key["a"]: b"a2", key["c"]: b"c", key["d"]: b"d"}
 
         # etcd kept its data: the lease is kept across the reconnect, the owner told nothing.
         assert await lease.ensure() == first and granted == [first]

@@ -68,11 +68,16 @@ async def references(mesh):
     async with open_channel(mesh.router_address) as channel:
         router = inference_pb2_grpc.InferenceStub(channel)
         started = time.monotonic()
-        results = await asyncio.gather(*[
-            collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True, allow_degraded=False),
-                    LOCAL_API_KEY)
-            for p in PROMPTS
-        ])
+        results = await asyncio.gather(
+            *[
+                collect(
+                    router,
+                    chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True, allow_degraded=False),
+                    LOCAL_API_KEY,
+                )
+                for p in PROMPTS
+            ]
+        )
     found = References(r.token_ids for r in results)
     found.duration_s = time.monotonic() - started
     return found
@@ -126,8 +131,15 @@ class Progress:
 
 def start_streams(router, prompts, progress: Progress) -> list[asyncio.Task]:
     return [
-        asyncio.create_task(collect(router, chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY,
-                                    timeout=90, on_tokens=progress.counter(i)))
+        asyncio.create_task(
+            collect(
+                router,
+                chat_request(p, max_tokens=STREAM_TOKENS, raw_prompt=True),
+                LOCAL_API_KEY,
+                timeout=90,
+                on_tokens=progress.counter(i),
+            )
+        )
         for i, p in enumerate(prompts)
     ]
 
@@ -203,12 +215,14 @@ async def test_stalled_worker_is_detected_and_streams_resume(mesh, router, refer
 async def wait_routing(mesh, worker: str, reason: str, timeout: float = 15.0) -> None:
     """Until the router's metrics show `worker` out for `reason` ("none": routable again):
     the temperature goes through a heartbeat and the router's watch, as fast as the machine."""
-    line_start = 'ballast_router_worker_routable{'
+    line_start = "ballast_router_worker_routable{"
     deadline = time.monotonic() + timeout
     while True:
         text = await scrape(router_metrics_port(mesh))
-        if any(line.startswith(line_start) and f'worker="{worker}"' in line and f'reason="{reason}"' in line
-               for line in text.splitlines()):
+        if any(
+            line.startswith(line_start) and f'worker="{worker}"' in line and f'reason="{reason}"' in line
+            for line in text.splitlines()
+        ):
             return
         assert time.monotonic() < deadline, f"the router never showed {worker} as {reason}"
         await asyncio.sleep(0.1)
@@ -220,9 +234,9 @@ async def test_hot_worker_gets_no_new_requests_until_it_cools(mesh, router):
     temperature.write_text("80")
     await wait_routing(mesh, hot.name, "hot")
     before = metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total")
-    await asyncio.gather(*[
-        collect(router, chat_request(f"hot {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)
-    ])
+    await asyncio.gather(
+        *[collect(router, chat_request(f"hot {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)]
+    )
     assert metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total") == before
     temperature.write_text("76")  # between the marks: still hot (hysteresis)
     # The reading reaches the router with the next heartbeat and its watch.
@@ -231,9 +245,9 @@ async def test_hot_worker_gets_no_new_requests_until_it_cools(mesh, router):
         assert time.monotonic() < deadline, "the router never saw 76"
         await asyncio.sleep(0.1)
     await wait_routing(mesh, hot.name, "hot")
-    await asyncio.gather(*[
-        collect(router, chat_request(f"warm {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)
-    ])
+    await asyncio.gather(
+        *[collect(router, chat_request(f"warm {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)]
+    )
     assert metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total") == before
     temperature.write_text("74")
     await wait_routing(mesh, hot.name, "none")
@@ -242,9 +256,12 @@ async def test_hot_worker_gets_no_new_requests_until_it_cools(mesh, router):
     deadline = time.monotonic() + SLOW_START_S + 15
     while metric_value(await scrape(hot.metrics_port), "ballast_worker_requests_total") == before:
         assert time.monotonic() < deadline, "the cooled worker took no request"
-        await asyncio.gather(*[
-            collect(router, chat_request(f"cool {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY) for i in range(12)
-        ])
+        await asyncio.gather(
+            *[
+                collect(router, chat_request(f"cool {i}", max_tokens=4, raw_prompt=True), LOCAL_API_KEY)
+                for i in range(12)
+            ]
+        )
 
 
 async def routed_temperature(mesh, name: str) -> float | None:
@@ -263,7 +280,9 @@ async def test_rolling_sigterm_restart_breaks_no_stream(mesh, router, references
         i = k
         while not stop.is_set():
             prompt = PROMPTS[i % len(PROMPTS)]
-            result = await collect(router, chat_request(prompt, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90)
+            result = await collect(
+                router, chat_request(prompt, max_tokens=STREAM_TOKENS, raw_prompt=True), LOCAL_API_KEY, timeout=90
+            )
             outcomes.append((result.token_ids == references[i % len(PROMPTS)], result.finished.resumes))
             i += 3
 
@@ -297,9 +316,9 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
     lease_before = await worker_lease(mesh, kept.name)
     await asyncio.sleep(SLOW_START_S)  # a full share of the streams, not a newcomer's
     # Enough calls for its breaker to judge it (the mesh's breaker.min_requests is 10).
-    await asyncio.gather(*[
-        collect(router, chat_request(f"warm {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY) for i in range(48)
-    ])
+    await asyncio.gather(
+        *[collect(router, chat_request(f"warm {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY) for i in range(48)]
+    )
     # Kill it while it is in the middle of answering: a stream that has had its first token
     # from it and not yet finished (its own counters, not the router's choice of placement,
     # which may give a newcomer few streams or none). A batch it took no stream of, or whose
@@ -385,9 +404,12 @@ async def test_breaker_opens_on_worker_errors_not_on_client_errors(mesh, router)
     deadline = time.monotonic() + 20
     while await breaker_state(mesh, faulty.name) != 0:
         assert time.monotonic() < deadline, "breaker did not close after the worker recovered"
-        await asyncio.gather(*[
-            collect(router, chat_request(f"probe {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY) for i in range(6)
-        ])
+        await asyncio.gather(
+            *[
+                collect(router, chat_request(f"probe {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY)
+                for i in range(6)
+            ]
+        )
         await asyncio.sleep(0.3)
 
 
@@ -417,4 +439,3 @@ async def test_retry_budget_caps_attempts_when_every_worker_fails(mesh, router):
     assert retries <= requests * 3
     assert retries <= 0.5 * requests + 2.0 * 10 + 1
     assert elapsed < 10  # failing fast, not waiting out deadlines
-

@@ -35,8 +35,13 @@ ANSWER_BOUND_S = 20.0
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_model_dir):
-    spec = MeshSpec(state_dir=tmp_path_factory.mktemp("hostile"), model_dir=tiny_model_dir, workers=2,
-                    engine="sim", worker_capacity=4)
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("hostile"),
+        model_dir=tiny_model_dir,
+        workers=2,
+        engine="sim",
+        worker_capacity=4,
+    )
     running = Mesh(spec).start()
     yield running
     running.stop()
@@ -99,8 +104,9 @@ class Window:
 
 @pytest.fixture
 async def http(mesh):
-    async with httpx.AsyncClient(base_url=mesh.http_base_url, headers={"x-api-key": LOCAL_API_KEY},
-                                 timeout=ANSWER_BOUND_S) as client:
+    async with httpx.AsyncClient(
+        base_url=mesh.http_base_url, headers={"x-api-key": LOCAL_API_KEY}, timeout=ANSWER_BOUND_S
+    ) as client:
         yield client
 
 
@@ -110,8 +116,12 @@ async def assert_unharmed(mesh, router, pids: dict[str, int], peaks: dict[str, i
         assert worker.pid == pids[worker.name] and worker.process.alive(), f"{worker.name} was restarted or died"
         grown = _peak_rss(worker.pid) - peaks[worker.name]
         assert grown < RSS_BOUND, f"{worker.name} peak memory grew by {grown >> 20} MB"
-    result = await collect(router, chat_request("Is the blue kettle in stock?", max_tokens=8, allow_degraded=False),
-                           LOCAL_API_KEY, timeout=ANSWER_BOUND_S)
+    result = await collect(
+        router,
+        chat_request("Is the blue kettle in stock?", max_tokens=8, allow_degraded=False),
+        LOCAL_API_KEY,
+        timeout=ANSWER_BOUND_S,
+    )
     assert_served(result)
     assert len(result.token_ids) == 8
 
@@ -143,8 +153,11 @@ async def test_a_worker_refuses_a_bomb_from_a_router_that_did_not_check(mesh, ro
         stub = worker_pb2_grpc.WorkerStub(channel)
         for schema, _limit in (BOMBS["min_items"], BOMBS["nested_quantifiers"], BOMBS["ref_laughs"]):
             request = worker_pb2.WorkerGenerateRequest(
-                request_id="hostile", prompt_ids=[5, 6, 7], response_format=json.dumps(schema),
-                sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.0))
+                request_id="hostile",
+                prompt_ids=[5, 6, 7],
+                response_format=json.dumps(schema),
+                sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.0),
+            )
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 async for _event in stub.Generate(request, timeout=ANSWER_BOUND_S):
                     pass
@@ -153,15 +166,19 @@ async def test_a_worker_refuses_a_bomb_from_a_router_that_did_not_check(mesh, ro
     await assert_unharmed(mesh, router, pids, peaks)
 
 
-@pytest.mark.parametrize("case, request_of, words", [
-    # Over the request's byte limit too (the roles alone are 10 bytes a message): either refuses.
-    ("100k_messages", lambda: chat(100_000, ""), "the limit is"),
-    ("20k_messages", lambda: chat(20_000, ""), "router.limits.max_messages"),
-    ("huge_message", lambda: chat(1, "x" * 150_000), "router.limits.max_message_chars"),
-    ("prompt_over_limit", lambda: chat(4, "word " * 19_000), "the limit is 200000"),
-])
-async def test_oversized_conversations_are_refused_without_holding_the_loop(mesh, router, health, case,
-                                                                           request_of, words):
+@pytest.mark.parametrize(
+    "case, request_of, words",
+    [
+        # Over the request's byte limit too (the roles alone are 10 bytes a message): either refuses.
+        ("100k_messages", lambda: chat(100_000, ""), "the limit is"),
+        ("20k_messages", lambda: chat(20_000, ""), "router.limits.max_messages"),
+        ("huge_message", lambda: chat(1, "x" * 150_000), "router.limits.max_message_chars"),
+        ("prompt_over_limit", lambda: chat(4, "word " * 19_000), "the limit is 200000"),
+    ],
+)
+async def test_oversized_conversations_are_refused_without_holding_the_loop(
+    mesh, router, health, case, request_of, words
+):
     pids, peaks = state(mesh)
     request = request_of()
     async with Window(health) as probe:
@@ -220,8 +237,11 @@ async def test_deep_content_and_a_bomb_over_http_are_400(mesh, router, http):
     deep = {"model": "tiny", "messages": [{"role": "user", "content": json.loads("[" * 200 + "]" * 200)}]}
     status, answer, _ = await _http_case(http, json.dumps(deep).encode())
     assert status == 400, answer
-    bomb = {"model": "tiny", "messages": [{"role": "user", "content": "list"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BOMBS["min_items"][0]}}}
+    bomb = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "list"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BOMBS["min_items"][0]}},
+    }
     status, answer, _ = await _http_case(http, json.dumps(bomb).encode())
     assert status == 400 and "max_items" in answer["error"]["message"], answer
     await assert_unharmed(mesh, router, pids, peaks)

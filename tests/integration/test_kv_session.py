@@ -23,8 +23,10 @@ from tests.integration.test_mesh import metric_value, scrape
 # Five worker restarts on a busy machine take a while.
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
-TURN1 = ("The customer paid for the winter coat with Apple Pay. Support answered the question about "
-         "the running shoes. We shipped the coffee maker to the new address. ") * 3
+TURN1 = (
+    "The customer paid for the winter coat with Apple Pay. Support answered the question about "
+    "the running shoes. We shipped the coffee maker to the new address. "
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,8 @@ async def recompute(address: str, text: str, max_tokens: int) -> list[int]:
         tokenizer = ModelTokenizer.from_model_info(await stub.GetModelInfo(worker_pb2.ModelInfoRequest()))
         request = worker_pb2.WorkerGenerateRequest(
             prompt_ids=tokenizer.tokenizer.encode(text).ids,
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        )
         ids: list[int] = []
         async for event in stub.Generate(request, timeout=60):
             ids.extend(event.tokens.token_ids)
@@ -84,10 +87,12 @@ async def worker_counters(mesh) -> dict[str, tuple[float, float, float, float]]:
     counters = {}
     for worker in mesh.workers():
         text = await scrape(worker.metrics_port)
-        counters[worker.name] = (metric_value(text, "ballast_worker_requests_total"),
-                                 metric_value(text, "ballast_worker_prefill_tokens_total"),
-                                 metric_value(text, "ballast_worker_kv_prefix_tokens_total", source="cache"),
-                                 metric_value(text, "ballast_worker_kv_saves_total", outcome="saved"))
+        counters[worker.name] = (
+            metric_value(text, "ballast_worker_requests_total"),
+            metric_value(text, "ballast_worker_prefill_tokens_total"),
+            metric_value(text, "ballast_worker_kv_prefix_tokens_total", source="cache"),
+            metric_value(text, "ballast_worker_kv_saves_total", outcome="saved"),
+        )
     return counters
 
 
@@ -107,8 +112,11 @@ async def test_five_turns_with_a_kill_between_each_restore_and_match_an_uninterr
     for turn, user in enumerate([""] + USER_TURNS, start=1):
         text += user
         before = await worker_counters(mesh)
-        answer = await collect(router, chat_request(text, max_tokens=16, raw_prompt=True, session_id="kv-five",
-                                                    allow_degraded=False), LOCAL_API_KEY)
+        answer = await collect(
+            router,
+            chat_request(text, max_tokens=16, raw_prompt=True, session_id="kv-five", allow_degraded=False),
+            LOCAL_API_KEY,
+        )
         assert answer.finished is not None and answer.finished.degradation == common_pb2.DEGRADATION_NONE
         # A worker counts a request once its stream has ended, which may be just after the
         # client saw the last event: wait for the count rather than race it.
@@ -128,13 +136,15 @@ async def test_five_turns_with_a_kill_between_each_restore_and_match_an_uninterr
             prefilled = after[server.name][1] - before[server.name][1]
             restored = after[server.name][2] - before[server.name][2]
             assert restored >= 16 and prefilled < prompt_tokens, (
-                f"turn {turn}: prefilled {prefilled} of {prompt_tokens} tokens, restored {restored}")
+                f"turn {turn}: prefilled {prefilled} of {prompt_tokens} tokens, restored {restored}"
+            )
         text += answer.text
         if turn == len(USER_TURNS) + 1:
             break
         # Killed only once this turn's KV is written, as a worker lost between turns would be.
-        assert await wait_metric(server.metrics_port, "ballast_worker_kv_saves_total", before[server.name][3] + 1,
-                                 outcome="saved")
+        assert await wait_metric(
+            server.metrics_port, "ballast_worker_kv_saves_total", before[server.name][3] + 1, outcome="saved"
+        )
         server.process.kill()
         await wait_lease_gone(mesh, server.name)
         await asyncio.to_thread(mesh.restart_service, server)

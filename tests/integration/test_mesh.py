@@ -70,8 +70,10 @@ async def wait_router_forgets(mesh, worker_name: str, timeout: float = 20.0) -> 
     expired): the worker leaves the router's routing gauge."""
     port = next(s for s in mesh.services if s.name == "router").metrics_port
     deadline = time.monotonic() + timeout
-    while any(line.startswith("ballast_router_worker_routable{") and f'worker="{worker_name}"' in line
-              for line in (await scrape(port)).splitlines()):
+    while any(
+        line.startswith("ballast_router_worker_routable{") and f'worker="{worker_name}"' in line
+        for line in (await scrape(port)).splitlines()
+    ):
         assert time.monotonic() < deadline, f"the router still routes by {worker_name}"
         await asyncio.sleep(0.05)
 
@@ -124,8 +126,7 @@ async def test_sigterm_drain_finishes_in_flight_streams(mesh, router):
     # rightly move), and the one to drain holds some of them.
     deadline = time.monotonic() + 10
     while True:
-        loads = {w.name: metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight")
-                 for w in mesh.workers()}
+        loads = {w.name: metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in mesh.workers()}
         if sum(loads.values()) >= len(requests) and loads[victim.name] > 0:
             break
         assert time.monotonic() < deadline, f"the streams never all reached the workers: {loads}"
@@ -169,7 +170,9 @@ async def test_killed_worker_gets_no_requests_after_lease_ttl(mesh, router):
     assert all(r.finished is not None for r in results)
     try:
         assert metric_value(await scrape(router_metrics_port), "ballast_router_worker_retries_total") == retries_before
-        assert metric_value(await scrape(survivor.metrics_port), "ballast_worker_requests_total") == survivor_before + 10
+        assert (
+            metric_value(await scrape(survivor.metrics_port), "ballast_worker_requests_total") == survivor_before + 10
+        )
         assert gone_after <= LEASE_TTL_S + 2
     finally:
         await asyncio.to_thread(mesh.restart_service, victim)

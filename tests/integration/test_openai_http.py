@@ -35,8 +35,7 @@ def mesh(tmp_path_factory, tiny_model_dir):
         model_dir=tiny_model_dir,
         workers=1,
         worker_capacity=2,
-        overrides={"router": {"http_keepalive_s": KEEPALIVE_S,
-                              "scheduling": {"tiers": {"B": {"max_queue": 1}}}}},
+        overrides={"router": {"http_keepalive_s": KEEPALIVE_S, "scheduling": {"tiers": {"B": {"max_queue": 1}}}}},
     )
     running = Mesh(spec).start()
     yield running
@@ -51,8 +50,9 @@ async def client(mesh):
 
 @pytest.fixture
 async def http(mesh):
-    async with httpx.AsyncClient(base_url=mesh.http_base_url, timeout=60,
-                                 headers={"Authorization": f"Bearer {LOCAL_API_KEY}"}) as session:
+    async with httpx.AsyncClient(
+        base_url=mesh.http_base_url, timeout=60, headers={"Authorization": f"Bearer {LOCAL_API_KEY}"}
+    ) as session:
         yield session
 
 
@@ -71,13 +71,15 @@ async def wait_in_flight(mesh, predicate, timeout: float) -> float:
 async def test_chat_equals_grpc_answer_streamed_and_not(mesh, router, client):
     reference = await collect(router, chat_request(PROMPT, max_tokens=32), LOCAL_API_KEY)
     whole = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=32, temperature=0)
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=32, temperature=0
+    )
     assert whole.choices[0].message.content == reference.text
     assert whole.choices[0].finish_reason in ("stop", "length")
     assert whole.usage.completion_tokens == len(reference.token_ids)
     assert whole.model_extra["ballast"]["degradation"] == "none"
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=32, temperature=0, stream=True)
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=32, temperature=0, stream=True
+    )
     chunks = [chunk async for chunk in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference.text
     assert chunks[-1].choices[0].finish_reason is not None and chunks[-1].usage is None
@@ -94,19 +96,32 @@ async def test_completions_equal_grpc_prompt_answer(router, client):
 
 async def test_include_usage_adds_a_final_usage_chunk(client):
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0,
-        stream=True, stream_options={"include_usage": True})
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert all(c.usage is None for c in chunks[:-1])
 
 
 async def test_json_schema_answer_validates(client):
-    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "in_stock": {"type": "boolean"}},
-              "required": ["answer", "in_stock"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}, "in_stock": {"type": "boolean"}},
+        "required": ["answer", "in_stock"],
+        "additionalProperties": False,
+    }
     answer = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=96, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "stock", "schema": schema}})
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=96,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "stock", "schema": schema}},
+    )
     jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
     assert answer.model_extra["ballast"]["structured"]["status"] in ("valid", "repaired")
 
@@ -125,8 +140,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 async def test_bad_requests_get_openai_errors(http, client):
-    assert_error(await http.post("/chat/completions", content=b"{not json",
-                                 headers={"Content-Type": "application/json"}), 400)
+    assert_error(
+        await http.post("/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}), 400
+    )
     assert_error(await http.post("/chat/completions", content=b"[" * 200 + b"]" * 200), 400)
     good = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert_error(await http.post("/chat/completions", json={**good, "max_tokens": "four"}), 400, "max_tokens")
@@ -148,9 +164,14 @@ async def test_bad_requests_get_openai_errors(http, client):
 
 
 async def test_queued_stream_keeps_alive_and_full_queue_is_429(mesh, router, http):
-    holders = [asyncio.create_task(collect(router, chat_request(f"{PROMPT} #{i}", max_tokens=LONG_TOKENS,
-                                                                  raw_prompt=True, tier="B"), LOCAL_API_KEY))
-               for i in range(2)]
+    holders = [
+        asyncio.create_task(
+            collect(
+                router, chat_request(f"{PROMPT} #{i}", max_tokens=LONG_TOKENS, raw_prompt=True, tier="B"), LOCAL_API_KEY
+            )
+        )
+        for i in range(2)
+    ]
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
     headers = {"x-ballast-tier": "B", "x-ballast-allow-degraded": "false"}
     try:
@@ -239,9 +260,16 @@ async def test_a_degraded_answer_is_backfilled_and_streamed_to_its_session(mesh,
     subscription = asyncio.create_task(subscribe())
     # Both worker slots and B's one queue place taken: the next B request is refused
     # admission and answered degraded, with a ticket for the better answer.
-    holders = [asyncio.create_task(collect(router, chat_request(f"{PROMPT} hold {i}", max_tokens=LONG_TOKENS,
-                                                                  raw_prompt=True, tier="B"), LOCAL_API_KEY))
-               for i in range(3)]
+    holders = [
+        asyncio.create_task(
+            collect(
+                router,
+                chat_request(f"{PROMPT} hold {i}", max_tokens=LONG_TOKENS, raw_prompt=True, tier="B"),
+                LOCAL_API_KEY,
+            )
+        )
+        for i in range(3)
+    ]
     body = {"model": "tiny", "prompt": "Where is order 5512?", "max_tokens": 16, "temperature": 0}
     try:
         await wait_in_flight(mesh, lambda value: value >= 2, timeout=20)
@@ -249,8 +277,9 @@ async def test_a_degraded_answer_is_backfilled_and_streamed_to_its_session(mesh,
         while await router_queued(mesh, "B") < 1:
             assert time.monotonic() < deadline, "the third B request never queued"
             await asyncio.sleep(0.05)
-        degraded = await http.post("/completions", json=body,
-                                   headers={"x-ballast-tier": "B", "x-ballast-session-id": session})
+        degraded = await http.post(
+            "/completions", json=body, headers={"x-ballast-tier": "B", "x-ballast-session-id": session}
+        )
     finally:
         for task in holders:
             task.cancel()
@@ -266,8 +295,9 @@ async def test_a_degraded_answer_is_backfilled_and_streamed_to_its_session(mesh,
     fetched = await http.get(f"/ballast/backfill/{ticket}")
     assert fetched.status_code == 200 and fetched.json() == answer
     # The better answer is the model's own greedy answer to the same request.
-    direct = await collect(router, chat_request(body["prompt"], max_tokens=16, raw_prompt=True, allow_degraded=False),
-                           LOCAL_API_KEY)
+    direct = await collect(
+        router, chat_request(body["prompt"], max_tokens=16, raw_prompt=True, allow_degraded=False), LOCAL_API_KEY
+    )
     assert answer["text"] == direct.text and answer["degraded_level"] != "none"
 
 

@@ -38,8 +38,12 @@ WORKERS = 3
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_model_dir):
     spec = MeshSpec(
-        state_dir=tmp_path_factory.mktemp("poison"), model_dir=tiny_model_dir, workers=WORKERS, engine="sim",
-        lease_ttl_s=3, worker_capacity=4,
+        state_dir=tmp_path_factory.mktemp("poison"),
+        model_dir=tiny_model_dir,
+        workers=WORKERS,
+        engine="sim",
+        lease_ttl_s=3,
+        worker_capacity=4,
         overrides={"worker": {"respawn": True, "sim_faults": {"crash_on_marker": MARKER}}},
     )
     running = Mesh(spec).start()
@@ -102,8 +106,11 @@ async def test_a_query_of_death_costs_two_workers_and_is_quarantined(mesh):
     async with open_channel(mesh.router_address) as channel:
         router = inference_pb2_grpc.InferenceStub(channel)
         # The pool serves before the poison (and the prompt alone, without the marker, is harmless).
-        assert_served(await collect(router, chat_request("Summarise the attached contract.", max_tokens=8),
-                                    LOCAL_API_KEY, timeout=60))
+        assert_served(
+            await collect(
+                router, chat_request("Summarise the attached contract.", max_tokens=8), LOCAL_API_KEY, timeout=60
+            )
+        )
 
         # Degradation is allowed (the default): the answer must still be the quarantine error.
         error = await refusal(router, chat_request(POISON, max_tokens=16, request_id="poison-1"))
@@ -114,8 +121,9 @@ async def test_a_query_of_death_costs_two_workers_and_is_quarantined(mesh):
         assert lost(before, after_poison) == 2, f"{before} -> {after_poison}"
 
         # The third worker never saw it, and serves at once (no degraded answer, no wait for keepers).
-        served = await collect(router, chat_request("Where is my order?", max_tokens=8, allow_degraded=False),
-                               LOCAL_API_KEY, timeout=60)
+        served = await collect(
+            router, chat_request("Where is my order?", max_tokens=8, allow_degraded=False), LOCAL_API_KEY, timeout=60
+        )
         assert_served(served)
 
         # A client retry under a new request id is refused before any worker sees it.
@@ -127,10 +135,13 @@ async def test_a_query_of_death_costs_two_workers_and_is_quarantined(mesh):
     # Over the OpenAI-compatible API too: 422 with code `quarantined` and a Retry-After, no worker lost.
     import httpx
 
-    async with httpx.AsyncClient(base_url=mesh.http_base_url, timeout=60,
-                                 headers={"Authorization": f"Bearer {LOCAL_API_KEY}"}) as http:
-        reply = await http.post("/chat/completions", json={
-            "model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": POISON}]})
+    async with httpx.AsyncClient(
+        base_url=mesh.http_base_url, timeout=60, headers={"Authorization": f"Bearer {LOCAL_API_KEY}"}
+    ) as http:
+        reply = await http.post(
+            "/chat/completions",
+            json={"model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": POISON}]},
+        )
     assert reply.status_code == 422, reply.text
     assert reply.json()["error"]["code"] == "quarantined" and int(reply.headers["Retry-After"]) > 0
     assert none_died(untouched, serving_pids(mesh))
@@ -144,19 +155,36 @@ async def test_a_query_of_death_costs_two_workers_and_is_quarantined(mesh):
     entries = await quarantined(config.etcd)
     assert [e.workers_lost for e in entries] == [2]
     poison_request = InferenceRequest(
-        request_id="poison-1", session_id="", tenant="local", model="tiny", sampling=Sampling(max_tokens=16),
-        tier="A", messages=(Message("user", POISON),))
+        request_id="poison-1",
+        session_id="",
+        tenant="local",
+        model="tiny",
+        sampling=Sampling(max_tokens=16),
+        tier="A",
+        messages=(Message("user", POISON),),
+    )
     assert entries[0].fingerprint == request_fingerprint(poison_request)
 
     # A degraded copy of it in Kafka (as a router that degraded it before the quarantine would
     # have written it) is parked by the backfill: never replayed, no worker lost.
     ticket = make_ticket("local", "poison-degraded-earlier")
-    record = degraded_request_pb(poison_request, ticket=ticket, tier="A", level=Level.RULES, reason="no_worker",
-                                 degraded_text="(rules)", degraded_by="rules", received_at=time.time())
+    record = degraded_request_pb(
+        poison_request,
+        ticket=ticket,
+        tier="A",
+        level=Level.RULES,
+        reason="no_worker",
+        degraded_text="(rules)",
+        degraded_by="rules",
+        received_at=time.time(),
+    )
     from services.router.degrade.handoff import HandOff, HandOffSettings
 
-    handoff = HandOff(HandOffSettings(outbox_path=mesh.state_dir / "poison-outbox.sqlite",
-                                      bootstrap=mesh.kafka.bootstrap, delivery_timeout_s=5))
+    handoff = HandOff(
+        HandOffSettings(
+            outbox_path=mesh.state_dir / "poison-outbox.sqlite", bootstrap=mesh.kafka.bootstrap, delivery_timeout_s=5
+        )
+    )
     await handoff.start()
     try:
         await handoff.submit(kafka_key("", ticket), record.SerializeToString())
@@ -176,8 +204,11 @@ async def test_a_query_of_death_costs_two_workers_and_is_quarantined(mesh):
     async with open_channel(mesh.router_address) as channel:
         router = inference_pb2_grpc.InferenceStub(channel)
         for i in range(WORKERS * 2):
-            assert_served(await collect(router, chat_request(f"Order {i}?", max_tokens=4, allow_degraded=False),
-                                        LOCAL_API_KEY, timeout=60))
+            assert_served(
+                await collect(
+                    router, chat_request(f"Order {i}?", max_tokens=4, allow_degraded=False), LOCAL_API_KEY, timeout=60
+                )
+            )
     assert serving_pids(mesh) == back
 
 

@@ -49,8 +49,9 @@ def _write_replicated(cluster: LocalRedisCluster, key: str, value: str) -> Clust
     master = cluster.master_for_key(key)
     replica = cluster.replica_of(master)
     assert replica is not None, f"{master.name} has no replica"
-    connection = redis.Redis(host=master.host, port=master.port, decode_responses=True,
-                             single_connection_client=True, socket_timeout=5.0)
+    connection = redis.Redis(
+        host=master.host, port=master.port, decode_responses=True, single_connection_client=True, socket_timeout=5.0
+    )
     try:
         assert connection.set(key, value)
         assert connection.execute_command("WAIT", 1, 5000) >= 1, "the write did not reach a replica"

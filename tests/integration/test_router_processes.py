@@ -33,8 +33,13 @@ def mesh(tmp_path_factory, tiny_model_dir):
     # A slot for every request a test sends at once: each process admits on its own view of the
     # worker, and a queued request on a router without measured service times yet may be
     # degraded by its wait estimate (the tests here are about the port, not admission).
-    spec = MeshSpec(state_dir=tmp_path_factory.mktemp("router-processes"), model_dir=tiny_model_dir, workers=1,
-                    worker_capacity=24, overrides={"router": {"processes": 2}})
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("router-processes"),
+        model_dir=tiny_model_dir,
+        workers=1,
+        worker_capacity=24,
+        overrides={"router": {"processes": 2}},
+    )
     running = Mesh(spec).start()
     yield running
     running.stop()

@@ -34,8 +34,14 @@ PROMPT = "Tell me everything about the red charger and the blue phone case."
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_model_dir):
     overrides = {"autoscaler": {"enabled": True, "executor": "none", "leader_ttl_s": 2}}
-    spec = MeshSpec(state_dir=tmp_path_factory.mktemp("routers"), model_dir=tiny_model_dir, workers=2,
-                    worker_capacity=4, routers=2, overrides=overrides)
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("routers"),
+        model_dir=tiny_model_dir,
+        workers=2,
+        worker_capacity=4,
+        routers=2,
+        overrides=overrides,
+    )
     running = Mesh(spec).start()
     yield running
     running.stop()
@@ -107,8 +113,9 @@ async def test_a_client_balances_over_the_routers_and_a_retried_request_id_gives
     # The same request on the first router, which is killed once tokens flow.
     seen: list[int] = []
     async with grpc.aio.insecure_channel(first.address, options=CHANNEL_OPTIONS) as channel:
-        call = inference_pb2_grpc.InferenceStub(channel).Generate(request, metadata=api_key_metadata(LOCAL_API_KEY),
-                                                                  timeout=120)
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(
+            request, metadata=api_key_metadata(LOCAL_API_KEY), timeout=120
+        )
         with pytest.raises(grpc.aio.AioRpcError) as cut:
             async for event in call:
                 if event.WhichOneof("event") == "tokens":
@@ -117,7 +124,7 @@ async def test_a_client_balances_over_the_routers_and_a_retried_request_id_gives
                         os.kill(first.pid, signal.SIGKILL)
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
     assert 10 <= len(seen) < len(reference.token_ids), "the stream was not cut mid-answer"
-    assert seen == reference.token_ids[:len(seen)]
+    assert seen == reference.token_ids[: len(seen)]
     await asyncio.to_thread(first.process.wait, 10)
 
     # Retried with the same request_id on the router left: the very same answer.
@@ -155,6 +162,7 @@ async def test_leadership_moves_to_the_other_router_when_the_leader_dies(mesh):
 
     async def survivor_leads():
         return await autoscaler_leaders(mesh) == [survivor.name]
+
     await wait_until(survivor_leads, "the surviving router never took the autoscaler's lead")
     await asyncio.to_thread(mesh.restart_service, leader)
 
@@ -163,11 +171,13 @@ async def test_leadership_moves_to_the_other_router_when_the_leader_dies(mesh):
     async def live_gate_holder():
         holder = await rollout_gate_holder(mesh)
         return next((r for r in mesh.routers() if holds_gate(r, holder)), None)
+
     gate = await wait_until(live_gate_holder, "no live router holds the rollout gate")
     other = next(r for r in mesh.routers() if r.name != gate.name)
     await kill(gate)
 
     async def gate_moved():
         return holds_gate(other, await rollout_gate_holder(mesh))
+
     await wait_until(gate_moved, "the rollout gate stayed with the dead router")
     await asyncio.to_thread(mesh.restart_service, gate)

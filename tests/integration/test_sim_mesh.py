@@ -27,8 +27,14 @@ TOKENS = 150  # about 1.5 s per stream with the default profile
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_model_dir):
-    spec = MeshSpec(state_dir=tmp_path_factory.mktemp("sim-mesh"), model_dir=tiny_model_dir, workers=WORKERS,
-                    engine="sim", lease_ttl_s=3, worker_capacity=4)
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("sim-mesh"),
+        model_dir=tiny_model_dir,
+        workers=WORKERS,
+        engine="sim",
+        lease_ttl_s=3,
+        worker_capacity=4,
+    )
     running = Mesh(spec).start()
     yield running
     running.stop()
@@ -36,8 +42,13 @@ def mesh(tmp_path_factory, tiny_model_dir):
 
 def request(i: int, seeded: bool):
     options = {"temperature": 0.8, "seed": 100 + i} if seeded else {}
-    return chat_request(f"Customer {i} asks about order {3000 + i}.", max_tokens=TOKENS, raw_prompt=True,
-                        allow_degraded=False, **options)
+    return chat_request(
+        f"Customer {i} asks about order {3000 + i}.",
+        max_tokens=TOKENS,
+        raw_prompt=True,
+        allow_degraded=False,
+        **options,
+    )
 
 
 KILLED = 4
@@ -63,17 +74,21 @@ async def test_streams_survive_sim_workers_killed_mid_stream(mesh, router):
         on_workers = await Answering.read(alive)
         await set_all_faults(mesh, alive, {"slowdown": SLOWDOWN})
         received = [0] * len(keys)
-        streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120,
-                                               on_tokens=token_counter(received, n)))
-                   for n, (i, s) in enumerate(keys)]
+        streams = [
+            asyncio.create_task(
+                collect(router, request(i, s), LOCAL_API_KEY, timeout=120, on_tokens=token_counter(received, n))
+            )
+            for n, (i, s) in enumerate(keys)
+        ]
         # Victims: workers read in the middle of answering a stream of the batch (16 processes
         # share this machine's cores: when that is depends on it), killed together once four
         # are found, so no stream is resumed on a worker about to be killed.
         victims: list = []
         try:
             while len(victims) < KILLED:
-                victim = await worker_answering([w for w in alive if w not in victims], on_workers, streams, rng,
-                                                received)
+                victim = await worker_answering(
+                    [w for w in alive if w not in victims], on_workers, streams, rng, received
+                )
                 if victim is None:
                     break
                 victims.append(victim)
@@ -136,14 +151,18 @@ async def test_fault_knobs_set_through_etcd_while_the_workers_run(mesh, router):
         on_workers = await Answering.read(workers)
         await set_all_faults(mesh, workers, {"slowdown": SLOWDOWN})
         received = [0] * len(keys)
-        streams = [asyncio.create_task(collect(router, request(i, s), LOCAL_API_KEY, timeout=120,
-                                               on_tokens=token_counter(received, n)))
-                   for n, (i, s) in enumerate(keys)]
+        streams = [
+            asyncio.create_task(
+                collect(router, request(i, s), LOCAL_API_KEY, timeout=120, on_tokens=token_counter(received, n))
+            )
+            for n, (i, s) in enumerate(keys)
+        ]
         failing: list = []
         try:
             while len(failing) < 2:
-                worker = await worker_answering([w for w in workers if w not in failing], on_workers, streams, rng,
-                                                received)
+                worker = await worker_answering(
+                    [w for w in workers if w not in failing], on_workers, streams, rng, received
+                )
                 if worker is None:
                     break
                 await set_faults(mesh, worker.name, {"fail_after_tokens": 20})
@@ -204,7 +223,7 @@ async def test_idle_workers_keep_their_leases_without_rewriting_their_records(me
         client = make_client(etcd)
         try:
             prefix = workers_prefix(etcd)
-            return {kv.key.decode()[len(prefix):]: kv.mod_revision for kv in await client.get_prefix(prefix.encode())}
+            return {kv.key.decode()[len(prefix) :]: kv.mod_revision for kv in await client.get_prefix(prefix.encode())}
         finally:
             await client.close()
 

@@ -22,17 +22,49 @@ MINUTES, SEED = 1.0, 7
 # Low enough that a fault which stops a server's tokens for a second or more breaches it on any
 # machine (the tiny model answers in tens of milliseconds), so each phase's scale-out is run.
 TARGET_MS = 250
-PHASE_KEYS = {"p99_ms", "error_rate", "session_interruption_rate", "scale_out_s", "s_tier_p99_ms",
-              "json_failure_rate", "ttft_p99_ms", "kv_fragmentation", "requests", "sessions"}
+PHASE_KEYS = {
+    "p99_ms",
+    "error_rate",
+    "session_interruption_rate",
+    "scale_out_s",
+    "s_tier_p99_ms",
+    "json_failure_rate",
+    "ttft_p99_ms",
+    "kv_fragmentation",
+    "requests",
+    "sessions",
+}
 
 
 @pytest.fixture(scope="module")
 def soak(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("soak") / "soak.json"
-    run = subprocess.run([sys.executable, "-m", "bench.soak", "--engine", "torch", "--model-dir", str(tiny_model_dir),
-                          "--minutes", str(MINUTES),
-                          "--unloaded-s", "8", "--rate", "0.3", "--target-ms", str(TARGET_MS), "--seed", str(SEED), "--out", str(out)],
-                         capture_output=True, text=True, timeout=540)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.soak",
+            "--engine",
+            "torch",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--minutes",
+            str(MINUTES),
+            "--unloaded-s",
+            "8",
+            "--rate",
+            "0.3",
+            "--target-ms",
+            str(TARGET_MS),
+            "--seed",
+            str(SEED),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert run.returncode in (0, 1), f"the soak failed ({run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     return json.loads(out.read_text()), out, run.stdout
 

@@ -34,8 +34,15 @@ TENANT = "local"  # the tenant of LOCAL_API_KEY in a local mesh
 @pytest.fixture(scope="module")
 def mesh_dir(tmp_path_factory, tiny_model_dir):
     state_dir = tmp_path_factory.mktemp("supervised-mesh")
-    spec = MeshSpec(state_dir=state_dir, model_dir=tiny_model_dir, workers=2, engine="sim", lease_ttl_s=3,
-                    fixed_ports=True, redis_persist=True)
+    spec = MeshSpec(
+        state_dir=state_dir,
+        model_dir=tiny_model_dir,
+        workers=2,
+        engine="sim",
+        lease_ttl_s=3,
+        fixed_ports=True,
+        redis_persist=True,
+    )
     daemon = launch_daemon(spec)
     try:
         wait_daemon_ready(daemon, state_dir, timeout=spec.start_timeout_s)
@@ -72,8 +79,12 @@ async def served_again(state_dir: Path, timeout_s: float = 60.0) -> None:
         async with open_channel(router) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             try:
-                result = await collect(stub, chat_request("Where is my order?", max_tokens=8, raw_prompt=True,
-                                                          allow_degraded=False), LOCAL_API_KEY, timeout=10)
+                result = await collect(
+                    stub,
+                    chat_request("Where is my order?", max_tokens=8, raw_prompt=True, allow_degraded=False),
+                    LOCAL_API_KEY,
+                    timeout=10,
+                )
                 if result.finished is not None and not result.finished.degradation:
                     assert_served(result)
                     return
@@ -85,8 +96,12 @@ async def served_again(state_dir: Path, timeout_s: float = 60.0) -> None:
 
 
 def ballast_status(state_dir: Path) -> str:
-    done = subprocess.run([sys.executable, "-m", "services.cli.main", "status", "--state-dir", str(state_dir)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "status", "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -136,8 +151,9 @@ async def test_an_undelivered_better_answer_survives_a_redis_restart(mesh_dir):
         stub = inference_pb2_grpc.InferenceStub(channel)
         while True:
             try:
-                got = await stub.GetBackfill(backfill_pb2.GetAnswerRequest(ticket=ticket),
-                                             metadata=(("x-api-key", LOCAL_API_KEY),), timeout=10)
+                got = await stub.GetBackfill(
+                    backfill_pb2.GetAnswerRequest(ticket=ticket), metadata=(("x-api-key", LOCAL_API_KEY),), timeout=10
+                )
                 break
             except grpc.aio.AioRpcError as error:
                 # The backfill service reconnects to Redis; NOT_FOUND would mean the answer is lost.
@@ -152,8 +168,12 @@ async def test_down_stops_every_process_restarted_ones_included(mesh_dir):
     pids = [c["pid"] for c in read_supervisor_state(mesh_dir)["children"]]
     assert None not in pids and len(pids) == 8
     done = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "services.cli.main", "down", "--state-dir", str(mesh_dir)],
-        capture_output=True, text=True, timeout=300)
+        subprocess.run,
+        [sys.executable, "-m", "services.cli.main", "down", "--state-dir", str(mesh_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "mismatch" not in done.stdout
     assert not any(alive(pid) for pid in pids + [supervisor_pid])

@@ -49,21 +49,45 @@ def mesh(tmp_path_factory, tiny_model_dir):
             # the runs is whom the scheduler serves first, and whether it preempts.
             "scheduling": {"tiers": {"S": {"budget_s": 20.0}, "A": {"budget_s": 20.0}}},
             "quotas": {
-            # One token per prompt character: an upper bound for the tiny model's tokenizer, so
-            # reservations never undercount the prompts here.
-            "prompt_chars_per_token": 1,
-            "tenants": {"q-cancel": limited, "q-burst": limited, "q-replay": limited, "q-conc": {"max_concurrent": 2}},
-        }},
+                # One token per prompt character: an upper bound for the tiny model's tokenizer, so
+                # reservations never undercount the prompts here.
+                "prompt_chars_per_token": 1,
+                "tenants": {
+                    "q-cancel": limited,
+                    "q-burst": limited,
+                    "q-replay": limited,
+                    "q-conc": {"max_concurrent": 2},
+                },
+            },
+        },
         "degrade": {"delivery_timeout_s": 5},
-        "backfill": {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "busy_backoff_s": 0.5,
-                     "busy_backoff_max_s": 2, "retry_backoff_s": 0.5, "subscribe_poll_s": 0.5,
-                     "delivery_timeout_s": 5},
+        "backfill": {
+            "session_timeout_ms": 6000,
+            "heartbeat_interval_ms": 1000,
+            "busy_backoff_s": 0.5,
+            "busy_backoff_max_s": 2,
+            "retry_backoff_s": 0.5,
+            "subscribe_poll_s": 0.5,
+            "delivery_timeout_s": 5,
+        },
     }
     spec = MeshSpec(
-        state_dir=tmp_path_factory.mktemp("tenancy"), model_dir=tiny_model_dir, workers=1, engine="sim",
-        worker_capacity=CAPACITY, overrides=overrides,
-        api_keys={LOCAL_API_KEY: "local", BACKFILL_API_KEY: "ballast-backfill", B_KEY: "batch", CLAIMER_KEY: "claimer",
-                  CANCEL_KEY: "q-cancel", BURST_KEY: "q-burst", CONC_KEY: "q-conc", REPLAY_KEY: "q-replay"},
+        state_dir=tmp_path_factory.mktemp("tenancy"),
+        model_dir=tiny_model_dir,
+        workers=1,
+        engine="sim",
+        worker_capacity=CAPACITY,
+        overrides=overrides,
+        api_keys={
+            LOCAL_API_KEY: "local",
+            BACKFILL_API_KEY: "ballast-backfill",
+            B_KEY: "batch",
+            CLAIMER_KEY: "claimer",
+            CANCEL_KEY: "q-cancel",
+            BURST_KEY: "q-burst",
+            CONC_KEY: "q-conc",
+            REPLAY_KEY: "q-replay",
+        },
     )
     running = Mesh(spec).start()
     yield running
@@ -84,13 +108,30 @@ async def b_streams_beside(router, competitor_key: str, competitor_tier: str) ->
     sends 16 streams at `competitor_tier`. Returns the B streams' resumes (each preemption is
     one) and the competitor's results."""
     producing = [asyncio.Event() for _ in range(CAPACITY)]
-    b_streams = [asyncio.create_task(collect(
-        router, chat_request(f"batch summary {i}", max_tokens=400, tier="B", raw_prompt=True, allow_degraded=False),
-        B_KEY, timeout=120, on_tokens=lambda _t, e=producing[i]: e.set())) for i in range(CAPACITY)]
+    b_streams = [
+        asyncio.create_task(
+            collect(
+                router,
+                chat_request(f"batch summary {i}", max_tokens=400, tier="B", raw_prompt=True, allow_degraded=False),
+                B_KEY,
+                timeout=120,
+                on_tokens=lambda _t, e=producing[i]: e.set(),
+            )
+        )
+        for i in range(CAPACITY)
+    ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in producing)), 60)
-    competitors = await asyncio.gather(*(collect(
-        router, chat_request(f"urgent {i}", max_tokens=32, tier=competitor_tier, raw_prompt=True,
-                             allow_degraded=False), competitor_key, timeout=120) for i in range(16)))
+    competitors = await asyncio.gather(
+        *(
+            collect(
+                router,
+                chat_request(f"urgent {i}", max_tokens=32, tier=competitor_tier, raw_prompt=True, allow_degraded=False),
+                competitor_key,
+                timeout=120,
+            )
+            for i in range(16)
+        )
+    )
     results = await asyncio.gather(*b_streams)
     for result in results:
         assert_served(result)
@@ -99,8 +140,13 @@ async def b_streams_beside(router, competitor_key: str, competitor_tier: str) ->
 
 
 async def test_s_claimed_without_a_grant_is_capped_and_preempts_nothing(mesh, router):
-    capped_before = metric_value(await scrape(router_metrics_port(mesh)), "ballast_router_tier_capped_total",
-                                 asked="S", tier="A", reason="capped_by_grant")
+    capped_before = metric_value(
+        await scrape(router_metrics_port(mesh)),
+        "ballast_router_tier_capped_total",
+        asked="S",
+        tier="A",
+        reason="capped_by_grant",
+    )
     # Baseline, same run: the claimer sends the same streams at B.
     baseline_resumes, baseline = await b_streams_beside(router, CLAIMER_KEY, "B")
     # The claimer has no grant (A and B): its S is capped to A, which never preempts.
@@ -112,12 +158,19 @@ async def test_s_claimed_without_a_grant_is_capped_and_preempts_nothing(mesh, ro
     assert {(r.started.tier, r.started.tier_reason) for r in claimed} == {(common_pb2.TIER_A, "capped_by_grant")}
     assert {(r.started.tier, r.started.tier_reason) for r in granted} == {(common_pb2.TIER_S, "explicit")}
     # What was measured, for whoever runs this with -s.
-    print(f"\nmeasured: B streams preempted beside 16 streams at B {baseline_resumes}, "
-          f"at S claimed without a grant {claimed_resumes}, at S with a grant {granted_resumes}")
+    print(
+        f"\nmeasured: B streams preempted beside 16 streams at B {baseline_resumes}, "
+        f"at S claimed without a grant {claimed_resumes}, at S with a grant {granted_resumes}"
+    )
     assert granted_resumes > 0, "the control tenant's S streams preempted nothing: the comparison proves nothing"
     assert claimed_resumes == baseline_resumes == 0, (claimed_resumes, baseline_resumes, granted_resumes)
-    capped_after = metric_value(await scrape(router_metrics_port(mesh)), "ballast_router_tier_capped_total",
-                                asked="S", tier="A", reason="capped_by_grant")
+    capped_after = metric_value(
+        await scrape(router_metrics_port(mesh)),
+        "ballast_router_tier_capped_total",
+        asked="S",
+        tier="A",
+        reason="capped_by_grant",
+    )
     assert capped_after - capped_before == 16
 
 
@@ -131,8 +184,11 @@ async def test_a_tagging_rule_cannot_lift_a_request_above_the_grant(router):
 
 
 async def test_only_the_backfills_key_may_act_for_another_tenant(router):
-    call = router.Generate(chat_request("hi", max_tokens=4, raw_prompt=True),
-                           metadata=(("x-api-key", CLAIMER_KEY), (ON_BEHALF_HEADER, "local")), timeout=30)
+    call = router.Generate(
+        chat_request("hi", max_tokens=4, raw_prompt=True),
+        metadata=(("x-api-key", CLAIMER_KEY), (ON_BEHALF_HEADER, "local")),
+        timeout=30,
+    )
     with pytest.raises(grpc.aio.AioRpcError) as error:
         async for _event in call:
             pass
@@ -155,8 +211,11 @@ async def test_a_stream_cancelled_before_its_end_is_charged_what_it_generated(me
     port = router_metrics_port(mesh)
     cancelled_before = metric_value(await scrape(port), "ballast_router_requests_total", outcome="cancelled")
     # Reserves 1 + 195 of the 300: admitted.
-    call = router.Generate(chat_request("c", max_tokens=195, tier="A", raw_prompt=True, allow_degraded=False),
-                           metadata=(("x-api-key", CANCEL_KEY),), timeout=60)
+    call = router.Generate(
+        chat_request("c", max_tokens=195, tier="A", raw_prompt=True, allow_degraded=False),
+        metadata=(("x-api-key", CANCEL_KEY),),
+        timeout=60,
+    )
     received = 0
     async for event in call:
         received += len(event.tokens.token_ids)
@@ -168,8 +227,10 @@ async def test_a_stream_cancelled_before_its_end_is_charged_what_it_generated(me
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(router, chat_request("c", max_tokens=195, tier="A", raw_prompt=True), CANCEL_KEY)
     code, reason, retry_after_s = refused(error.value)
-    print(f"\nmeasured: a stream cancelled after {received} of 195 tokens was charged: the next request of "
-          f"196 was refused ({reason}, refill in {retry_after_s:.1f} s)")
+    print(
+        f"\nmeasured: a stream cancelled after {received} of 195 tokens was charged: the next request of "
+        f"196 was refused ({reason}, refill in {retry_after_s:.1f} s)"
+    )
     assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota_exceeded")
     assert retry_after_s > 0
 
@@ -177,9 +238,18 @@ async def test_a_stream_cancelled_before_its_end_is_charged_what_it_generated(me
 async def test_a_concurrent_burst_cannot_spend_more_than_the_limit_and_one_reservation(router):
     started = time.monotonic()
     max_tokens = 100
-    outcomes = await asyncio.gather(*(collect(
-        router, chat_request(f"b{i}", max_tokens=max_tokens, tier="A", raw_prompt=True, allow_degraded=False),
-        BURST_KEY, timeout=60) for i in range(8)), return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *(
+            collect(
+                router,
+                chat_request(f"b{i}", max_tokens=max_tokens, tier="A", raw_prompt=True, allow_degraded=False),
+                BURST_KEY,
+                timeout=60,
+            )
+            for i in range(8)
+        ),
+        return_exceptions=True,
+    )
     served = [o for o in outcomes if not isinstance(o, BaseException)]
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     for error in errors:
@@ -188,17 +258,28 @@ async def test_a_concurrent_burst_cannot_spend_more_than_the_limit_and_one_reser
     used = sum(r.finished.usage.prompt_tokens + r.finished.usage.completion_tokens for r in served)
     reservation = 2 + max_tokens
     refilled = (time.monotonic() - started) * TOKENS_PER_MINUTE / 60
-    print(f"\nmeasured: 8 concurrent requests of {max_tokens} tokens against {TOKENS_PER_MINUTE} a minute: "
-          f"{len(served)} served using {used} tokens, {len(errors)} refused")
+    print(
+        f"\nmeasured: 8 concurrent requests of {max_tokens} tokens against {TOKENS_PER_MINUTE} a minute: "
+        f"{len(served)} served using {used} tokens, {len(errors)} refused"
+    )
     assert served and errors
     assert used <= TOKENS_PER_MINUTE + reservation + refilled, (used, len(served), refilled)
 
 
 async def test_a_tenants_open_streams_are_bounded(router):
     producing = [asyncio.Event(), asyncio.Event()]
-    open_streams = [asyncio.create_task(collect(
-        router, chat_request(f"long {i}", max_tokens=300, tier="A", raw_prompt=True, allow_degraded=False),
-        CONC_KEY, timeout=60, on_tokens=lambda _t, e=producing[i]: e.set())) for i in range(2)]
+    open_streams = [
+        asyncio.create_task(
+            collect(
+                router,
+                chat_request(f"long {i}", max_tokens=300, tier="A", raw_prompt=True, allow_degraded=False),
+                CONC_KEY,
+                timeout=60,
+                on_tokens=lambda _t, e=producing[i]: e.set(),
+            )
+        )
+        for i in range(2)
+    ]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in producing)), 30)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await collect(router, chat_request("third", max_tokens=4, tier="A", raw_prompt=True), CONC_KEY)
@@ -214,8 +295,9 @@ async def get_answer(router, ticket: str, key: str, timeout_s: float = 120.0) ->
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await router.GetBackfill(backfill_pb2.GetAnswerRequest(ticket=ticket),
-                                            metadata=(("x-api-key", key),), timeout=5)
+            return await router.GetBackfill(
+                backfill_pb2.GetAnswerRequest(ticket=ticket), metadata=(("x-api-key", key),), timeout=5
+            )
         except grpc.aio.AioRpcError as error:
             code, reason, _ = refused(error)
             if reason != "backfill_pending" and code != grpc.StatusCode.UNAVAILABLE:
@@ -226,11 +308,26 @@ async def get_answer(router, ticket: str, key: str, timeout_s: float = 120.0) ->
 
 
 async def test_a_replay_is_charged_to_the_tenant_whose_request_degraded(router, handoff):
-    request = InferenceRequest(request_id=uuid.uuid4().hex, session_id="", tenant="q-replay", model="tiny",
-                               sampling=Sampling(max_tokens=250, temperature=0.0), tier="A", prompt="r")
+    request = InferenceRequest(
+        request_id=uuid.uuid4().hex,
+        session_id="",
+        tenant="q-replay",
+        model="tiny",
+        sampling=Sampling(max_tokens=250, temperature=0.0),
+        tier="A",
+        prompt="r",
+    )
     ticket = make_ticket("q-replay", request.request_id)
-    record = degraded_request_pb(request, ticket=ticket, tier="A", level=Level.RULES, reason="admission",
-                                 degraded_text="quick answer", degraded_by="rules", received_at=time.time())
+    record = degraded_request_pb(
+        request,
+        ticket=ticket,
+        tier="A",
+        level=Level.RULES,
+        reason="admission",
+        degraded_text="quick answer",
+        degraded_by="rules",
+        received_at=time.time(),
+    )
     await handoff.submit(kafka_key("", ticket), record.SerializeToString())
     answer = await get_answer(router, ticket, REPLAY_KEY)
     assert answer.tenant == "q-replay" and answer.usage.completion_tokens == 250
@@ -282,8 +379,10 @@ async def test_a_waiting_better_answer_survives_kv_traffic_of_ten_times_the_memo
         assert sent >= 10 * bound
         # The pressure was real: Redis evicted KV blocks to stay in its bound.
         evicted = int((await client.info("stats"))["evicted_keys"]) - evicted_before
-        print(f"\nmeasured: {sent >> 20} MiB of KV blocks through a Redis bound of {bound >> 20} MiB evicted "
-              f"{evicted} keys; the waiting answer was still there")
+        print(
+            f"\nmeasured: {sent >> 20} MiB of KV blocks through a Redis bound of {bound >> 20} MiB evicted "
+            f"{evicted} keys; the waiting answer was still there"
+        )
         assert evicted > 0
         assert (await get_answer(router, ticket, LOCAL_API_KEY, timeout_s=5)).ticket == ticket
         assert await pushes(router, [session], expected=1) == [ticket]  # delivered, once

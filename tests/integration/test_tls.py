@@ -35,8 +35,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_model_dir):
-    spec = MeshSpec(state_dir=tmp_path_factory.mktemp("secure-mesh"), model_dir=tiny_model_dir,
-                    workers=1, worker_capacity=4, secure=True)
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("secure-mesh"),
+        model_dir=tiny_model_dir,
+        workers=1,
+        worker_capacity=4,
+        secure=True,
+    )
     running = Mesh(spec).start()
     yield running
     running.stop()
@@ -49,14 +54,19 @@ def mesh_tls(mesh):
 
 def role_tls(mesh, role, directory=None):
     directory = directory or mesh.certs_dir
-    return mesh_tls(mesh).model_copy(update={
-        "cert_file": str(certs.cert_path(directory, role)), "key_file": str(certs.key_path(directory, role))})
+    return mesh_tls(mesh).model_copy(
+        update={"cert_file": str(certs.cert_path(directory, role)), "key_file": str(certs.key_path(directory, role))}
+    )
 
 
 async def ask(mesh, text="Is the red charger in stock?", session=""):
     async with open_channel(mesh.router_address, mesh_tls(mesh)) as channel:
-        return await collect(inference_pb2_grpc.InferenceStub(channel),
-                             chat_request(text, max_tokens=8, session_id=session), LOCAL_API_KEY, timeout=60)
+        return await collect(
+            inference_pb2_grpc.InferenceStub(channel),
+            chat_request(text, max_tokens=8, session_id=session),
+            LOCAL_API_KEY,
+            timeout=60,
+        )
 
 
 async def worker_state(mesh):
@@ -123,8 +133,7 @@ async def test_certificates_rotate_under_load_without_a_restart_or_a_broken_stre
     router = next(s for s in mesh.services if s.name == "router")
     worker = mesh.workers()[0]
     pids = (router.pid, worker.pid)
-    requests = [chat_request(f"Tell me about the red charger #{i}", max_tokens=600, raw_prompt=True)
-                for i in range(3)]
+    requests = [chat_request(f"Tell me about the red charger #{i}", max_tokens=600, raw_prompt=True) for i in range(3)]
 
     async def stream(request):
         async with open_channel(mesh.router_address, mesh_tls(mesh)) as channel:
@@ -167,16 +176,24 @@ async def test_etcd_and_redis_are_secured_and_every_service_reaches_them(mesh):
     assert [record.address for record, _ in await list_workers(config.etcd)] == [mesh.workers()[0].address]
     for name, dependency in (("cache", "redis"), ("backfill", "redis"), ("router", "etcd"), ("backfill", "etcd")):
         service = next(s for s in mesh.services if s.name == name)
-        assert metric_value(await scrape(service.metrics_port), "ballast_dependency_up", dependency=dependency) == 1, \
-            (name, dependency)
+        assert metric_value(await scrape(service.metrics_port), "ballast_dependency_up", dependency=dependency) == 1, (
+            name,
+            dependency,
+        )
 
     # etcd: no TLS, TLS without a user, a wrong password: each refused.
     etcd = config.etcd
     refused = [
         EtcdConfig(host=etcd.host, port=etcd.port, timeout_s=2),
         EtcdConfig(host=etcd.host, port=etcd.port, timeout_s=2, tls=etcd.tls),
-        EtcdConfig(host=etcd.host, port=etcd.port, timeout_s=2, tls=etcd.tls,
-                   username=etcd.username, password=etcd.password + "x"),
+        EtcdConfig(
+            host=etcd.host,
+            port=etcd.port,
+            timeout_s=2,
+            tls=etcd.tls,
+            username=etcd.username,
+            password=etcd.password + "x",
+        ),
     ]
     for settings in refused:
         client = make_client(settings)
@@ -186,24 +203,44 @@ async def test_etcd_and_redis_are_secured_and_every_service_reaches_them(mesh):
 
     # Redis: plaintext, TLS without a certificate, a wrong password, no user: each refused.
     host, port = mesh.redis.host, mesh.redis.port
-    tls_files = {"ssl": True, "ssl_ca_certs": config.redis.tls.ca_file,
-                 "ssl_certfile": config.redis.tls.cert_file, "ssl_keyfile": config.redis.tls.key_file}
+    tls_files = {
+        "ssl": True,
+        "ssl_ca_certs": config.redis.tls.ca_file,
+        "ssl_certfile": config.redis.tls.cert_file,
+        "ssl_keyfile": config.redis.tls.key_file,
+    }
     attempts = [
         {},
-        {"ssl": True, "ssl_ca_certs": config.redis.tls.ca_file,
-         "username": config.redis.username, "password": config.redis.password},
+        {
+            "ssl": True,
+            "ssl_ca_certs": config.redis.tls.ca_file,
+            "username": config.redis.username,
+            "password": config.redis.password,
+        },
         {**tls_files, "username": config.redis.username, "password": config.redis.password + "x"},
         tls_files,
     ]
     for kwargs in attempts:
         client = redis.Redis(host=host, port=port, socket_timeout=3, socket_connect_timeout=3, **kwargs)
-        with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError,
-                            redis.exceptions.ResponseError, redis.exceptions.TimeoutError)):
+        with pytest.raises(
+            (
+                redis.exceptions.ConnectionError,
+                redis.exceptions.AuthenticationError,
+                redis.exceptions.ResponseError,
+                redis.exceptions.TimeoutError,
+            )
+        ):
             client.ping()
         client.close()
     # And the right files and user get in.
-    client = redis.Redis(host=host, port=port, socket_timeout=3, **tls_files,
-                         username=config.redis.username, password=config.redis.password)
+    client = redis.Redis(
+        host=host,
+        port=port,
+        socket_timeout=3,
+        **tls_files,
+        username=config.redis.username,
+        password=config.redis.password,
+    )
     assert client.ping()
     client.close()
 
@@ -238,8 +275,10 @@ async def test_the_kafka_broker_takes_only_clients_with_a_certificate(mesh):
 
     # Plaintext, and TLS without a client certificate: no metadata.
     tls = config.kafka.tls
-    for refused in ({"bootstrap.servers": bootstrap},
-                    {"bootstrap.servers": bootstrap, "security.protocol": "SSL", "ssl.ca.location": tls.ca_file}):
+    for refused in (
+        {"bootstrap.servers": bootstrap},
+        {"bootstrap.servers": bootstrap, "security.protocol": "SSL", "ssl.ca.location": tls.ca_file},
+    ):
         admin = AdminClient({**refused, "socket.timeout.ms": 2000, "log_level": 0})
         with pytest.raises(KafkaException):
             admin.list_topics(timeout=3)

@@ -59,8 +59,10 @@ def _finished(text: str) -> float:
 def token_counter(received: list[int], index: int):
     """An `on_tokens` callback for `collect` that adds the tokens of stream `index` to
     `received[index]`."""
+
     def on_tokens(tokens) -> None:
         received[index] += len(tokens.token_ids)
+
     return on_tokens
 
 
@@ -71,8 +73,14 @@ def all_begun(received: list[int], streams: list[asyncio.Task]) -> bool:
     return all(count > 0 or stream.done() for count, stream in zip(received, streams))
 
 
-async def worker_answering(candidates, answering: Answering, streams: list[asyncio.Task], rng: random.Random,
-                           received: list[int], timeout: float = 120.0):
+async def worker_answering(
+    candidates,
+    answering: Answering,
+    streams: list[asyncio.Task],
+    rng: random.Random,
+    received: list[int],
+    timeout: float = 120.0,
+):
     """A worker among `candidates` in the middle of answering a stream of the batch now (its
     first token out, not finished, its in-flight gauge > 0) while a stream of the batch is
     still unfinished at the client and every stream has begun there (`all_begun`); returned

@@ -64,7 +64,8 @@ class Sim:
                 # A deterministic spread around the series' value, so p99 sits at its top.
                 jitter = 1.0 + 0.02 * ((i % 5) - 2)
                 self.pool.observe_request(
-                    self.now, ttft_ms=None if latency is None else latency * jitter,
+                    self.now,
+                    ttft_ms=None if latency is None else latency * jitter,
                     queue_wait_ms=None if queue_wait_ms is None else queue_wait_ms(self.now),
                 )
             self.now += 1.0
@@ -152,11 +153,15 @@ prewarm:
         ({"pools": {"p": {}}, "extra": 1}, "autoscale.extra"),
         ({"pools": {"p": {}}, "prewarm": ["p: warm 2 at nine"]}, "autoscale.prewarm.0"),
         ({"pools": {"p": {}}, "prewarm": ["q: warm 1 replica 09:00-10:00 UTC"]}, "autoscale.prewarm.0.pool"),
-        ({"pools": {"p": {}}, "prewarm": ["p: warm 1 replica 09:00-10:00 Mars/Olympus"]},
-         "autoscale.prewarm.0.timezone"),
+        (
+            {"pools": {"p": {}}, "prewarm": ["p: warm 1 replica 09:00-10:00 Mars/Olympus"]},
+            "autoscale.prewarm.0.timezone",
+        ),
         ({"pools": {"p": {}}, "prewarm": ["p: warm 1 replica 25:00-10:00 UTC"]}, "autoscale.prewarm.0.start"),
-        ({"pools": {"p": {"max_replicas": 2}}, "prewarm": ["p: warm 2 replicas 09:00-10:00 UTC"]},
-         "autoscale.prewarm.0.replicas"),
+        (
+            {"pools": {"p": {"max_replicas": 2}}, "prewarm": ["p: warm 2 replicas 09:00-10:00 UTC"]},
+            "autoscale.prewarm.0.replicas",
+        ),
         ({"pools": {"p": {}}, "prewarm": [{"pool": "p", "start": "09:00", "end": "10:00"}]}, "autoscale.prewarm.0"),
     ]
     for data, path in cases:
@@ -169,12 +174,18 @@ prewarm:
     "text, expected",
     [
         ("support: warm 2 replicas 09:45-12:00 UTC", ("support", time(9, 45), time(12), 2, "UTC", set(range(7)))),
-        ("pool support: warm 2 replicas 09:45\u201312:00 Asia/Shanghai",
-         ("support", time(9, 45), time(12), 2, "Asia/Shanghai", set(range(7)))),
-        ("light: warm 1 replica 22:00 - 02:00 America/New_York fri-mon",
-         ("light", time(22), time(2), 1, "America/New_York", {4, 5, 6, 0})),
-        ("primary: warm 3 replicas 8:00-9:30 Europe/Berlin mon,wed-thu",
-         ("primary", time(8), time(9, 30), 3, "Europe/Berlin", {0, 2, 3})),
+        (
+            "pool support: warm 2 replicas 09:45\u201312:00 Asia/Shanghai",
+            ("support", time(9, 45), time(12), 2, "Asia/Shanghai", set(range(7))),
+        ),
+        (
+            "light: warm 1 replica 22:00 - 02:00 America/New_York fri-mon",
+            ("light", time(22), time(2), 1, "America/New_York", {4, 5, 6, 0}),
+        ),
+        (
+            "primary: warm 3 replicas 8:00-9:30 Europe/Berlin mon,wed-thu",
+            ("primary", time(8), time(9, 30), 3, "Europe/Berlin", {0, 2, 3}),
+        ),
     ],
 )
 def test_prewarm_notation(text, expected):
@@ -198,8 +209,8 @@ def test_prewarm_window_follows_local_time_and_daylight_saving():
 
 def test_prewarm_window_across_midnight_belongs_to_its_start_day():
     window = PrewarmWindow.parse("night: warm 1 replica 22:00-02:00 UTC fri")
-    assert window.active_at(utc(2026, 3, 6, 23, 0))      # Friday night
-    assert window.active_at(utc(2026, 3, 7, 1, 30))      # early Saturday: Friday's window
+    assert window.active_at(utc(2026, 3, 6, 23, 0))  # Friday night
+    assert window.active_at(utc(2026, 3, 7, 1, 30))  # early Saturday: Friday's window
     assert not window.active_at(utc(2026, 3, 7, 23, 0))  # Saturday night
     assert not window.active_at(utc(2026, 3, 6, 1, 30))  # early Friday: Thursday's window
 
@@ -212,7 +223,7 @@ def test_latency_window_percentile_expiry_and_bound():
     window = LatencyWindow(window_s=60, max_samples=100)
     for i in range(100):
         window.add(T0 + i * 0.5, float(i + 1))
-    assert window.percentile(T0 + 50, 0.99) == 99.0      # nearest rank of 1..100
+    assert window.percentile(T0 + 50, 0.99) == 99.0  # nearest rank of 1..100
     assert window.percentile(T0 + 50, 0.5) == 50.0
     assert window.percentile(T0 + 50, 0.99, min_samples=101) is None
     # Samples at or before now - 60 s leave the window.

@@ -71,29 +71,57 @@ def test_rates_add_up_and_a_router_without_baseline_is_left_out_of_the_surge_com
 
 
 def test_the_worst_queue_wait_among_routers_stands_for_the_pool():
-    signals = merge([
-        PoolReport(queue_wait_ms=20.0, queue_wait_slope_ms_per_min=5.0),
-        PoolReport(queue_wait_ms=400.0, queue_wait_slope_ms_per_min=600.0),
-        PoolReport(),
-    ], min_samples=1)
+    signals = merge(
+        [
+            PoolReport(queue_wait_ms=20.0, queue_wait_slope_ms_per_min=5.0),
+            PoolReport(queue_wait_ms=400.0, queue_wait_slope_ms_per_min=600.0),
+            PoolReport(),
+        ],
+        min_samples=1,
+    )
     assert (signals.queue_wait_ms, signals.queue_wait_slope_ms_per_min) == (400.0, 600.0)
 
 
 def test_a_router_report_survives_json():
-    report = RouterReport("router-a", T0, {"primary": PoolReport(
-        ttft=histogram([120.0, 130.0, 900.0]), e2e=histogram([400.0]), queue_wait_ms=12.5,
-        queue_wait_slope_ms_per_min=None, request_rate=3.5, baseline_rate=1.0,
-    )})
+    report = RouterReport(
+        "router-a",
+        T0,
+        {
+            "primary": PoolReport(
+                ttft=histogram([120.0, 130.0, 900.0]),
+                e2e=histogram([400.0]),
+                queue_wait_ms=12.5,
+                queue_wait_slope_ms_per_min=None,
+                request_rate=3.5,
+                baseline_rate=1.0,
+            )
+        },
+    )
     assert RouterReport.from_json(report.to_json()) == report
 
 
 # -- observations ----------------------------------------------------------------------------
 
 
-def worker(worker_id: str, pool: str = "primary", model: str = "tiny", started_at: float = 0.0,
-           standby: bool = False, draining: bool = False) -> WorkerRecord:
-    return WorkerRecord(id=worker_id, address="127.0.0.1:1", model=model, model_version="v1", pool=pool,
-                        started_at=started_at, standby=standby, draining=draining, healthy=not standby)
+def worker(
+    worker_id: str,
+    pool: str = "primary",
+    model: str = "tiny",
+    started_at: float = 0.0,
+    standby: bool = False,
+    draining: bool = False,
+) -> WorkerRecord:
+    return WorkerRecord(
+        id=worker_id,
+        address="127.0.0.1:1",
+        model=model,
+        model_version="v1",
+        pool=pool,
+        started_at=started_at,
+        standby=standby,
+        draining=draining,
+        healthy=not standby,
+    )
 
 
 def test_a_models_pool_comes_from_its_workers():
@@ -123,10 +151,15 @@ def test_queue_waits_reach_a_listener_and_the_histogram_alike():
     metrics.add_queue_wait_listener(lambda pool, ms: heard.append((pool, ms)))
     SchedulerMetrics(metrics).queue_wait("tiny", "A", 0.25)
     assert heard == [("tiny", 250.0)]
-    (point,) = [point for resource in reader.get_metrics_data().resource_metrics
-                for scope in resource.scope_metrics for metric in scope.metrics
-                if metric.name == "ballast_router_queue_wait" for point in metric.data.data_points
-                if point.attributes == {"pool": "tiny", "tier": "A"}]
+    (point,) = [
+        point
+        for resource in reader.get_metrics_data().resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "ballast_router_queue_wait"
+        for point in metric.data.data_points
+        if point.attributes == {"pool": "tiny", "tier": "A"}
+    ]
     assert point.sum == 250.0
 
 
@@ -199,8 +232,7 @@ class Cluster:
     def __post_init__(self) -> None:
         policy = PoolPolicy(min_replicas=1, max_replicas=4, scale_out_cooldown_s=60, scale_in_cooldown_s=120)
         config = AutoscalerConfig({"primary": policy})
-        self.routers = [RouterObservations(config, lambda _model: "primary", clock=lambda: self.now)
-                        for _ in range(2)]
+        self.routers = [RouterObservations(config, lambda _model: "primary", clock=lambda: self.now) for _ in range(2)]
         self.leader = PoolAutoscaler("primary", policy)
         self.decisions: list[ScaleDecision] = []
 

@@ -23,8 +23,7 @@ def processor_logging_to(log: list[str]) -> Processor:
         log.append("ensure")
         return True
 
-    return Processor(BackfillSettings(), store=None, replayer=None, producer=Producer(log),
-                     ensure_topics=ensure_topics)
+    return Processor(BackfillSettings(), store=None, replayer=None, producer=Producer(log), ensure_topics=ensure_topics)
 
 
 def failing_once(error: Exception, result: str, log: list[str]):

@@ -17,7 +17,9 @@ RECORDS = 12
 
 def degraded_record(i: int) -> Record:
     degraded = backfill_pb2.DegradedRequest(
-        ticket=make_ticket("acme", f"req-{i}"), tenant="acme", session_id=f"s{i}",
+        ticket=make_ticket("acme", f"req-{i}"),
+        tenant="acme",
+        session_id=f"s{i}",
         request=inference_pb2.GenerateRequest(model="tiny", prompt=f"question {i}"),
         received_at=timestamp(1_800_000_000 + i),
     )
@@ -49,8 +51,15 @@ class SlowReplayer:
             await asyncio.sleep(0.02)
         finally:
             a.replaying -= 1
-        return ReplayResult(text=f"better {degraded.ticket}", token_ids=[1, 2], finish_reason=1,
-                            prompt_tokens=3, completion_tokens=2, model="tiny", model_version="1")
+        return ReplayResult(
+            text=f"better {degraded.ticket}",
+            token_ids=[1, 2],
+            finish_reason=1,
+            prompt_tokens=3,
+            completion_tokens=2,
+            model="tiny",
+            model_version="1",
+        )
 
 
 class MemoryStore:

@@ -23,8 +23,12 @@ def cert_dir(tmp_path_factory):
 
 
 def backing(directory, role="router", **changes) -> BackingTLSConfig:
-    fields = dict(enabled=True, ca_file=str(directory / certs.CA_CERT),
-                  cert_file=str(certs.cert_path(directory, role)), key_file=str(certs.key_path(directory, role)))
+    fields = dict(
+        enabled=True,
+        ca_file=str(directory / certs.CA_CERT),
+        cert_file=str(certs.cert_path(directory, role)),
+        key_file=str(certs.key_path(directory, role)),
+    )
     fields.update(changes)
     return BackingTLSConfig(**fields)
 
@@ -52,11 +56,22 @@ def test_not_pem_and_a_foreign_key(cert_dir, tmp_path):
 
 def test_an_expired_client_certificate(cert_dir, tmp_path):
     now = dt.datetime.now(dt.timezone.utc)
-    certs.write_role(tmp_path, certs.load_authority(cert_dir), "router",
-                     not_before=now - dt.timedelta(days=10), not_after=now - dt.timedelta(days=1))
+    certs.write_role(
+        tmp_path,
+        certs.load_authority(cert_dir),
+        "router",
+        not_before=now - dt.timedelta(days=10),
+        not_after=now - dt.timedelta(days=1),
+    )
     with pytest.raises(TLSCertExpired, match="kafka.tls.cert_file"):
-        check_backing_tls(backing(cert_dir, cert_file=str(certs.cert_path(tmp_path, "router")),
-                                  key_file=str(certs.key_path(tmp_path, "router"))), "kafka.tls")
+        check_backing_tls(
+            backing(
+                cert_dir,
+                cert_file=str(certs.cert_path(tmp_path, "router")),
+                key_file=str(certs.key_path(tmp_path, "router")),
+            ),
+            "kafka.tls",
+        )
 
 
 def test_half_given_settings_are_refused():
@@ -74,11 +89,18 @@ def test_kafka_security_properties():
     assert KafkaConfig().security_properties() == {}
     tls = BackingTLSConfig(enabled=True, ca_file="ca.crt", cert_file="c.crt", key_file="c.key")
     assert KafkaConfig(tls=tls).security_properties() == {
-        "security.protocol": "SSL", "ssl.ca.location": "ca.crt",
-        "ssl.certificate.location": "c.crt", "ssl.key.location": "c.key"}
+        "security.protocol": "SSL",
+        "ssl.ca.location": "ca.crt",
+        "ssl.certificate.location": "c.crt",
+        "ssl.key.location": "c.key",
+    }
     sasl = KafkaConfig(sasl_mechanism="SCRAM-SHA-256", username="u", password="p")
-    assert sasl.security_properties() == {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-256",
-                                          "sasl.username": "u", "sasl.password": "p"}
+    assert sasl.security_properties() == {
+        "security.protocol": "SASL_PLAINTEXT",
+        "sasl.mechanism": "SCRAM-SHA-256",
+        "sasl.username": "u",
+        "sasl.password": "p",
+    }
     both = KafkaConfig(sasl_mechanism="PLAIN", username="u", password="p", tls=BackingTLSConfig(enabled=True))
     assert both.security_properties()["security.protocol"] == "SASL_SSL"
     assert "ssl.ca.location" not in both.security_properties()  # the system's trust store
@@ -90,8 +112,13 @@ def test_redis_connection_settings():
     tls = BackingTLSConfig(enabled=True, ca_file="ca.crt", cert_file="c.crt", key_file="c.key")
     secured = RedisConfig(username="ballast", password="p", tls=tls)
     assert secured.effective_url == "rediss://127.0.0.1:6379/0"
-    assert secured.connection_kwargs() == {"username": "ballast", "password": "p", "ssl_ca_certs": "ca.crt",
-                                           "ssl_certfile": "c.crt", "ssl_keyfile": "c.key"}
+    assert secured.connection_kwargs() == {
+        "username": "ballast",
+        "password": "p",
+        "ssl_ca_certs": "ca.crt",
+        "ssl_certfile": "c.crt",
+        "ssl_keyfile": "c.key",
+    }
 
 
 def test_a_service_refuses_to_start_with_a_bad_backing_file(cert_dir, tmp_path, capsys):
@@ -108,8 +135,9 @@ def test_a_service_refuses_to_start_with_a_bad_backing_file(cert_dir, tmp_path, 
 
 
 def test_logs_never_show_a_password_in_the_redis_url():
-    assert RedisConfig(url="rediss://ballast:s3cret@redis.internal:6379/0").display_url == \
-        "rediss://redis.internal:6379/0"
+    assert (
+        RedisConfig(url="rediss://ballast:s3cret@redis.internal:6379/0").display_url == "rediss://redis.internal:6379/0"
+    )
 
 
 def test_the_secured_local_broker_is_reached_only_through_its_tls_front(tmp_path):
@@ -117,8 +145,12 @@ def test_the_secured_local_broker_is_reached_only_through_its_tls_front(tmp_path
     broker = SecureKafkaBroker(tmp_path, security=security)
     # Tansu listens on its own port and tells clients to come back to the front's.
     assert broker.inner_port != broker.port
-    assert broker._argv("tansu")[2:6] == ["--listener-url", f"tcp://127.0.0.1:{broker.inner_port}",
-                                          "--advertised-listener-url", f"tcp://127.0.0.1:{broker.port}"]
+    assert broker._argv("tansu")[2:6] == [
+        "--listener-url",
+        f"tcp://127.0.0.1:{broker.inner_port}",
+        "--advertised-listener-url",
+        f"tcp://127.0.0.1:{broker.port}",
+    ]
     assert broker.client_properties()["security.protocol"] == "SSL"
     settings = dict(line.split(" = ", 1) for line in broker.front._config_text().splitlines() if " = " in line)
     assert settings["accept"] == f"127.0.0.1:{broker.port}"

@@ -21,8 +21,9 @@ def test_a_healthy_period_resets_the_waits():
     assert not backoff.at_cap
 
 
-@pytest.mark.parametrize("changes", [{"initial_s": -1.0}, {"max_s": 0.1, "initial_s": 1.0}, {"factor": 0.5},
-                                     {"reset_after_s": 0.0}])
+@pytest.mark.parametrize(
+    "changes", [{"initial_s": -1.0}, {"max_s": 0.1, "initial_s": 1.0}, {"factor": 0.5}, {"reset_after_s": 0.0}]
+)
 def test_a_policy_that_cannot_work_is_refused(changes):
     with pytest.raises(ValueError):
         BackoffPolicy(**changes)

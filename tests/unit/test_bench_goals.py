@@ -37,6 +37,9 @@ def test_the_report_lists_every_goal_with_its_verdict_and_commit(tmp_path):
     }
     older = {"0123456789ab"}
     text = render(results, tmp_path, changed_since=lambda sha: sha in older)
-    assert "| overhead | added TTFT p99 | 4 ms (2..5, 3 runs) | <= 3 ms | **missed** | abc123def4+dirty | uncommitted |" in text
+    assert (
+        "| overhead | added TTFT p99 | 4 ms (2..5, 3 runs) | <= 3 ms | **missed** | abc123def4+dirty | uncommitted |"
+        in text
+    )
     assert "| tiers | added TTFT p99 | 4 ms (2..5, 3 runs) | <= 3 ms | **missed** | feedfaceca | current |" in text
     assert "`context` (0123456789, **older code**)" in text

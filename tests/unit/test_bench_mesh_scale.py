@@ -4,8 +4,16 @@ from bench.mesh_scale import median_row
 
 
 def run(cpu: float, p50: float, p99: float, tokens_per_s: float) -> dict:
-    return {"workers": 4, "streams": 100, "routers": 1, "router_cpu_s_per_1k_tokens": cpu,
-            "added_ttft_p50_ms": p50, "added_ttft_p99_ms": p99, "tokens_per_s": tokens_per_s, "cpu_busy": 0.9}
+    return {
+        "workers": 4,
+        "streams": 100,
+        "routers": 1,
+        "router_cpu_s_per_1k_tokens": cpu,
+        "added_ttft_p50_ms": p50,
+        "added_ttft_p99_ms": p99,
+        "tokens_per_s": tokens_per_s,
+        "cpu_busy": 0.9,
+    }
 
 
 def test_each_judged_number_is_its_own_median_and_the_rest_is_the_median_runs():

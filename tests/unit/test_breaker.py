@@ -47,8 +47,15 @@ class TestClassify:
 
     @pytest.mark.parametrize(
         "code",
-        [S.INVALID_ARGUMENT, S.UNAUTHENTICATED, S.NOT_FOUND, S.PERMISSION_DENIED, S.RESOURCE_EXHAUSTED,
-         S.CANCELLED, S.DEADLINE_EXCEEDED],
+        [
+            S.INVALID_ARGUMENT,
+            S.UNAUTHENTICATED,
+            S.NOT_FOUND,
+            S.PERMISSION_DENIED,
+            S.RESOURCE_EXHAUSTED,
+            S.CANCELLED,
+            S.DEADLINE_EXCEEDED,
+        ],
     )
     def test_not_the_workers_fault(self, code):
         assert outcome(code) is Outcome.IGNORE
@@ -236,8 +243,15 @@ class TestBoard:
 class TestConfigAndWindow:
     @pytest.mark.parametrize(
         "fields",
-        [{"error_rate": 0}, {"error_rate": 1}, {"min_requests": 0}, {"bucket_s": 40},
-         {"cooldown_s": 10, "max_cooldown_s": 5}, {"half_open_probes": 0}, {"window_s": 3600, "bucket_s": 0.5}],
+        [
+            {"error_rate": 0},
+            {"error_rate": 1},
+            {"min_requests": 0},
+            {"bucket_s": 40},
+            {"cooldown_s": 10, "max_cooldown_s": 5},
+            {"half_open_probes": 0},
+            {"window_s": 3600, "bucket_s": 0.5},
+        ],
     )
     def test_invalid_config(self, fields):
         with pytest.raises(ValidationError):

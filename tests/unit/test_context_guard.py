@@ -31,8 +31,9 @@ class WordTokenizer:
 
 def request(words: int, *, prompt: bool = True, max_tokens: int = 8) -> InferenceRequest:
     text = " ".join(["charger"] * words)
-    base = InferenceRequest(request_id="r", session_id="", tenant="t", model="tiny",
-                            sampling=Sampling(max_tokens=max_tokens), tier="A")
+    base = InferenceRequest(
+        request_id="r", session_id="", tenant="t", model="tiny", sampling=Sampling(max_tokens=max_tokens), tier="A"
+    )
     if prompt:
         return replace(base, prompt=text)
     return replace(base, messages=(Message("system", "be brief"), Message("user", text)))

@@ -33,8 +33,12 @@ MAX_TOKENS = 32
 def tokenizer() -> ModelTokenizer:
     # The tiny model's tokenizer and template without building its weights.
     info = SimpleNamespace(
-        model_version="test", max_context=2048, tokenizer_json=train_tokenizer(corpus(), 512).to_str().encode(),
-        chat_template=CHAT_TEMPLATE, bos_token=BOS, eos_token=IM_END,
+        model_version="test",
+        max_context=2048,
+        tokenizer_json=train_tokenizer(corpus(), 512).to_str().encode(),
+        chat_template=CHAT_TEMPLATE,
+        bos_token=BOS,
+        eos_token=IM_END,
     )
     return ModelTokenizer.from_model_info(info)
 
@@ -84,14 +88,21 @@ def filler(templates, count: int, seed: int = 7) -> list[tuple[str, str]]:
 
 
 def zh_conversation(turns: int = 30) -> list[Message]:
-    return chat(("手机壳多少钱？", "这款手机壳的价格是 39 元，有黑色和白色。"), *filler(ZH_FILLER, turns),
-                system="你是一个购物客服助手。", last="刚才说的手机壳价格是多少")
+    return chat(
+        ("手机壳多少钱？", "这款手机壳的价格是 39 元，有黑色和白色。"),
+        *filler(ZH_FILLER, turns),
+        system="你是一个购物客服助手。",
+        last="刚才说的手机壳价格是多少",
+    )
 
 
 def en_conversation(turns: int = 30) -> list[Message]:
-    return chat(("How much is the phone case?", "The phone case costs 39 dollars, product id PC-2041."),
-                *filler(EN_FILLER, turns), system="You are a helpful shopping assistant.",
-                last="What was the price of the phone case you mentioned?")
+    return chat(
+        ("How much is the phone case?", "The phone case costs 39 dollars, product id PC-2041."),
+        *filler(EN_FILLER, turns),
+        system="You are a helpful shopping assistant.",
+        last="What was the price of the phone case you mentioned?",
+    )
 
 
 def assert_well_formed(fit, messages, max_context: int, encode) -> None:
@@ -110,8 +121,9 @@ def test_entity_aware_keeps_the_early_price_turn_that_drop_oldest_loses(make, en
     messages = make()
     total = len(encode(messages))
     max_context = total // 3 + MAX_TOKENS
-    aware = fit_conversation(messages, encode, max_context=max_context, max_tokens=MAX_TOKENS,
-                             policy=ContextPolicy.ENTITY_AWARE)
+    aware = fit_conversation(
+        messages, encode, max_context=max_context, max_tokens=MAX_TOKENS, policy=ContextPolicy.ENTITY_AWARE
+    )
     assert_well_formed(aware, messages, max_context, encode)
     assert {1, 2} <= set(aware.kept), "the phone case's price turn was dropped"
     assert "39" in "".join(m.content for m in aware.messages)
@@ -119,8 +131,9 @@ def test_entity_aware_keeps_the_early_price_turn_that_drop_oldest_loses(make, en
     # The most recent exchange is kept as well.
     assert len(messages) - 3 in aware.kept and len(messages) - 2 in aware.kept
 
-    oldest = fit_conversation(messages, encode, max_context=max_context, max_tokens=MAX_TOKENS,
-                              policy=ContextPolicy.DROP_OLDEST)
+    oldest = fit_conversation(
+        messages, encode, max_context=max_context, max_tokens=MAX_TOKENS, policy=ContextPolicy.DROP_OLDEST
+    )
     assert_well_formed(oldest, messages, max_context, encode)
     assert {1, 2} <= set(oldest.dropped)
     assert "39 " not in "".join(m.content for m in oldest.messages)
@@ -139,8 +152,7 @@ def test_error_policy_reports_the_counts(encode):
     messages = en_conversation(10)
     total = len(encode(messages))
     with pytest.raises(InvalidArgument) as caught:
-        fit_conversation(messages, encode, max_context=total + 10, max_tokens=MAX_TOKENS,
-                         policy=ContextPolicy.ERROR)
+        fit_conversation(messages, encode, max_context=total + 10, max_tokens=MAX_TOKENS, policy=ContextPolicy.ERROR)
     message = caught.value.message
     assert f"conversation is {total} tokens" in message and f"max_tokens {MAX_TOKENS}" in message
     assert f"context of {total + 10} tokens" in message
@@ -154,21 +166,27 @@ def test_nothing_fits_when_the_latest_turn_alone_is_too_long(encode):
 
 def test_max_turns_caps_the_conversation(encode):
     messages = en_conversation(8)  # 1 system + 17 exchanges' worth of turns
-    last_four = fit_conversation(messages, encode, max_context=2048, max_tokens=MAX_TOKENS,
-                                 policy=ContextPolicy.DROP_OLDEST, max_turns=5)
+    last_four = fit_conversation(
+        messages, encode, max_context=2048, max_tokens=MAX_TOKENS, policy=ContextPolicy.DROP_OLDEST, max_turns=5
+    )
     assert [i for i in last_four.kept if i] == list(range(len(messages) - 5, len(messages)))
     aware = fit_conversation(messages, encode, max_context=2048, max_tokens=MAX_TOKENS, max_turns=5)
     assert {0, 1, 2} <= set(aware.kept) and len(aware.kept) - 1 <= 5
     with pytest.raises(InvalidArgument, match="max_turns is 5"):
-        fit_conversation(messages, encode, max_context=2048, max_tokens=MAX_TOKENS,
-                         policy=ContextPolicy.ERROR, max_turns=5)
+        fit_conversation(
+            messages, encode, max_context=2048, max_tokens=MAX_TOKENS, policy=ContextPolicy.ERROR, max_turns=5
+        )
     with pytest.raises(InvalidArgument):
         fit_conversation(messages, encode, max_context=2048, max_tokens=MAX_TOKENS, max_turns=0)
 
 
 def test_a_follow_up_without_names_keeps_the_exchange_before_it(encode):
-    messages = chat(*filler(EN_FILLER, 12), ("Do you sell the desk lamp?", "Yes, the desk lamp is 25 dollars."),
-                    system="You are a helpful shopping assistant.", last="Is it available in white?")
+    messages = chat(
+        *filler(EN_FILLER, 12),
+        ("Do you sell the desk lamp?", "Yes, the desk lamp is 25 dollars."),
+        system="You are a helpful shopping assistant.",
+        last="Is it available in white?",
+    )
     max_context = len(encode(messages)) // 3 + MAX_TOKENS
     fit = fit_conversation(messages, encode, max_context=max_context, max_tokens=MAX_TOKENS)
     assert {len(messages) - 3, len(messages) - 2} <= set(fit.kept)
@@ -215,7 +233,9 @@ def test_metrics_count_truncations_and_publish_retention(encode):
     metrics.set_retention_rate("entity_aware", 0.97)
     points = {
         m.name: [(dict(p.attributes), p.value) for p in m.data.data_points]
-        for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
     }
     assert points["ballast_context_truncations"] == [({"policy": "entity_aware", "model": "tiny"}, 1)]
     assert points["ballast_context_dropped_turns"] == [({"policy": "entity_aware", "model": "tiny"}, len(fit.dropped))]

@@ -65,8 +65,13 @@ EXISTING_METRICS = {
 }
 # Calls that create a metric instrument (OpenTelemetry's, and Telemetry's latency helper).
 INSTRUMENT_FACTORIES = {
-    "create_counter", "create_up_down_counter", "create_histogram", "create_gauge",
-    "create_observable_counter", "create_observable_up_down_counter", "create_observable_gauge",
+    "create_counter",
+    "create_up_down_counter",
+    "create_histogram",
+    "create_gauge",
+    "create_observable_counter",
+    "create_observable_up_down_counter",
+    "create_observable_gauge",
     "latency_histogram",
 }
 
@@ -76,8 +81,11 @@ def declared_instruments() -> list[tuple[str, str, str]]:
     found, dynamic = [], set()
     for path in sorted((REPO / "services").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in INSTRUMENT_FACTORIES):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in INSTRUMENT_FACTORIES
+            ):
                 continue
             keywords = {k.arg: k.value for k in node.keywords}
             name = node.args[0] if node.args else keywords.get("name")
@@ -85,7 +93,11 @@ def declared_instruments() -> list[tuple[str, str, str]]:
                 dynamic.add(path.relative_to(REPO).as_posix())
                 continue
             unit = keywords.get("unit")
-            unit = unit.value if isinstance(unit, ast.Constant) else ("ms" if node.func.attr == "latency_histogram" else "")
+            unit = (
+                unit.value
+                if isinstance(unit, ast.Constant)
+                else ("ms" if node.func.attr == "latency_histogram" else "")
+            )
             found.append((node.func.attr, name.value, unit))
     # Only the latency helper itself passes a name through; anything else could not be checked.
     assert dynamic == {"services/common/telemetry.py"}, dynamic
@@ -116,9 +128,11 @@ def exported_metric_names() -> frozenset[str]:
 
 
 def _series_names(text: str) -> set[str]:
-    return {re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
-            for line in text.splitlines() if line and not line.startswith("#")}
-
+    return {
+        re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,12 +140,26 @@ def _series_names(text: str) -> set[str]:
 # so a manifest change that needs more is noticed here rather than silently mis-rendered.
 
 SUPPORTED_FIELDS = {
-    "apiVersion", "kind", "resources", "namespace", "labels", "commonLabels", "images",
-    "configMapGenerator", "patches",
+    "apiVersion",
+    "kind",
+    "resources",
+    "namespace",
+    "labels",
+    "commonLabels",
+    "images",
+    "configMapGenerator",
+    "patches",
 }
 CLUSTER_SCOPED = {
-    "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-    "PersistentVolume", "StorageClass", "PriorityClass", "IngressClass", "RuntimeClass",
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "PersistentVolume",
+    "StorageClass",
+    "PriorityClass",
+    "IngressClass",
+    "RuntimeClass",
 }
 # Strategic-merge keys of the Kubernetes lists the patches touch; other lists are replaced.
 MERGE_KEYS = {
@@ -157,10 +185,17 @@ def _configmap_hash(data: dict[str, str]) -> str:
     # HTML characters escaped); its name lookup yields "" for generated maps.
     encoded = json.dumps(
         {"data": data, "kind": "ConfigMap", "name": ""},
-        sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
     )
-    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
-                          ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+    for char, escaped in (
+        ("<", "\\u003c"),
+        (">", "\\u003e"),
+        ("&", "\\u0026"),
+        ("\u2028", "\\u2028"),
+        ("\u2029", "\\u2029"),
+    ):
         encoded = encoded.replace(char, escaped)
     digest = hashlib.sha256(encoded.encode()).hexdigest()[:10]
     return digest.translate(str.maketrans("013ae", "ghkmt"))
@@ -185,8 +220,10 @@ def _merge(original: Any, patch: Any, field: str = "", builtin: bool = True) -> 
         by_key = {item[key]: item for item in original}
         patched_keys = {item[key] for item in patch}
         # Kustomize's order: the patch's items first (merged where they exist), then the rest.
-        result = [_merge(by_key[item[key]], item, builtin=True) if item[key] in by_key else copy.deepcopy(item)
-                  for item in patch]
+        result = [
+            _merge(by_key[item[key]], item, builtin=True) if item[key] in by_key else copy.deepcopy(item)
+            for item in patch
+        ]
         return result + [item for item in original if item[key] not in patched_keys]
     return copy.deepcopy(patch)
 
@@ -275,8 +312,11 @@ def kustomize(root: Path, _stack: tuple[Path, ...] = ()) -> list[dict]:
         if set(patch_entry) != {"path"}:
             raise KustomizeError(f"only path patches are supported, got {patch_entry}")
         for patch in _load_docs(root / patch_entry["path"]):
-            matches = [i for i, obj in enumerate(objects)
-                       if obj["kind"] == patch["kind"] and obj["metadata"]["name"] == patch["metadata"]["name"]]
+            matches = [
+                i
+                for i, obj in enumerate(objects)
+                if obj["kind"] == patch["kind"] and obj["metadata"]["name"] == patch["metadata"]["name"]
+            ]
             if len(matches) != 1:
                 target = f"{patch['kind']}/{patch['metadata']['name']}"
                 raise KustomizeError(f"patch {target} matches {len(matches)} objects")
@@ -287,8 +327,10 @@ def kustomize(root: Path, _stack: tuple[Path, ...] = ()) -> list[dict]:
         for obj in objects:
             if obj["kind"] not in CLUSTER_SCOPED:
                 obj["metadata"]["namespace"] = spec["namespace"]
-    label_sets = [(entry["pairs"], entry.get("includeSelectors", False), entry.get("includeTemplates", False))
-                  for entry in spec.get("labels", [])]
+    label_sets = [
+        (entry["pairs"], entry.get("includeSelectors", False), entry.get("includeTemplates", False))
+        for entry in spec.get("labels", [])
+    ]
     if spec.get("commonLabels"):
         label_sets.append((spec["commonLabels"], True, True))
     for pairs, selectors, templates in label_sets:
@@ -310,8 +352,11 @@ def kustomize(root: Path, _stack: tuple[Path, ...] = ()) -> list[dict]:
         for pod in _pod_specs(obj):
             refs = [v["configMap"] for v in pod.get("volumes", []) if "configMap" in v]
             for container in _containers(pod):
-                refs += [e["valueFrom"]["configMapKeyRef"] for e in container.get("env", [])
-                         if "configMapKeyRef" in e.get("valueFrom", {})]
+                refs += [
+                    e["valueFrom"]["configMapKeyRef"]
+                    for e in container.get("env", [])
+                    if "configMapKeyRef" in e.get("valueFrom", {})
+                ]
                 refs += [s["configMapRef"] for s in container.get("envFrom", []) if "configMapRef" in s]
             for ref in refs:
                 ref["name"] = renamed.get(ref["name"], ref["name"])
@@ -378,9 +423,7 @@ def test_renderer_agrees_with_kubectl_kustomize(name):
     if kubectl is None:
         pytest.skip("kubectl not installed; the pure-Python render is checked by the other tests")
     root = all_roots()[name]
-    result = subprocess.run(
-        [kubectl, "kustomize", str(root)], capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run([kubectl, "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     expected = {_key(o): o for o in yaml.safe_load_all(result.stdout) if o}
     ours = {_key(o): o for o in rendered(root)}
@@ -452,7 +495,10 @@ def test_service_monitor_scrapes_every_ballast_service():
     selector = monitor["spec"]["selector"]["matchLabels"]
     scraped = [s for s in kinds(objects, "Service") if selects(selector, s["metadata"]["labels"])]
     assert {s["metadata"]["name"] for s in scraped} == {
-        "ballast-router", "ballast-worker", "ballast-cache", "ballast-backfill"
+        "ballast-router",
+        "ballast-worker",
+        "ballast-cache",
+        "ballast-backfill",
     }
     for service in scraped:
         assert endpoint_ports <= {p["name"] for p in service["spec"]["ports"]}
@@ -523,8 +569,13 @@ def test_probe_and_service_ports_match_the_config(overlay):
         assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == container_ports
         assert all(p["targetPort"] in container_ports for p in service["spec"]["ports"])
     # Inside a pod the servers must listen on every interface, not loopback.
-    for host in (config.router.host, config.worker.host, config.cache.host, config.backfill.host,
-                 config.telemetry.metrics_host):
+    for host in (
+        config.router.host,
+        config.worker.host,
+        config.cache.host,
+        config.backfill.host,
+        config.telemetry.metrics_host,
+    ):
         assert host in {"0.0.0.0", "::", "[::]"}
 
 
@@ -533,8 +584,11 @@ def test_services_select_exactly_their_pods(overlay):
     objects = rendered(OVERLAYS[overlay])
     workloads = _workloads(objects)
     for service in kinds(objects, "Service"):
-        chosen = [w["metadata"]["name"] for w in workloads
-                  if selects(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        chosen = [
+            w["metadata"]["name"]
+            for w in workloads
+            if selects(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+        ]
         assert chosen == [service["metadata"]["name"]]
     for workload in workloads:
         assert selects(workload["spec"]["selector"]["matchLabels"], workload["spec"]["template"]["metadata"]["labels"])
@@ -697,7 +751,9 @@ def test_kafka_cluster_and_topics():
         assert config["min.insync.replicas"] <= config["default.replication.factor"]
         topics = kinds(objects, "KafkaTopic")
         assert {t["spec"]["topicName"] for t in topics} == {
-            "ballast.degraded.v1", "ballast.backfilled.v1", "ballast.degraded.dlq.v1"
+            "ballast.degraded.v1",
+            "ballast.backfilled.v1",
+            "ballast.degraded.dlq.v1",
         }, name
         for topic in topics:
             _require(topic, "spec.partitions", "spec.replicas")
@@ -712,8 +768,10 @@ def test_overlays_point_at_the_dependencies():
         config = overlay_config(rendered(OVERLAYS[overlay]))
         kafka = one(deps[kafka_tree], "Kafka")
         listener = next(l for l in kafka["spec"]["kafka"]["listeners"] if not l["tls"])
-        expected = (f"{kafka['metadata']['name']}-kafka-bootstrap."
-                    f"{kafka['metadata']['namespace']}.svc.cluster.local:{listener['port']}")
+        expected = (
+            f"{kafka['metadata']['name']}-kafka-bootstrap."
+            f"{kafka['metadata']['namespace']}.svc.cluster.local:{listener['port']}"
+        )
         assert config.kafka.bootstrap == expected
         assert config.etcd.host == f"etcd.{kafka['metadata']['namespace']}.svc.cluster.local"
         assert config.redis.url.startswith(f"redis://redis-cluster.{kafka['metadata']['namespace']}.svc.cluster.local:")
@@ -723,8 +781,9 @@ def test_overlays_point_at_the_dependencies():
     assert production.redis.wait_replicas >= 1
     # Every etcd member by name, as many as the chart runs.
     members = yaml.safe_load((K8S / "dependencies" / "etcd-values.yaml").read_text())["replicaCount"]
-    assert production.etcd.members == [f"etcd-{i}.etcd-headless.ballast-deps.svc.cluster.local:2379"
-                                       for i in range(members)]
+    assert production.etcd.members == [
+        f"etcd-{i}.etcd-headless.ballast-deps.svc.cluster.local:2379" for i in range(members)
+    ]
     readme = (K8S / "dependencies" / "README.md").read_text()
     for needle in ("bitnamicharts/etcd", "bitnamicharts/redis-cluster", "strimzi-kafka-operator"):
         assert needle in readme
@@ -778,8 +837,13 @@ def test_images_are_multi_stage_non_root_and_run_the_console_scripts():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     cpu = _stages(DEPLOY / "docker" / "Dockerfile")
     gpu = _stages(DEPLOY / "docker" / "worker-gpu.Dockerfile")
-    targets = {"router": (cpu, "router"), "cache": (cpu, "cache"), "backfill": (cpu, "backfill"),
-               "worker": (cpu, "worker-cpu"), "worker-gpu": (gpu, "worker-gpu")}
+    targets = {
+        "router": (cpu, "router"),
+        "cache": (cpu, "cache"),
+        "backfill": (cpu, "backfill"),
+        "worker": (cpu, "worker-cpu"),
+        "worker-gpu": (gpu, "worker-gpu"),
+    }
     for service, (stages, target) in targets.items():
         assert len(stages) >= 2
         user = _final_user(stages, target)
@@ -866,15 +930,24 @@ def test_grafana_dashboard_parses_and_uses_known_metrics():
         for target in panel["targets"]:
             names = _metric_names(target["expr"])
             assert names, f"{panel['title']}: no metric in {target['expr']}"
-            assert names <= exported_metric_names(), f"{panel['title']}: not exported: {names - exported_metric_names()}"
+            assert names <= exported_metric_names(), (
+                f"{panel['title']}: not exported: {names - exported_metric_names()}"
+            )
             used |= names
     # What the dashboard exists to show, business health included.
     assert {
-        "ballast_router_requests_total", "ballast_router_ttft_milliseconds_bucket",
-        "ballast_router_fallback_trigger_count_total", "ballast_breaker_state", "ballast_worker_temperature_celsius",
-        "ballast_worker_kv_lookups_total", "ballast_backfill_current_lag_seconds",
-        "ballast_desired_replicas", "ballast_dependency_up", "ballast_agent_turns_total",
-        "ballast_agent_turn_success_rate", "ballast_context_retention_rate",
+        "ballast_router_requests_total",
+        "ballast_router_ttft_milliseconds_bucket",
+        "ballast_router_fallback_trigger_count_total",
+        "ballast_breaker_state",
+        "ballast_worker_temperature_celsius",
+        "ballast_worker_kv_lookups_total",
+        "ballast_backfill_current_lag_seconds",
+        "ballast_desired_replicas",
+        "ballast_dependency_up",
+        "ballast_agent_turns_total",
+        "ballast_agent_turn_success_rate",
+        "ballast_context_retention_rate",
     } <= used
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":

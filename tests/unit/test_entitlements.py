@@ -13,15 +13,18 @@ from services.common.errors import InvalidArgument, PermissionDenied, Unauthenti
 from services.config import load_config
 
 
-@pytest.mark.parametrize("asked, allowed, expected", [
-    ("S", ("S", "A", "B"), ("S", None)),
-    ("S", ("A", "B"), ("A", CAPPED_BY_GRANT)),
-    ("A", ("A", "B"), ("A", None)),
-    ("S", ("B",), ("B", CAPPED_BY_GRANT)),
-    ("A", ("B",), ("B", CAPPED_BY_GRANT)),
-    ("B", ("A", "B"), ("B", None)),
-    ("B", ("S",), ("S", RAISED_TO_GRANT)),
-])
+@pytest.mark.parametrize(
+    "asked, allowed, expected",
+    [
+        ("S", ("S", "A", "B"), ("S", None)),
+        ("S", ("A", "B"), ("A", CAPPED_BY_GRANT)),
+        ("A", ("A", "B"), ("A", None)),
+        ("S", ("B",), ("B", CAPPED_BY_GRANT)),
+        ("A", ("B",), ("B", CAPPED_BY_GRANT)),
+        ("B", ("A", "B"), ("B", None)),
+        ("B", ("S",), ("S", RAISED_TO_GRANT)),
+    ],
+)
 def test_a_tier_above_the_grant_is_capped_to_the_highest_allowed(asked, allowed, expected):
     assert cap_tier(asked, allowed) == expected
 
@@ -33,11 +36,18 @@ def test_a_key_ceiling_lowers_the_grant_but_never_locks_the_key_out():
 
 
 def auth(**extra) -> Authenticator:
-    return Authenticator(AuthConfig(
-        api_keys={"k-acme": "acme", "k-gold": "gold",
-                  "k-gold-intern": {"tenant": "gold", "max_tier": "B"},
-                  "k-backfill": {"tenant": "ballast-backfill", "acts_for_tenants": True}},
-        tenants={"gold": {"tiers": ["S", "A", "B"]}}, **extra))
+    return Authenticator(
+        AuthConfig(
+            api_keys={
+                "k-acme": "acme",
+                "k-gold": "gold",
+                "k-gold-intern": {"tenant": "gold", "max_tier": "B"},
+                "k-backfill": {"tenant": "ballast-backfill", "acts_for_tenants": True},
+            },
+            tenants={"gold": {"tiers": ["S", "A", "B"]}},
+            **extra,
+        )
+    )
 
 
 def test_tenants_without_a_grant_get_a_and_b_and_granted_ones_their_tiers():

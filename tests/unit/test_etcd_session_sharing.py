@@ -57,8 +57,9 @@ class Seen:
 async def test_a_stopped_watch_ends_alone_and_close_ends_the_others_and_the_client_once(fake_etcd):
     session = EtcdSession(CONFIG)
     seen = {name: Seen() for name in "ab"}
-    watches = {name: session.watch_prefix(f"/{name}/".encode(), seen[name].on_sync, seen[name].on_change)
-               for name in "ab"}
+    watches = {
+        name: session.watch_prefix(f"/{name}/".encode(), seen[name].on_sync, seen[name].on_change) for name in "ab"
+    }
     for watch in watches.values():
         await watch.start()
     await until(lambda: all(w.synced.is_set() for w in watches.values()))
@@ -113,8 +114,7 @@ async def test_parts_given_the_session_stop_without_closing_it(fake_etcd):
 async def test_a_client_dropped_by_one_part_makes_every_watch_resync_on_the_next(fake_etcd):
     session = EtcdSession(CONFIG)
     seen = {name: Seen() for name in "ab"}
-    watches = [session.watch_prefix(f"/{name}/".encode(), seen[name].on_sync, seen[name].on_change)
-               for name in "ab"]
+    watches = [session.watch_prefix(f"/{name}/".encode(), seen[name].on_sync, seen[name].on_change) for name in "ab"]
     for watch in watches:
         await watch.start()
     await until(lambda: all(w.synced.is_set() for w in watches))

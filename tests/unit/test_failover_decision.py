@@ -56,10 +56,17 @@ class Budget:
         return self.refusal
 
 
-def failure(error: BaseException, *, sent: int = 0, this_attempt: int = 0, accepted: bool = True,
-            deadline_passed: bool = False) -> AttemptFailure:
-    return AttemptFailure(error, "w1", tokens_sent=sent, tokens_this_attempt=this_attempt, accepted=accepted,
-                          deadline_passed=deadline_passed)
+def failure(
+    error: BaseException, *, sent: int = 0, this_attempt: int = 0, accepted: bool = True, deadline_passed: bool = False
+) -> AttemptFailure:
+    return AttemptFailure(
+        error,
+        "w1",
+        tokens_sent=sent,
+        tokens_this_attempt=this_attempt,
+        accepted=accepted,
+        deadline_passed=deadline_passed,
+    )
 
 
 def test_preemption_pauses_without_judging_the_worker_or_spending_the_budget():

@@ -70,8 +70,7 @@ async def test_a_real_server_sends_the_fault(error):
         raise error
 
     server = new_server()
-    handler = grpc.method_handlers_generic_handler(
-        "test.Faults", {"Fail": grpc.unary_unary_rpc_method_handler(fail)})
+    handler = grpc.method_handlers_generic_handler("test.Faults", {"Fail": grpc.unary_unary_rpc_method_handler(fail)})
     server.add_generic_rpc_handlers((handler,))
     port = bind(server, "127.0.0.1", 0)
     await server.start()

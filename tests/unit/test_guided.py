@@ -28,13 +28,26 @@ PRODUCT = {
 }
 SCHEMAS = {
     "product": PRODUCT,
-    "flags": {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
-                                                                                 "maximum": 99}},
-              "required": ["ok", "n"], "additionalProperties": False},
+    "flags": {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    },
     "list": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
-    "nested": {"type": "object", "properties": {"c": {"type": "object", "properties": {"name": {
-        "type": "string", "pattern": "^[a-z]{1,5}$"}}, "required": ["name"], "additionalProperties": False}},
-        "required": ["c"], "additionalProperties": False},
+    "nested": {
+        "type": "object",
+        "properties": {
+            "c": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,5}$"}},
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["c"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -114,11 +127,14 @@ def test_guides_from_one_compiled_schema_are_independent(compiler, tokenizer):
     assert not torch.equal(a.mask(), b.mask())
 
 
-@pytest.mark.parametrize("schema, words", [
-    ({"not": {"type": "string"}}, ["guided decoding", "not"]),
-    ({"type": "integer", "minimum": 5, "maximum": 3}, ["Unsatisfiable"]),
-    ("{nope", ["guided decoding"]),
-])
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ({"not": {"type": "string"}}, ["guided decoding", "not"]),
+        ({"type": "integer", "minimum": 5, "maximum": 3}, ["Unsatisfiable"]),
+        ("{nope", ["guided decoding"]),
+    ],
+)
 def test_schemas_that_cannot_be_guided_are_invalid_arguments(compiler, schema, words):
     with pytest.raises(InvalidArgument) as caught:
         compiler.guide(schema)

@@ -12,8 +12,12 @@ from services.common.errors import InvalidArgument
 from services.worker.guided import DocumentEnd, document_end
 from tests.unit.test_guided import EOS, compiler, encode, tokenizer  # noqa: F401  (fixtures)
 
-ORDER = {"type": "object", "properties": {"order": {"type": "integer"}, "status": {"enum": ["late", "shipped"]}},
-         "required": ["order", "status"], "additionalProperties": False}
+ORDER = {
+    "type": "object",
+    "properties": {"order": {"type": "integer"}, "status": {"enum": ["late", "shipped"]}},
+    "required": ["order", "status"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("sent", ["hello", '{"order":1,"colour"', '{"order":1,"status":"late"}x'])

@@ -23,8 +23,9 @@ def quadratic_prefill(model: CostModel, a_ms: float = 0.1, b_ms: float = 0.05e-3
 def test_prefill_estimate_follows_attention_growth():
     model = CostModel(prefill_chunk=512)
     quadratic_prefill(model)
-    exact = lambda k: sum(1.0 + 0.1 * n + 0.05e-3 * n * (s + n / 2)  # noqa: E731
-                          for s in range(0, k, 512) for n in [min(512, k - s)])
+    exact = lambda k: sum(  # noqa: E731
+        1.0 + 0.1 * n + 0.05e-3 * n * (s + n / 2) for s in range(0, k, 512) for n in [min(512, k - s)]
+    )
     for k in (256, 2048, 8192):
         assert model.recompute_ms(k) == pytest.approx(exact(k), rel=0.05)
 

@@ -54,14 +54,17 @@ def test_longer_entry_is_a_miss():
         decode_record(record() + b"x", SCOPE, HASH, 3, LAYOUT)
 
 
-@pytest.mark.parametrize("scope, block_hash, index, layout", [
-    (KVScope("other", "acme"), HASH, 3, LAYOUT),
-    (KVScope("abc123", "globex"), HASH, 3, LAYOUT),
-    (SCOPE, bytes(16), 3, LAYOUT),
-    (SCOPE, HASH, 4, LAYOUT),
-    (SCOPE, HASH, 3, KVLayout("float16", (2, 2, 4, 16, 8), 2, 16)),
-    (SCOPE, HASH, 3, KVLayout("float32", (2, 2, 4, 16, 4), 2, 16)),
-])
+@pytest.mark.parametrize(
+    "scope, block_hash, index, layout",
+    [
+        (KVScope("other", "acme"), HASH, 3, LAYOUT),
+        (KVScope("abc123", "globex"), HASH, 3, LAYOUT),
+        (SCOPE, bytes(16), 3, LAYOUT),
+        (SCOPE, HASH, 4, LAYOUT),
+        (SCOPE, HASH, 3, KVLayout("float16", (2, 2, 4, 16, 8), 2, 16)),
+        (SCOPE, HASH, 3, KVLayout("float32", (2, 2, 4, 16, 4), 2, 16)),
+    ],
+)
 def test_foreign_header_is_a_mismatch(scope, block_hash, index, layout):
     with pytest.raises(RecordMiss, match="mismatch"):
         decode_record(record(), scope, block_hash, index, layout)
@@ -74,20 +77,23 @@ def test_keys_bind_version_and_tenant_but_not_the_tenant_text():
     assert key != record_key("p:", KVScope("abc124", "acme"), HASH)
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: KVScope("", "t").validate(),
-    lambda: KVScope("v 1", "t").validate(),
-    lambda: KVScope("v1", "x" * 300).validate(),
-    lambda: KVLayout("int8", (2, 2, 4, 16, 8), 2, 16).validate(),
-    lambda: KVLayout("float32", (2, 0, 4, 16, 8), 2, 16).validate(),
-    lambda: KVLayout("float32", (2, 2, 4, 16, 8), 3, 16).validate(),
-    lambda: KVLayout("float32", (2, 2, 4, 16, 8), 2, 5).validate(),
-    lambda: LAYOUT.validate(max_block_bytes=100),
-    lambda: header(size=10).validate(),
-    lambda: header(block_hash=b"short").validate(),
-    lambda: check_block_hashes([HASH] * 5, max_blocks=4),
-    lambda: check_block_hashes([b"x" * 32], max_blocks=4),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: KVScope("", "t").validate(),
+        lambda: KVScope("v 1", "t").validate(),
+        lambda: KVScope("v1", "x" * 300).validate(),
+        lambda: KVLayout("int8", (2, 2, 4, 16, 8), 2, 16).validate(),
+        lambda: KVLayout("float32", (2, 0, 4, 16, 8), 2, 16).validate(),
+        lambda: KVLayout("float32", (2, 2, 4, 16, 8), 3, 16).validate(),
+        lambda: KVLayout("float32", (2, 2, 4, 16, 8), 2, 5).validate(),
+        lambda: LAYOUT.validate(max_block_bytes=100),
+        lambda: header(size=10).validate(),
+        lambda: header(block_hash=b"short").validate(),
+        lambda: check_block_hashes([HASH] * 5, max_blocks=4),
+        lambda: check_block_hashes([b"x" * 32], max_blocks=4),
+    ],
+)
 def test_bad_input_is_invalid_argument(bad):
     with pytest.raises(InvalidArgument):
         bad()

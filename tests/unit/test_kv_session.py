@@ -56,8 +56,12 @@ def metric(telemetry, name, **labels):
 async def make(policy="always", queue=1):
     telemetry = Telemetry("t", TelemetryConfig(enabled=False))
     client = FakeClient()
-    kv = SessionKV(client, KVSettings(block_tokens=4, policy=policy, save_queue=queue, probe_interval_s=60),
-                   KVMetrics(telemetry), telemetry.dependencies)
+    kv = SessionKV(
+        client,
+        KVSettings(block_tokens=4, policy=policy, save_queue=queue, probe_interval_s=60),
+        KVMetrics(telemetry),
+        telemetry.dependencies,
+    )
     kv.bind("v1", LAYOUT)
     await kv.start()
     return kv, client, telemetry

@@ -15,15 +15,23 @@ from services.worker.kv.tensors import (
 )
 from services.worker.kv.session import restorable_blocks
 
-CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
-                     intermediate_size=128, vocab_size=100)
+CONFIG = LlamaConfig(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=3,
+    intermediate_size=128,
+    vocab_size=100,
+)
 BLOCK = 8
 
 
 def pairs_for(tokens: int, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(1, 2, tokens, 16, generator=g).to(dtype), torch.randn(1, 2, tokens, 16, generator=g).to(dtype))
-            for _ in range(3)]
+    return [
+        (torch.randn(1, 2, tokens, 16, generator=g).to(dtype), torch.randn(1, 2, tokens, 16, generator=g).to(dtype))
+        for _ in range(3)
+    ]
 
 
 def fetched_from(pairs, layout, first, end) -> FetchedBlocks:
@@ -37,7 +45,9 @@ def test_layout_from_model_config():
     layout = model_layout(CONFIG, torch.float32, BLOCK)
     assert layout.shape == (3, 2, 2, BLOCK, 16) and layout.layers == 3 and layout.dtype == "float32"
     assert layout.block_bytes == 3 * 2 * 2 * BLOCK * 16 * 4
-    mixed = LlamaConfig(**{**CONFIG.to_dict(), "layer_types": ["full_attention", "sliding_attention", "full_attention"]})
+    mixed = LlamaConfig(
+        **{**CONFIG.to_dict(), "layer_types": ["full_attention", "sliding_attention", "full_attention"]}
+    )
     mixed.layer_types = ["full_attention", "sliding_attention", "full_attention"]
     assert model_layout(mixed, torch.float32, BLOCK) is None
 
@@ -52,7 +62,7 @@ def test_round_trip_of_whole_blocks(dtype):
     assert good == 5
     for (k, v), (rk, rv) in zip(pairs, restored):
         assert rk.shape == (1, 2, 5 * BLOCK, 16) and rk.dtype == dtype
-        assert torch.equal(rk, k[:, :, :5 * BLOCK]) and torch.equal(rv, v[:, :, :5 * BLOCK])
+        assert torch.equal(rk, k[:, :, : 5 * BLOCK]) and torch.equal(rv, v[:, :, : 5 * BLOCK])
 
 
 def test_blocks_from_the_middle_hold_their_own_tokens():

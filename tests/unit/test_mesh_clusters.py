@@ -37,8 +37,9 @@ def test_extra_routers_take_the_ports_after_the_first(tmp_path):
     assert Mesh(spec(tmp_path))._extra_router_ports() == []
 
 
-@pytest.mark.parametrize("changes", [dict(secure=True, redis_cluster=True), dict(secure=True, etcd_cluster=True),
-                                     dict(routers=0)])
+@pytest.mark.parametrize(
+    "changes", [dict(secure=True, redis_cluster=True), dict(secure=True, etcd_cluster=True), dict(routers=0)]
+)
 def test_combinations_the_local_mesh_cannot_run_are_refused(tmp_path, changes):
     with pytest.raises(ValueError):
         Mesh(spec(tmp_path, **changes))

@@ -27,10 +27,20 @@ def chat(**fields):
 
 
 def test_chat_body_maps_to_generate_request():
-    body = chat(max_completion_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n", stream=True,
-                stream_options={"include_usage": True}, user="u1",
-                messages=[{"role": "developer", "content": "be brief"},
-                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    body = chat(
+        max_completion_tokens=7,
+        temperature=0,
+        top_p=0.5,
+        seed=3,
+        stop="\n",
+        stream=True,
+        stream_options={"include_usage": True},
+        user="u1",
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ],
+    )
     request, shape = to_generate_request(body, {"x-ballast-session-id": "s1"}, chat=True)
     assert [(m.role, m.content) for m in request.conversation.messages] == [("system", "be brief"), ("user", "ab")]
     assert request.sampling.max_tokens == 7 and request.sampling.temperature == 0
@@ -46,21 +56,27 @@ def test_completions_prompt_and_max_tokens():
     assert request.sampling.max_tokens == 4 and not shape.chat and not shape.include_usage
 
 
-@pytest.mark.parametrize(("body", "headers", "tier"), [
-    (chat(service_tier="priority"), {}, common_pb2.TIER_S),
-    (chat(service_tier="flex"), {}, common_pb2.TIER_B),
-    (chat(service_tier="default"), {}, common_pb2.TIER_AUTO),
-    (chat(service_tier="auto"), {}, common_pb2.TIER_AUTO),
-    (chat(service_tier="flex"), {"x-ballast-tier": "a"}, common_pb2.TIER_A),
-])
+@pytest.mark.parametrize(
+    ("body", "headers", "tier"),
+    [
+        (chat(service_tier="priority"), {}, common_pb2.TIER_S),
+        (chat(service_tier="flex"), {}, common_pb2.TIER_B),
+        (chat(service_tier="default"), {}, common_pb2.TIER_AUTO),
+        (chat(service_tier="auto"), {}, common_pb2.TIER_AUTO),
+        (chat(service_tier="flex"), {"x-ballast-tier": "a"}, common_pb2.TIER_A),
+    ],
+)
 def test_tiers(body, headers, tier):
     assert to_generate_request(body, headers, chat=True)[0].tier == tier
 
 
 def test_response_formats_become_json_schema():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    request, _ = to_generate_request(chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": schema, "strict": True}}), {}, chat=True)
+    request, _ = to_generate_request(
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}),
+        {},
+        chat=True,
+    )
     assert json.loads(request.response_format) == schema
     request, _ = to_generate_request(chat(response_format={"type": "json_object"}), {}, chat=True)
     assert json.loads(request.response_format) == {"type": "object"}
@@ -73,10 +89,17 @@ def test_allow_degraded_header():
     assert request.HasField("allow_degraded") and not request.allow_degraded
 
 
-@pytest.mark.parametrize("field,value", [
-    ("n", 2), ("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("logprobs", True),
-    ("functions", [{"name": "f"}]), ("presence_penalty", 0.5),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 2),
+        ("tools", [{"type": "function"}]),
+        ("tool_choice", "auto"),
+        ("logprobs", True),
+        ("functions", [{"name": "f"}]),
+        ("presence_penalty", 0.5),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(UnsupportedField) as caught:
         to_generate_request(chat(**{field: value}), {}, chat=True)
@@ -90,14 +113,26 @@ def test_neutral_values_of_unsupported_fields_pass(field, value):
     to_generate_request(chat(**{field: value}), {}, chat=True)
 
 
-@pytest.mark.parametrize("body,param", [
-    ([], "body"), (chat(model=3), "model"), (chat(messages="hi"), "messages"), (chat(messages=[]), "messages"),
-    (chat(max_tokens="5"), "max_tokens"), (chat(max_tokens=True), "max_tokens"), (chat(max_tokens=1 << 40), "max_tokens"),
-    (chat(temperature="hot"), "temperature"), (chat(stop=[1]), "stop"), (chat(stream="yes"), "stream"),
-    (chat(stream_options={"include_usage": True}), "stream_options"), (chat(service_tier="gold"), "service_tier"),
-    (chat(seed=-1), "seed"), (chat(response_format={"type": "xml"}), "response_format.type"),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ([], "body"),
+        (chat(model=3), "model"),
+        (chat(messages="hi"), "messages"),
+        (chat(messages=[]), "messages"),
+        (chat(max_tokens="5"), "max_tokens"),
+        (chat(max_tokens=True), "max_tokens"),
+        (chat(max_tokens=1 << 40), "max_tokens"),
+        (chat(temperature="hot"), "temperature"),
+        (chat(stop=[1]), "stop"),
+        (chat(stream="yes"), "stream"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(service_tier="gold"), "service_tier"),
+        (chat(seed=-1), "seed"),
+        (chat(response_format={"type": "xml"}), "response_format.type"),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
+    ],
+)
 def test_wrong_types_name_the_field(body, param):
     with pytest.raises(InvalidField) as caught:
         to_generate_request(body, {}, chat=True)
@@ -114,18 +149,21 @@ def test_json_depth_and_syntax():
         parse_json(b"[" * 100_000 + b"]" * 100_000)
 
 
-@pytest.mark.parametrize("error,status,headers", [
-    (InvalidArgument("x"), 400, {}),
-    (Unauthenticated("x"), 401, {}),
-    (NotFound("x"), 404, {}),
-    (ResourceExhausted("x", retry_after_s=2.2), 429, {"Retry-After": "3"}),
-    (ResourceExhausted("x", retry_after_s=0.05), 429, {"Retry-After": "1"}),
-    (NoLiveWorker("x"), 503, {"Retry-After": "1"}),
-    (DeadlineExceeded("x"), 504, {}),
-    (BodyTooLarge("x"), 413, {}),
-    (NotJson("x"), 400, {}),
-    (RuntimeError("x"), 500, {}),
-])
+@pytest.mark.parametrize(
+    "error,status,headers",
+    [
+        (InvalidArgument("x"), 400, {}),
+        (Unauthenticated("x"), 401, {}),
+        (NotFound("x"), 404, {}),
+        (ResourceExhausted("x", retry_after_s=2.2), 429, {"Retry-After": "3"}),
+        (ResourceExhausted("x", retry_after_s=0.05), 429, {"Retry-After": "1"}),
+        (NoLiveWorker("x"), 503, {"Retry-After": "1"}),
+        (DeadlineExceeded("x"), 504, {}),
+        (BodyTooLarge("x"), 413, {}),
+        (NotJson("x"), 400, {}),
+        (RuntimeError("x"), 500, {}),
+    ],
+)
 def test_error_replies(error, status, headers):
     reply = error_reply(error)
     assert reply.status == status and reply.headers == headers
@@ -141,8 +179,9 @@ def _events(degraded: bool = False):
     yield inference_pb2.GenerateEvent(started=inference_pb2.Started(request_id="r1", model="tiny", model_version="v"))
     yield inference_pb2.GenerateEvent(tokens=common_pb2.Tokens(text="Hel", token_ids=[1], first_index=0))
     yield inference_pb2.GenerateEvent(tokens=common_pb2.Tokens(text="lo", token_ids=[2], first_index=1))
-    finished = inference_pb2.Finished(reason=common_pb2.FINISH_REASON_LENGTH,
-                                      usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2), resumes=1)
+    finished = inference_pb2.Finished(
+        reason=common_pb2.FINISH_REASON_LENGTH, usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2), resumes=1
+    )
     if degraded:
         finished.degradation = common_pb2.DEGRADATION_RULES
         finished.backfill_ticket = "t-1"

@@ -10,10 +10,22 @@ import pytest
 from services.worker.pinned_models import SMOLLM2, ModelFetchError, _config, _fix_tokenizer, extract_model_file
 
 GGUF_CONFIG = {
-    "tie_word_embeddings": True, "model_type": "llama", "num_hidden_layers": 30, "max_position_embeddings": 8192,
-    "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "rope_theta": 100000.0, "rms_norm_eps": 9.999999747378752e-06, "vocab_size": 49152, "head_dim": 64,
-    "bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "pad_token_id": 2,
+    "tie_word_embeddings": True,
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "max_position_embeddings": 8192,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 9.999999747378752e-06,
+    "vocab_size": 49152,
+    "head_dim": 64,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "unk_token_id": 0,
+    "pad_token_id": 2,
     "_model_name_or_path": "anything",
 }
 
@@ -34,8 +46,10 @@ def test_config_caps_the_context_at_the_pinned_maximum():
 def test_split_digits_step_is_put_in_front_of_byte_level_once():
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     fixed = _fix_tokenizer({"pre_tokenizer": dict(byte_level)}, split_digits=True)
-    assert fixed["pre_tokenizer"] == {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True}, byte_level]}
+    assert fixed["pre_tokenizer"] == {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+    }
     again = _fix_tokenizer(json.loads(json.dumps(fixed)), split_digits=True)
     assert again == fixed
 

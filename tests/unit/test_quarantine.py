@@ -40,18 +40,27 @@ class Clock:
 
 
 def request(request_id="r1", tenant="acme", prompt=None, messages=(("user", "boom"),), schema=""):
-    return InferenceRequest(request_id=request_id, session_id="", tenant=tenant, model="tiny",
-                            sampling=Sampling(max_tokens=8), tier="A",
-                            messages=tuple(Message(role, content) for role, content in messages),
-                            prompt=prompt, response_format=schema)
+    return InferenceRequest(
+        request_id=request_id,
+        session_id="",
+        tenant=tenant,
+        model="tiny",
+        sampling=Sampling(max_tokens=8),
+        tier="A",
+        messages=tuple(Message(role, content) for role, content in messages),
+        prompt=prompt,
+        response_format=schema,
+    )
 
 
 def entry(fp="a" * 64, since=1000.0, ttl_s=60.0, **kw) -> QuarantineEntry:
-    return QuarantineEntry(fingerprint=fp, tenant=kw.get("tenant", "acme"), reason="worker_lost", since=since,
-                           workers_lost=2, ttl_s=ttl_s)
+    return QuarantineEntry(
+        fingerprint=fp, tenant=kw.get("tenant", "acme"), reason="worker_lost", since=since, workers_lost=2, ttl_s=ttl_s
+    )
 
 
 # -- fingerprint ----------------------------------------------------------------------------
+
 
 def test_the_fingerprint_ignores_the_request_id_and_keeps_tenant_input_and_schema_apart():
     base = request_fingerprint(request())
@@ -81,13 +90,17 @@ def test_the_etcd_key_and_entry_round_trip_without_prompt_text():
     raw = held.to_json()
     assert QuarantineEntry.from_json(raw) == held
     assert b"boom" not in raw
-    for bad in (b"not json", b"{}", b'{"fingerprint": "short", "tenant": "t", "reason": "r", "since": 1, '
-                                      b'"workers_lost": 2, "ttl_s": 5}'):
+    for bad in (
+        b"not json",
+        b"{}",
+        b'{"fingerprint": "short", "tenant": "t", "reason": "r", "since": 1, "workers_lost": 2, "ttl_s": 5}',
+    ):
         with pytest.raises(InvalidQuarantineEntry):
             QuarantineEntry.from_json(bad)
 
 
 # -- the store ------------------------------------------------------------------------------
+
 
 def test_the_store_holds_an_entry_until_its_ttl_lapses():
     clock = Clock(1000.0)
@@ -123,12 +136,16 @@ def test_merging_a_snapshot_keeps_entries_held_only_here():
 
 # -- which losses count, and the decision -----------------------------------------------------
 
-@pytest.mark.parametrize("lost, tokens, accepted, counts", [
-    (True, 0, True, True),      # died taking the request on: the request may be why
-    (True, 5, True, False),     # died while streaming: the worker's fault, not each stream's
-    (True, 0, False, False),    # never took the call (already gone, connection refused)
-    (False, 0, True, False),    # a live worker's error
-])
+
+@pytest.mark.parametrize(
+    "lost, tokens, accepted, counts",
+    [
+        (True, 0, True, True),  # died taking the request on: the request may be why
+        (True, 5, True, False),  # died while streaming: the worker's fault, not each stream's
+        (True, 0, False, False),  # never took the call (already gone, connection refused)
+        (False, 0, True, False),  # a live worker's error
+    ],
+)
 def test_a_worker_lost_counts_against_a_request_only_when_it_died_taking_it_on(lost, tokens, accepted, counts):
     assert implicated(lost, tokens, accepted) is counts
 
@@ -183,6 +200,7 @@ def test_a_disabled_quarantine_never_refuses():
 
 # -- how the error travels ------------------------------------------------------------------
 
+
 def test_a_quarantined_request_is_not_degraded_not_retried_and_not_a_worker_fault():
     error = Quarantined("quarantined", retry_after_s=12.5)
     assert error.code == grpc.StatusCode.FAILED_PRECONDITION and not error.retriable
@@ -205,16 +223,20 @@ class RpcError(grpc.aio.AioRpcError):
         super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata((REASON_KEY, fault)), "details")
 
 
-@pytest.mark.parametrize("code, fault, kind", [
-    (grpc.StatusCode.FAILED_PRECONDITION, "quarantined", ReplayErrorKind.QUARANTINED),
-    (grpc.StatusCode.UNAVAILABLE, "worker_lost", ReplayErrorKind.FAILED),
-    (grpc.StatusCode.UNAVAILABLE, "no_live_worker", ReplayErrorKind.UNHEALTHY),
-])
+@pytest.mark.parametrize(
+    "code, fault, kind",
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, "quarantined", ReplayErrorKind.QUARANTINED),
+        (grpc.StatusCode.UNAVAILABLE, "worker_lost", ReplayErrorKind.FAILED),
+        (grpc.StatusCode.UNAVAILABLE, "no_live_worker", ReplayErrorKind.UNHEALTHY),
+    ],
+)
 def test_the_backfill_parks_quarantined_replays_and_counts_one_that_lost_its_worker(code, fault, kind):
     assert replay_error(RpcError(code, fault)).kind is kind
 
 
 # -- the backfill parks poison before replaying it ----------------------------------------------
+
 
 class Producer:
     resets = 0
@@ -251,15 +273,17 @@ async def test_a_quarantined_record_is_parked_without_a_replay():
 
     pb = inference_pb2.GenerateRequest(request_id="r1", model="tiny")
     pb.conversation.messages.add(role="user", content="boom")
-    degraded = backfill_pb2.DegradedRequest(ticket="bf1-" + "1" * 32, tenant="acme", request=pb,
-                                            level=common_pb2.DEGRADATION_RULES)
+    degraded = backfill_pb2.DegradedRequest(
+        ticket="bf1-" + "1" * 32, tenant="acme", request=pb, level=common_pb2.DEGRADATION_RULES
+    )
     store = QuarantineStore()
     import time
 
     store.add(QuarantineEntry(degraded_fingerprint(degraded), "acme", "worker_lost", time.time(), 2, 600))
     producer, replayer, parked = Producer(), Replayer(), Parked()
-    processor = Processor(BackfillSettings(), store=None, replayer=replayer, producer=producer,
-                          quarantine=store, parked=parked)
+    processor = Processor(
+        BackfillSettings(), store=None, replayer=replayer, producer=producer, quarantine=store, parked=parked
+    )
     record = Record("ballast.degraded", 0, 7, b"k", degraded.SerializeToString(), ())
     assert await processor._replay(record, degraded) is None
     assert replayer.calls == 0
@@ -276,8 +300,11 @@ def test_parked_entries_read_back_and_bad_values_are_skipped():
 def test_status_lists_quarantined_fingerprints_and_parked_tickets_without_prompts():
     from services.cli.poison_view import describe
 
-    lines = describe([entry("f" * 64, since=900.0, ttl_s=600.0)],
-                     [ParkedTicket("bf1-abc", "acme", "quarantined", 0, 990.0)], now=1000.0)
+    lines = describe(
+        [entry("f" * 64, since=900.0, ttl_s=600.0)],
+        [ParkedTicket("bf1-abc", "acme", "quarantined", 0, 990.0)],
+        now=1000.0,
+    )
     assert lines[0] == "quarantine: 1 fingerprint(s) refused"
     assert "ffffffffffffffff" in lines[1] and "2 workers lost" in lines[1] and "500s left" in lines[1]
     assert lines[2].startswith("backfill parked (latest 1)") and "bf1-abc" in lines[3] and "quarantined" in lines[3]

@@ -9,8 +9,13 @@ from services.common.degraded.codec import REPLAY_ID_PREFIX, replay_request
 
 def degraded_record() -> backfill_pb2.DegradedRequest:
     request = inference_pb2.GenerateRequest(
-        request_id="r-1", model="tiny", session_id="s-9", tier=common_pb2.TIER_S, allow_degraded=True,
-        sampling=common_pb2.SamplingParams(max_tokens=16, temperature=0.0, seed=7))
+        request_id="r-1",
+        model="tiny",
+        session_id="s-9",
+        tier=common_pb2.TIER_S,
+        allow_degraded=True,
+        sampling=common_pb2.SamplingParams(max_tokens=16, temperature=0.0, seed=7),
+    )
     request.prompt = "Where is my order 12345?"
     return backfill_pb2.DegradedRequest(ticket="bf1-abc", tenant="acme", session_id="s-9", request=request)
 

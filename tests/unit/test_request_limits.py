@@ -30,8 +30,8 @@ CONFIG = RouterConfig()
 def chat(count: int, content: str = "hi") -> inference_pb2.GenerateRequest:
     request = inference_pb2.GenerateRequest(model="tiny")
     request.conversation.messages.extend(
-        inference_pb2.ChatMessage(role="user" if i % 2 == 0 else "assistant", content=content)
-        for i in range(count))
+        inference_pb2.ChatMessage(role="user" if i % 2 == 0 else "assistant", content=content) for i in range(count)
+    )
     return request
 
 
@@ -83,12 +83,15 @@ def test_the_schema_text_size_is_bounded():
     assert "max_chars" in refusal(request)
 
 
-@pytest.mark.parametrize("text, words", [
-    ('{"maxItems": ' + "9" * 5000 + "}", ["not usable JSON"]),
-    ('{"const": ' + "[" * 20_000 + "]" * 20_000 + "}", ["nests deeper"]),
-    (json.dumps({"type": "string", "pattern": "^(a+)+$"}), ["$.pattern", "nests quantifiers"]),
-    (json.dumps({"type": "string", "format": "ssn"}), ["$.format", "'ssn'"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"maxItems": ' + "9" * 5000 + "}", ["not usable JSON"]),
+        ('{"const": ' + "[" * 20_000 + "]" * 20_000 + "}", ["nests deeper"]),
+        (json.dumps({"type": "string", "pattern": "^(a+)+$"}), ["$.pattern", "nests quantifiers"]),
+        (json.dumps({"type": "string", "format": "ssn"}), ["$.format", "'ssn'"]),
+    ],
+)
 def test_check_schema_refuses_hostile_text_as_invalid_argument(text, words):
     with pytest.raises(InvalidArgument) as caught:
         check_schema(text)
@@ -126,7 +129,9 @@ def compiler():
 
 
 def engine_request(schema: str) -> EngineRequest:
-    return EngineRequest(request_id="r", prompt_ids=(5, 6), generated_ids=(), sampling=Sampling(max_tokens=8), response_format=schema)
+    return EngineRequest(
+        request_id="r", prompt_ids=(5, 6), generated_ids=(), sampling=Sampling(max_tokens=8), response_format=schema
+    )
 
 
 def test_the_worker_refuses_a_bomb_before_compiling(compiler):
@@ -147,8 +152,12 @@ def test_the_worker_applies_its_own_limits(compiler):
 
 
 def test_llguidance_limits_refuse_a_grammar_that_slips_past_the_schema_limits():
-    tight = GuideCompiler(train_tokenizer(corpus(), 512).to_str(), 512, (3, 1),
-                          limits=SchemaLimits(max_items=100_000, max_total_items=100_000))
+    tight = GuideCompiler(
+        train_tokenizer(corpus(), 512).to_str(),
+        512,
+        (3, 1),
+        limits=SchemaLimits(max_items=100_000, max_total_items=100_000),
+    )
     with pytest.raises(InvalidArgument) as caught:
         tight.guide(json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 100_000}))
     assert "guided decoding" in caught.value.message
@@ -167,7 +176,9 @@ def test_a_big_chat_body_is_refused_by_its_message_count_before_it_is_parsed():
     check_chat_body(json.dumps({"messages": [{"role": "user", "content": "hi"}] * 2048}).encode(), RequestLimits())
 
 
-@pytest.mark.parametrize("body", [b"{", b"[1, 2]", b'{"messages": "x"}', b'{"messages": null}', b"{}",
-                                  b'{"messages": [{"content": "\\ud800"}]}'])
+@pytest.mark.parametrize(
+    "body",
+    [b"{", b"[1, 2]", b'{"messages": "x"}', b'{"messages": null}', b"{}", b'{"messages": [{"content": "\\ud800"}]}'],
+)
 def test_a_chat_body_the_scan_cannot_read_is_left_to_the_full_parse(body):
     check_chat_body(body, RequestLimits())

@@ -15,7 +15,10 @@ def test_continues_after_sent_tokens():
     assert plan.sampling.max_tokens == 6
     # Everything else about sampling is kept, the seed above all, so the stream is seamless.
     assert (plan.sampling.temperature, plan.sampling.top_p, plan.sampling.seed, plan.sampling.stop) == (
-        0.7, 0.9, 42, ("\n\n",)
+        0.7,
+        0.9,
+        42,
+        ("\n\n",),
     )
     assert not plan.nothing_left and plan.finish_reason is None
     assert (plan.prompt_tokens, plan.completion_tokens, plan.next_index) == (3, 4, 4)

@@ -8,8 +8,9 @@ from services.router.rollout.state import GatePolicy
 POLICY = GatePolicy(window_s=60.0, min_requests=20, max_error_rate=0.05, max_p99_ms=500.0, breach_min_requests=5)
 
 
-def feed(gate: SloGate, start: float, count: int, every_s: float = 1.0, latency_ms: float = 100.0,
-         fail_every: int = 0) -> float:
+def feed(
+    gate: SloGate, start: float, count: int, every_s: float = 1.0, latency_ms: float = 100.0, fail_every: int = 0
+) -> float:
     now = start
     for i in range(count):
         failed = fail_every > 0 and i % fail_every == fail_every - 1

@@ -68,8 +68,9 @@ def test_mirroring_copies_about_its_share_of_stable_requests_only():
     assert all(r.role is Role.STABLE for r in copies)
     stable = sum(1 for r in routes if r.role is Role.STABLE)
     assert 0.15 * stable <= len(copies) <= 0.25 * stable
-    assert not any(choose(replace(mirrored, state=Phase.PROMOTED), "acme", f"s-{i}", f"req-{i}").mirror
-                   for i in range(200))
+    assert not any(
+        choose(replace(mirrored, state=Phase.PROMOTED), "acme", f"s-{i}", f"req-{i}").mirror for i in range(200)
+    )
 
 
 def test_each_rollout_draws_its_own_slice_of_sessions():

@@ -9,8 +9,14 @@ import pytest
 from services.router.rollout.state import GatePolicy, Mode, Phase, Rollout, RolloutError, load_rollout
 
 GOOD = {
-    "model": "tiny", "stable": "aaaa", "candidate": "bbbb", "weight": 10, "mode": "canary",
-    "mirror_percent": 5, "state": "running", "reason": "started",
+    "model": "tiny",
+    "stable": "aaaa",
+    "candidate": "bbbb",
+    "weight": 10,
+    "mode": "canary",
+    "mirror_percent": 5,
+    "state": "running",
+    "reason": "started",
     "gate": {"window_s": 30, "min_requests": 40, "max_error_rate": 0.02, "max_p99_ms": 900, "breach_min_requests": 3},
     "updated_at": 1718000000.0,
 }
@@ -38,28 +44,31 @@ def test_defaults_fill_what_a_minimal_document_leaves_out():
     assert rollout == Rollout("tiny", "a", "b")
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"weight": 101}, "weight"),
-    ({"weight": -1}, "weight"),
-    ({"weight": "10"}, "weight"),
-    ({"weight": True}, "weight"),
-    ({"mode": "blue-green", "weight": 50}, "weight"),
-    ({"mode": "linear"}, "mode"),
-    ({"state": "paused"}, "state"),
-    ({"mirror_percent": 150}, "mirror_percent"),
-    ({"candidate": "aaaa"}, "candidate"),
-    ({"stable": ""}, "stable"),
-    ({"candidate": None}, "candidate"),
-    ({"model": "other"}, "model"),
-    ({"gate": {"window_s": 0}}, "gate.window_s"),
-    ({"gate": {"min_requests": 0}}, "gate.min_requests"),
-    ({"gate": {"max_error_rate": 2}}, "gate.max_error_rate"),
-    ({"gate": {"max_p99_ms": -5}}, "gate.max_p99_ms"),
-    ({"gate": {"window": 5}}, "window"),
-    ({"gate": [1]}, "gate"),
-    ({"colour": "blue"}, "colour"),
-    ({"reason": "x" * 501}, "reason"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"weight": 101}, "weight"),
+        ({"weight": -1}, "weight"),
+        ({"weight": "10"}, "weight"),
+        ({"weight": True}, "weight"),
+        ({"mode": "blue-green", "weight": 50}, "weight"),
+        ({"mode": "linear"}, "mode"),
+        ({"state": "paused"}, "state"),
+        ({"mirror_percent": 150}, "mirror_percent"),
+        ({"candidate": "aaaa"}, "candidate"),
+        ({"stable": ""}, "stable"),
+        ({"candidate": None}, "candidate"),
+        ({"model": "other"}, "model"),
+        ({"gate": {"window_s": 0}}, "gate.window_s"),
+        ({"gate": {"min_requests": 0}}, "gate.min_requests"),
+        ({"gate": {"max_error_rate": 2}}, "gate.max_error_rate"),
+        ({"gate": {"max_p99_ms": -5}}, "gate.max_p99_ms"),
+        ({"gate": {"window": 5}}, "window"),
+        ({"gate": [1]}, "gate"),
+        ({"colour": "blue"}, "colour"),
+        ({"reason": "x" * 501}, "reason"),
+    ],
+)
 def test_bad_documents_are_refused_naming_the_field(changes, field):
     with pytest.raises(RolloutError) as err:
         load_rollout(doc(**changes), "tiny")

@@ -90,8 +90,16 @@ class TestValidation:
 
 
 def worker(id, in_flight=0, capacity=4, model="tiny", healthy=True, draining=False):
-    return WorkerRecord(id=id, address=f"127.0.0.1:{id}", model=model, model_version="v",
-                        capacity=capacity, in_flight=in_flight, healthy=healthy, draining=draining)
+    return WorkerRecord(
+        id=id,
+        address=f"127.0.0.1:{id}",
+        model=model,
+        model_version="v",
+        capacity=capacity,
+        in_flight=in_flight,
+        healthy=healthy,
+        draining=draining,
+    )
 
 
 REQUEST_IDS = itertools.count()
@@ -126,8 +134,9 @@ class Clock:
 
 def gates_over(workers, clock=None) -> PoolGates:
     clock = clock or Clock()
-    health = WorkerHealthView(BreakerBoard(BreakerConfig(), clock=clock), TemperatureGate(TemperatureConfig()),
-                              clock=clock)
+    health = WorkerHealthView(
+        BreakerBoard(BreakerConfig(), clock=clock), TemperatureGate(TemperatureConfig()), clock=clock
+    )
     return PoolGates(TierPolicy(), Members(workers), health)
 
 
@@ -168,7 +177,13 @@ class TestWorkerChoice:
         assert dispatch(scheduler, workers) == "2"
 
     def test_skips_draining_unhealthy_other_model_and_excluded(self):
-        workers = [worker("1", draining=True), worker("2", healthy=False), worker("3", model="big"), worker("4", 3), worker("5")]
+        workers = [
+            worker("1", draining=True),
+            worker("2", healthy=False),
+            worker("3", model="big"),
+            worker("4", 3),
+            worker("5"),
+        ]
         gates = gates_over(workers)
         assert gates.idle_worker("tiny", "v").id == "5"
         assert gates.has_capacity("tiny", excluding={slot_key(workers[4])})  # worker 4 is left
@@ -253,13 +268,21 @@ class TestIdempotentSampling:
         assert first.sampling.seed is not None and first.sampling.seed == again.sampling.seed
 
     def test_derived_seed_differs_by_tenant_and_request(self):
-        a = request_from_pb(make_request(request_id="r1", sampling=common_pb2.SamplingParams(temperature=1)), "acme", self.config)
-        b = request_from_pb(make_request(request_id="r1", sampling=common_pb2.SamplingParams(temperature=1)), "other", self.config)
-        c = request_from_pb(make_request(request_id="r2", sampling=common_pb2.SamplingParams(temperature=1)), "acme", self.config)
+        a = request_from_pb(
+            make_request(request_id="r1", sampling=common_pb2.SamplingParams(temperature=1)), "acme", self.config
+        )
+        b = request_from_pb(
+            make_request(request_id="r1", sampling=common_pb2.SamplingParams(temperature=1)), "other", self.config
+        )
+        c = request_from_pb(
+            make_request(request_id="r2", sampling=common_pb2.SamplingParams(temperature=1)), "acme", self.config
+        )
         assert len({a.sampling.seed, b.sampling.seed, c.sampling.seed}) == 3
 
     def test_client_seed_and_greedy_are_left_alone(self):
-        seeded = request_from_pb(make_request(sampling=common_pb2.SamplingParams(temperature=1, seed=5)), "acme", self.config)
+        seeded = request_from_pb(
+            make_request(sampling=common_pb2.SamplingParams(temperature=1, seed=5)), "acme", self.config
+        )
         greedy = request_from_pb(make_request(sampling=common_pb2.SamplingParams(temperature=0)), "acme", self.config)
         assert seeded.sampling.seed == 5
         assert greedy.sampling.seed is None

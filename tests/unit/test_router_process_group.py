@@ -20,8 +20,10 @@ def test_a_slot_reads_from_the_environment_and_refuses_nonsense():
 
 
 def test_quotas_are_shared_rounded_up_and_unlimited_stays_unlimited():
-    quotas = QuotaConfig(default=TenantLimits(requests_per_minute=100, tokens_per_minute=1001, max_concurrent=1),
-                         tenants={"big": TenantLimits(tokens_per_minute=90)})
+    quotas = QuotaConfig(
+        default=TenantLimits(requests_per_minute=100, tokens_per_minute=1001, max_concurrent=1),
+        tenants={"big": TenantLimits(tokens_per_minute=90)},
+    )
     shared = quotas.shared_by(3)
     assert shared.default == TenantLimits(requests_per_minute=34, tokens_per_minute=334, max_concurrent=1)
     assert shared.limits("big") == TenantLimits(tokens_per_minute=30)
@@ -29,20 +31,30 @@ def test_quotas_are_shared_rounded_up_and_unlimited_stays_unlimited():
 
 
 def test_a_child_gets_its_share_its_outbox_and_its_metrics_port():
-    config = BallastConfig.model_validate({
-        "router": {"processes": 2, "port": 7000, "http_port": 7001,
-                   "quotas": {"default": {"requests_per_minute": 10}}},
-        "telemetry": {"metrics_port": 9100},
-        "degrade": {"outbox_path": "state/outbox.sqlite"},
-    })
+    config = BallastConfig.model_validate(
+        {
+            "router": {
+                "processes": 2,
+                "port": 7000,
+                "http_port": 7001,
+                "quotas": {"default": {"requests_per_minute": 10}},
+            },
+            "telemetry": {"metrics_port": 9100},
+            "degrade": {"outbox_path": "state/outbox.sqlite"},
+        }
+    )
     first, second = config_for_slot(config, Slot(0, 2)), config_for_slot(config, Slot(1, 2))
     assert first.router.quotas.default.requests_per_minute == 5
     assert (first.telemetry.metrics_port, second.telemetry.metrics_port) == (9100, 9101)
     assert first.degrade.outbox_path == "state/outbox.sqlite"
     assert second.degrade.outbox_path == "state/outbox.1.sqlite"
     assert (second.router.port, second.router.http_port) == (7000, 7001)
-    assert config_for_slot(config.model_copy(update={"telemetry": config.telemetry.model_copy(
-        update={"metrics_port": 0})}), Slot(1, 2)).telemetry.metrics_port == 0
+    assert (
+        config_for_slot(
+            config.model_copy(update={"telemetry": config.telemetry.model_copy(update={"metrics_port": 0})}), Slot(1, 2)
+        ).telemetry.metrics_port
+        == 0
+    )
     assert outbox_path_for("", 3) == ""
 
 

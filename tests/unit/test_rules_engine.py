@@ -108,8 +108,13 @@ def test_bundled_intents_cover_english_and_chinese():
 
 def test_request_text_reads_the_last_user_message():
     class Request:
-        messages = (Message("system", "be brief"), Message("user", "first"), Message("assistant", "ok"),
-                    Message("user", "is it in stock?"), Message("assistant", "…"))
+        messages = (
+            Message("system", "be brief"),
+            Message("user", "first"),
+            Message("assistant", "ok"),
+            Message("user", "is it in stock?"),
+            Message("assistant", "…"),
+        )
         prompt = None
 
     assert request_text(Request()) == "is it in stock?"
@@ -132,17 +137,41 @@ async def test_stream_text_yields_every_piece():
 @pytest.mark.parametrize(
     ("text", "line", "fragment"),
     [
-        ("intents:\n  - name: a\n    keywords: [x]\n    answer: 'hi {nope}'\ndefault: {answer: d}\n", 4, "unknown slot {nope}"),
-        ("intents:\n  - name: a\n    patterns: ['(unclosed']\n    answer: hi\ndefault: {answer: d}\n", 3, "invalid regular expression"),
-        ("intents:\n  - name: a\n    keywords: [x]\n    answer: hi\n    colour: red\ndefault: {answer: d}\n", 5, "unknown field 'colour'"),
+        (
+            "intents:\n  - name: a\n    keywords: [x]\n    answer: 'hi {nope}'\ndefault: {answer: d}\n",
+            4,
+            "unknown slot {nope}",
+        ),
+        (
+            "intents:\n  - name: a\n    patterns: ['(unclosed']\n    answer: hi\ndefault: {answer: d}\n",
+            3,
+            "invalid regular expression",
+        ),
+        (
+            "intents:\n  - name: a\n    keywords: [x]\n    answer: hi\n    colour: red\ndefault: {answer: d}\n",
+            5,
+            "unknown field 'colour'",
+        ),
         ("intents:\n  - name: a\n    answer: hi\ndefault: {answer: d}\n", 2, "needs 'keywords' or 'patterns'"),
-        ("intents:\n  - {name: a, keywords: [x], answer: hi}\n  - {name: a, keywords: [y], answer: ho}\ndefault: {answer: d}\n", 3, "already used on line 2"),
+        (
+            "intents:\n  - {name: a, keywords: [x], answer: hi}\n  - {name: a, keywords: [y], answer: ho}\ndefault: {answer: d}\n",
+            3,
+            "already used on line 2",
+        ),
         ("intents: []\n", 1, "'default' answer is required"),
         ("version: 1\nversion: 2\ndefault: {answer: d}\n", 2, "duplicate key 'version'"),
         ("default:\n  answer: [a, b\n", 3, ""),
         ("slots:\n  product: {words: [a], pattern: b}\ndefault: {answer: d}\n", 2, "exactly one of"),
-        ("intents:\n  - name: a\n    keywords: [x]\n    priority: high\n    answer: hi\ndefault: {answer: d}\n", 4, "priority"),
-        ("intents:\n  - name: a\n    keywords: [x]\n    answer: 'hi {product!r}'\ndefault: {answer: d}\n", 4, "plain name"),
+        (
+            "intents:\n  - name: a\n    keywords: [x]\n    priority: high\n    answer: hi\ndefault: {answer: d}\n",
+            4,
+            "priority",
+        ),
+        (
+            "intents:\n  - name: a\n    keywords: [x]\n    answer: 'hi {product!r}'\ndefault: {answer: d}\n",
+            4,
+            "plain name",
+        ),
     ],
 )
 def test_bad_files_are_rejected_naming_the_line(text, line, fragment):

@@ -135,9 +135,9 @@ class TestCapacity:
     def test_requeue_failed_goes_to_another_worker(self):
         s, _ = make()
         ticket = submit(s, "r1")
-        (_, first), = s.dispatch({"w1": (1, 0), "w2": (1, 0)}).started
+        ((_, first),) = s.dispatch({"w1": (1, 0), "w2": (1, 0)}).started
         assert s.requeue_failed(ticket)
-        (_, second), = s.dispatch().started
+        ((_, second),) = s.dispatch().started
         assert second != first
 
     def test_a_worker_that_joins_ramps_up_instead_of_taking_every_new_stream(self):

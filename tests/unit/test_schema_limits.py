@@ -31,8 +31,15 @@ ORDER = {
         "contact": {"anyOf": [{"type": "string", "format": "email"}, {"type": "null"}]},
     },
     "required": ["id", "lines"],
-    "$defs": {"line": {"type": "object", "properties": {
-        "sku": {"type": "string", "pattern": "^[A-Z]{3}-\\d+$"}, "qty": {"type": "integer", "minimum": 1}}}},
+    "$defs": {
+        "line": {
+            "type": "object",
+            "properties": {
+                "sku": {"type": "string", "pattern": "^[A-Z]{3}-\\d+$"},
+                "qty": {"type": "integer", "minimum": 1},
+            },
+        }
+    },
 }
 
 
@@ -47,11 +54,19 @@ def test_a_real_schema_passes():
     check_schema_limits(ORDER, LIMITS)
 
 
-@pytest.mark.parametrize("keyword, limit", [
-    ("minItems", "max_items"), ("maxItems", "max_items"), ("minContains", "max_items"),
-    ("maxContains", "max_items"), ("minLength", "max_length"), ("maxLength", "max_length"),
-    ("minProperties", "max_properties"), ("maxProperties", "max_properties"),
-])
+@pytest.mark.parametrize(
+    "keyword, limit",
+    [
+        ("minItems", "max_items"),
+        ("maxItems", "max_items"),
+        ("minContains", "max_items"),
+        ("maxContains", "max_items"),
+        ("minLength", "max_length"),
+        ("maxLength", "max_length"),
+        ("minProperties", "max_properties"),
+        ("maxProperties", "max_properties"),
+    ],
+)
 def test_each_count_keyword_is_bounded_and_named_with_its_path(keyword, limit):
     bound = getattr(LIMITS, limit)
     inner = {"type": "object", "properties": {"x": {keyword: bound}}}
@@ -73,8 +88,9 @@ def test_item_counts_add_up_across_the_schema():
     three = {"type": "object", "properties": {f"a{i}": {"type": "array", "maxItems": 100} for i in range(3)}}
     message = refused(three, limits)
     assert "max_total_items" in message and "$.properties.a2" in message
-    check_schema_limits({"type": "object", "properties": {f"a{i}": {"type": "array", "maxItems": 100}
-                                                          for i in range(2)}}, limits)
+    check_schema_limits(
+        {"type": "object", "properties": {f"a{i}": {"type": "array", "maxItems": 100} for i in range(2)}}, limits
+    )
 
 
 def test_prefix_items_are_counted():
@@ -133,25 +149,37 @@ def test_unreferenced_definitions_are_bounded_too():
 
 
 def test_a_wide_ref_chain_is_refused_before_its_depth():
-    defs = {"a0": {"type": "integer"}, "a1": {"anyOf": [{"$ref": "#/$defs/a0"}] * 100},
-            "a2": {"anyOf": [{"$ref": "#/$defs/a1"}] * 100}}
+    defs = {
+        "a0": {"type": "integer"},
+        "a1": {"anyOf": [{"$ref": "#/$defs/a0"}] * 100},
+        "a2": {"anyOf": [{"$ref": "#/$defs/a1"}] * 100},
+    }
     assert "max_subschemas" in refused({"$defs": defs, "$ref": "#/$defs/a2"})
 
 
 def test_a_definition_used_many_times_is_counted_at_each_use():
     item = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(50)}}
-    uses = {"type": "object", "properties": {f"p{i}": {"$ref": "#/$defs/item"} for i in range(100)},
-            "$defs": {"item": item}}
+    uses = {
+        "type": "object",
+        "properties": {f"p{i}": {"$ref": "#/$defs/item"} for i in range(100)},
+        "$defs": {"item": item},
+    }
     assert "max_subschemas" in refused(uses)
     check_schema_limits(uses, SchemaLimits(max_subschemas=10_000))
 
 
 def test_recursion_through_the_value_is_allowed_but_in_place_recursion_is_not():
-    tree = {"$defs": {"node": {"type": "object", "properties": {
-        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
+    tree = {
+        "$defs": {
+            "node": {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}
+        },
+        "$ref": "#/$defs/node",
+    }
     check_schema_limits(tree, LIMITS)
-    loop = {"$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"anyOf": [{"$ref": "#/$defs/a"}]}},
-            "$ref": "#/$defs/a"}
+    loop = {
+        "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"anyOf": [{"$ref": "#/$defs/a"}]}},
+        "$ref": "#/$defs/a",
+    }
     assert "infinite recursion" in refused(loop)
     assert "infinite recursion" in refused({"allOf": [{"$ref": "#"}]})
 
@@ -168,38 +196,58 @@ def test_patterns_are_checked_everywhere_they_appear():
     assert "$.propertyNames.pattern" in refused({"propertyNames": {"pattern": "(?=a)"}})
 
 
-@pytest.mark.parametrize("pattern", [
-    "^[a-z]+$", "^ORD-[0-9]{6}$", "^(\\+|-)?[0-9]+$", "^(foo|bar)*$", "^[A-Z]{2}\\d{2}( ?\\d{4}){4}$",
-    "^\\d{3}-\\d{4}$", "^(?:[a-z0-9]+\\.)?example\\.com$", "^[^@]+@[^@]+$", "^\\p{L}+$", "a{2,}", "{", "x{a}",
-    "^(a+)?$", "^[(]+$", "^(\\d{4})+$", "^(a{2}b{3})*$", "^(-?\\d+){3}$",
-])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "^[a-z]+$",
+        "^ORD-[0-9]{6}$",
+        "^(\\+|-)?[0-9]+$",
+        "^(foo|bar)*$",
+        "^[A-Z]{2}\\d{2}( ?\\d{4}){4}$",
+        "^\\d{3}-\\d{4}$",
+        "^(?:[a-z0-9]+\\.)?example\\.com$",
+        "^[^@]+@[^@]+$",
+        "^\\p{L}+$",
+        "a{2,}",
+        "{",
+        "x{a}",
+        "^(a+)?$",
+        "^[(]+$",
+        "^(\\d{4})+$",
+        "^(a{2}b{3})*$",
+        "^(-?\\d+){3}$",
+    ],
+)
 def test_ordinary_patterns_pass(pattern):
     assert pattern_problem(pattern, LIMITS) is None, pattern
 
 
-@pytest.mark.parametrize("pattern, words", [
-    ("^(a+)+$", ["nests quantifiers"]),
-    ("(a*)*", ["nests quantifiers"]),
-    ("(a?){30}a{30}", ["nests quantifiers"]),
-    ("((a?){3}){30}", ["nests quantifiers"]),
-    ("((ab)+c)+", ["nests quantifiers"]),
-    ("^(a|aa)+$", ["alternatives"]),
-    ("^(\\w|\\d)*$", ["alternatives"]),
-    ("^([a-z]|[0-9])+$", ["alternatives"]),
-    ("(a)\\1", ["backreference"]),
-    ("(?<x>a)\\k<x>", ["backreference"]),
-    ("(?P<x>a)(?P=x)", ["backreference"]),
-    ("(?=a)b", ["lookaround"]),
-    ("a(?!b)", ["lookaround"]),
-    ("(?<=a)b", ["lookaround"]),
-    ("(?<!a)b", ["lookaround"]),
-    ("a{1,100000}", ["100000", "max_pattern_repeat"]),
-    ("a{5000}", ["max_pattern_repeat"]),
-    ("a" * 2000, ["max_pattern_chars"]),
-    ("(ab", ["unclosed"]),
-    ("ab)", ["unbalanced"]),
-    ("[ab", ["unclosed"]),
-])
+@pytest.mark.parametrize(
+    "pattern, words",
+    [
+        ("^(a+)+$", ["nests quantifiers"]),
+        ("(a*)*", ["nests quantifiers"]),
+        ("(a?){30}a{30}", ["nests quantifiers"]),
+        ("((a?){3}){30}", ["nests quantifiers"]),
+        ("((ab)+c)+", ["nests quantifiers"]),
+        ("^(a|aa)+$", ["alternatives"]),
+        ("^(\\w|\\d)*$", ["alternatives"]),
+        ("^([a-z]|[0-9])+$", ["alternatives"]),
+        ("(a)\\1", ["backreference"]),
+        ("(?<x>a)\\k<x>", ["backreference"]),
+        ("(?P<x>a)(?P=x)", ["backreference"]),
+        ("(?=a)b", ["lookaround"]),
+        ("a(?!b)", ["lookaround"]),
+        ("(?<=a)b", ["lookaround"]),
+        ("(?<!a)b", ["lookaround"]),
+        ("a{1,100000}", ["100000", "max_pattern_repeat"]),
+        ("a{5000}", ["max_pattern_repeat"]),
+        ("a" * 2000, ["max_pattern_chars"]),
+        ("(ab", ["unclosed"]),
+        ("ab)", ["unbalanced"]),
+        ("[ab", ["unclosed"]),
+    ],
+)
 def test_costly_or_unguidable_patterns_are_refused(pattern, words):
     problem = pattern_problem(pattern, LIMITS)
     assert problem is not None, pattern
@@ -208,11 +256,16 @@ def test_costly_or_unguidable_patterns_are_refused(pattern, words):
 
 
 def test_combinations_each_name_the_first_problem_found():
-    message = refused({"type": "object", "properties": {
-        "a": {"type": "array", "maxItems": 10},
-        "b": {"type": "string", "maxLength": 20_000},
-        "c": {"enum": list(range(2000))},
-    }})
+    message = refused(
+        {
+            "type": "object",
+            "properties": {
+                "a": {"type": "array", "maxItems": 10},
+                "b": {"type": "string", "maxLength": 20_000},
+                "c": {"enum": list(range(2000))},
+            },
+        }
+    )
     assert "$.properties.b.maxLength" in message
 
 
@@ -225,11 +278,14 @@ def test_iter_subschemas_walks_definitions_once_without_following_refs():
 
 
 def test_parse_schema_refuses_bad_text_with_invalid_argument():
-    for text, words in [("{", ["not valid JSON"]), ("[]", ["JSON Schema object"]),
-                        ('{"maxItems": ' + "9" * 5000 + "}", ["not usable JSON"]),
-                        ("[" * 60_000, ["nests deeper"]),
-                        (json.dumps({"minLength": 10**9}), ["max_length"]),
-                        (" " * (LIMITS.max_chars + 1), ["max_chars"])]:
+    for text, words in [
+        ("{", ["not valid JSON"]),
+        ("[]", ["JSON Schema object"]),
+        ('{"maxItems": ' + "9" * 5000 + "}", ["not usable JSON"]),
+        ("[" * 60_000, ["nests deeper"]),
+        (json.dumps({"minLength": 10**9}), ["max_length"]),
+        (" " * (LIMITS.max_chars + 1), ["max_chars"]),
+    ]:
         with pytest.raises(InvalidArgument) as caught:
             parse_schema(text, LIMITS)
         for word in words:

@@ -15,10 +15,20 @@ def test_json_round_trip_keeps_only_what_was_set():
     assert SimFaults().to_json() == "{}"
 
 
-@pytest.mark.parametrize("raw", [
-    b"not json", b"[1, 2]", b'{"explode": true}', b'{"fail_after_tokens": -1}', b'{"fail_after_tokens": 2.5}',
-    b'{"slowdown": 0}', b'{"slowdown": "fast"}', b'{"hang": "yes"}', b'{"ready_delay_s": -3}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'{"explode": true}',
+        b'{"fail_after_tokens": -1}',
+        b'{"fail_after_tokens": 2.5}',
+        b'{"slowdown": 0}',
+        b'{"slowdown": "fast"}',
+        b'{"hang": "yes"}',
+        b'{"ready_delay_s": -3}',
+    ],
+)
 def test_bad_settings_are_refused_with_a_typed_error(raw):
     with pytest.raises(SimFaultsError):
         SimFaults.from_json(raw)

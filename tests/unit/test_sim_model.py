@@ -48,11 +48,19 @@ def test_prefix_cache_hits_whole_blocks_of_the_same_tenant_only():
 
 
 def test_a_profile_fitted_to_an_engines_result():
-    result = {"preset": "tiny", "commit": {"sha": "abcdef1234567"},
-              "engines": {"vllm": {"start_s": 17.0, "rss_bytes": 1,
-                                   "1": {"ttft_p50_ms": 30.0, "tokens_per_s": 100.0},
-                                   "4": {"ttft_p50_ms": 40.0, "tokens_per_s": 200.0},
-                                   "16": {"ttft_p50_ms": 90.0, "tokens_per_s": 400.0}}}}
+    result = {
+        "preset": "tiny",
+        "commit": {"sha": "abcdef1234567"},
+        "engines": {
+            "vllm": {
+                "start_s": 17.0,
+                "rss_bytes": 1,
+                "1": {"ttft_p50_ms": 30.0, "tokens_per_s": 100.0},
+                "4": {"ttft_p50_ms": 40.0, "tokens_per_s": 200.0},
+                "16": {"ttft_p50_ms": 90.0, "tokens_per_s": 400.0},
+            }
+        },
+    }
     profile = from_engines_result(result)
     # Step times 10, 20 and 40 ms at 1, 4 and 16 streams: a line of slope 2 through them.
     assert profile.decode_ms_per_seq == pytest.approx(2.0, rel=0.05)

@@ -53,12 +53,20 @@ def test_a_child_born_in_the_window_counts_whole_and_the_meter_itself_is_the_cli
 
 def test_a_process_named_after_it_was_first_seen_counts_under_its_name():
     # As vLLM's model runner: started as plain Python, renamed VLLM::Worker once it loads.
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time, ctypes\n"
-                              "sys.stdin.readline()\n" + BURN +
-                              # The name in two pieces: the command line must not hold it.
-                              "ctypes.CDLL(None).prctl(15, b'VLLM::' + b'Worker', 0, 0, 0)\n"
-                              "print('named', flush=True)\ntime.sleep(30)\n"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, ctypes\n"
+            "sys.stdin.readline()\n" + BURN +
+            # The name in two pieces: the command line must not hold it.
+            "ctypes.CDLL(None).prctl(15, b'VLLM::' + b'Worker', 0, 0, 0)\n"
+            "print('named', flush=True)\ntime.sleep(30)\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         meter = CpuMeter()
         meter.start()

@@ -13,12 +13,30 @@ from pathlib import Path
 import pytest
 
 from bench.soak.faults import (
-    KAFKA_DOWN, MESH_FAULTS, ROUTER_KILL, WORKER_FAULTS, WORKER_KILL, WORKER_STALL, Throttle, fault_schedule,
-    process_tree, settled_at, surge_window,
+    KAFKA_DOWN,
+    MESH_FAULTS,
+    ROUTER_KILL,
+    WORKER_FAULTS,
+    WORKER_KILL,
+    WORKER_STALL,
+    Throttle,
+    fault_schedule,
+    process_tree,
+    settled_at,
+    surge_window,
 )
 from bench.soak.table import RequestSample
 from bench.soak.traffic import (
-    CONTEXT_TURNS, JSON_SHARE, NO_SURGE, ONLY_S, SCHEMAS, TURNS, Conversation, Surge, arrivals, plan_sessions,
+    CONTEXT_TURNS,
+    JSON_SHARE,
+    NO_SURGE,
+    ONLY_S,
+    SCHEMAS,
+    TURNS,
+    Conversation,
+    Surge,
+    arrivals,
+    plan_sessions,
 )
 
 
@@ -113,10 +131,15 @@ def test_settled_after_the_first_clean_window_within_the_tolerance():
 
 
 def test_process_tree_lists_children_and_the_throttle_leaves_them_running():
-    parent = subprocess.Popen([sys.executable, "-c",
-                               "import subprocess, sys, time; "
-                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
-                               "time.sleep(30)"])
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+            "time.sleep(30)",
+        ]
+    )
     try:
         deadline = time.monotonic() + 10
         while len(process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
@@ -152,7 +175,12 @@ print(len(orphans), left == orphans, len(process_tree(os.getpid())[1:]))
 
 
 def test_an_orphan_a_child_left_behind_is_found_and_stopped():
-    run = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parents[2])
+    run = subprocess.run(
+        [sys.executable, "-c", ORPHAN_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["1", "True", "0"]

@@ -14,23 +14,48 @@ from bench.soak.result import surge_record, timeline
 from bench.soak.clients import FAILED_JSON_CHARS, RoundRobinTransport, json_outcome, record_json
 from bench.soak.readme import BEGIN, END, render, replace_block
 from bench.soak.table import (
-    ABSOLUTE_GOALS, JSON_FAILED, JSON_REPAIRED, JSON_VALID, FaultRecord, RequestSample, comparison_goals, fault_rows,
-    fault_table, measured_for_goals, phase_row, session_interruption_rate,
+    ABSOLUTE_GOALS,
+    JSON_FAILED,
+    JSON_REPAIRED,
+    JSON_VALID,
+    FaultRecord,
+    RequestSample,
+    comparison_goals,
+    fault_rows,
+    fault_table,
+    measured_for_goals,
+    phase_row,
+    session_interruption_rate,
 )
 from bench.goals import judge
 from bench.soak.traffic import SCHEMAS, Surge
 
 
 def sample(session="a", start=0.0, e2e_s=0.1, ok=True, tier="B", ttft=0.02, cut=False, json_outcome=""):
-    return RequestSample(session=session, turn=0, tier=tier, start=start, end=start + e2e_s, ok=ok,
-                         ttft=ttft if ok or cut else None, cut=cut, json_outcome=json_outcome)
+    return RequestSample(
+        session=session,
+        turn=0,
+        tier=tier,
+        start=start,
+        end=start + e2e_s,
+        ok=ok,
+        ttft=ttft if ok or cut else None,
+        cut=cut,
+        json_outcome=json_outcome,
+    )
 
 
 def test_phase_row_counts_errors_sessions_tiers_and_json():
-    samples = [sample("a", 0, 0.1), sample("a", 1, 0.2), sample("b", 2, 0.3, ok=False, cut=True),
-               sample("c", 3, 0.05, tier="S"), sample("c", 4, 0.5, json_outcome=JSON_FAILED),
-               sample("d", 5, 0.1, json_outcome=JSON_VALID), sample("d", 6, 0.1, json_outcome=JSON_REPAIRED),
-               sample("e", 7, 1.0, ok=False)]
+    samples = [
+        sample("a", 0, 0.1),
+        sample("a", 1, 0.2),
+        sample("b", 2, 0.3, ok=False, cut=True),
+        sample("c", 3, 0.05, tier="S"),
+        sample("c", 4, 0.5, json_outcome=JSON_FAILED),
+        sample("d", 5, 0.1, json_outcome=JSON_VALID),
+        sample("d", 6, 0.1, json_outcome=JSON_REPAIRED),
+        sample("e", 7, 1.0, ok=False),
+    ]
     unloaded = [sample("u", 0, 0.025, tier="S"), sample("u", 1, 0.025, tier="S")]
     row = phase_row(samples, unloaded, scale_out_s=2.5, fragmentation=[0.1, 0.3])
     assert row["requests"] == 8 and row["sessions"] == 5
@@ -55,11 +80,18 @@ def test_no_scale_out_and_no_samples_read_as_not_measured():
 
 
 def test_fault_rows_count_requests_in_flight_from_injection_to_recovery():
-    samples = [sample("a", 0, 1.0), sample("b", 4, 2.0, ok=False, cut=True), sample("c", 5.5, 0.2, ok=False),
-               sample("d", 9, 0.5), sample("e", 20, 0.5)]
-    faults = [FaultRecord("worker_kill", "w1", injected_at=5.0, recovered_at=8.0),
-              FaultRecord("worker_kill", "w2", injected_at=8.5, recovered_at=10.5),
-              FaultRecord("kafka_down", "kafka", injected_at=18.0, recovered_at=None, held_s=5)]
+    samples = [
+        sample("a", 0, 1.0),
+        sample("b", 4, 2.0, ok=False, cut=True),
+        sample("c", 5.5, 0.2, ok=False),
+        sample("d", 9, 0.5),
+        sample("e", 20, 0.5),
+    ]
+    faults = [
+        FaultRecord("worker_kill", "w1", injected_at=5.0, recovered_at=8.0),
+        FaultRecord("worker_kill", "w2", injected_at=8.5, recovered_at=10.5),
+        FaultRecord("kafka_down", "kafka", injected_at=18.0, recovered_at=None, held_s=5),
+    ]
     rows = fault_rows(samples, faults, phase_end=30.0)
     kill = rows["worker_kill"]
     assert kill["applied"] == 2 and kill["observed"] == 2
@@ -73,9 +105,17 @@ def test_fault_rows_count_requests_in_flight_from_injection_to_recovery():
 
 
 def _row(**values):
-    base = {"p99_ms": 100.0, "ttft_p99_ms": 50.0, "error_rate": 0.0, "session_interruption_rate": 0.0,
-            "scale_out_s": 1.0, "s_tier_p99_ms": 30.0, "kv_fragmentation": 0.05, "json_failure_rate": 0.0,
-            "s_tier_ratio": 1.1}
+    base = {
+        "p99_ms": 100.0,
+        "ttft_p99_ms": 50.0,
+        "error_rate": 0.0,
+        "session_interruption_rate": 0.0,
+        "scale_out_s": 1.0,
+        "s_tier_p99_ms": 30.0,
+        "kv_fragmentation": 0.05,
+        "json_failure_rate": 0.0,
+        "s_tier_ratio": 1.1,
+    }
     return {**base, **values}
 
 
@@ -98,8 +138,10 @@ def test_goals_compare_every_row_and_judge_ballast_absolutely():
 def test_json_outcome_is_judged_against_the_schema_not_the_server():
     schema = SCHEMAS["ticket_triage"]
     assert json_outcome('{"category": "billing", "urgent": true}', schema) == JSON_VALID
-    assert json_outcome('{"category": "billing"', schema,
-                        repaired_document='{"category": "billing", "urgent": false}') == JSON_REPAIRED
+    assert (
+        json_outcome('{"category": "billing"', schema, repaired_document='{"category": "billing", "urgent": false}')
+        == JSON_REPAIRED
+    )
     assert json_outcome('{"category": "billing"', schema, repaired_document='{"category": 3}') == JSON_FAILED
     assert json_outcome('{"category": "food", "urgent": true}', schema) == JSON_FAILED
     assert json_outcome("anything", None) == ""
@@ -147,8 +189,7 @@ def test_rolling_p99_needs_enough_recent_samples():
 
 
 def test_timeline_and_surge_record():
-    outcome = PhaseOutcome(samples=[sample(start=t, ttft=0.02) for t in range(0, 40)]
-                           + [sample(start=20.5, ok=False)])
+    outcome = PhaseOutcome(samples=[sample(start=t, ttft=0.02) for t in range(0, 40)] + [sample(start=20.5, ok=False)])
     buckets = timeline(outcome.samples)
     assert [b["t"] for b in buckets] == [0, 5, 10, 15, 20, 25, 30, 35]
     assert buckets[4]["errors"] == 1 and buckets[4]["requests"] == 6
@@ -159,17 +200,31 @@ def test_timeline_and_surge_record():
 
 
 def test_readme_block_is_rendered_from_the_result_and_replaced_in_place():
-    result = {"engine": "vllm", "minutes": 10, "workers": 2, "sessions_planned": 120, "machine": {"cpus": 2},
-              "commit": {"sha": "abcdef1234567"}, "baseline": _row(error_rate=0.02),
-              "ballast": {**_row(degraded_rate=0.1), "cpu_s_by_part": {"engine": 300.0, "router": 60.0, "etcd": 40.0},
-                          "machine_busy_share": 0.97},
-              "faults": {"worker_kill": {"baseline": {"requests_hit": 9, "failed": 3, "interrupted": 2,
-                                                      "recovery_s": 31.0},
-                                         "ballast": {"requests_hit": 8, "failed": 0, "interrupted": 0,
-                                                     "recovery_s": 0.6}},
-                         "etcd_restart": {"baseline": None, "ballast": {"requests_hit": 2, "failed": 0,
-                                                                        "interrupted": 0, "recovery_s": math.nan}}},
-              "goals": [{"name": "Ballast error rate", "met": True}]}
+    result = {
+        "engine": "vllm",
+        "minutes": 10,
+        "workers": 2,
+        "sessions_planned": 120,
+        "machine": {"cpus": 2},
+        "commit": {"sha": "abcdef1234567"},
+        "baseline": _row(error_rate=0.02),
+        "ballast": {
+            **_row(degraded_rate=0.1),
+            "cpu_s_by_part": {"engine": 300.0, "router": 60.0, "etcd": 40.0},
+            "machine_busy_share": 0.97,
+        },
+        "faults": {
+            "worker_kill": {
+                "baseline": {"requests_hit": 9, "failed": 3, "interrupted": 2, "recovery_s": 31.0},
+                "ballast": {"requests_hit": 8, "failed": 0, "interrupted": 0, "recovery_s": 0.6},
+            },
+            "etcd_restart": {
+                "baseline": None,
+                "ballast": {"requests_hit": 2, "failed": 0, "interrupted": 0, "recovery_s": math.nan},
+            },
+        },
+        "goals": [{"name": "Ballast error rate", "met": True}],
+    }
     block = render(result)
     assert block.startswith(BEGIN) and block.endswith(END)
     assert "| client-visible errors | 2 % | 0 % |" in block

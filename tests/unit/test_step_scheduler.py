@@ -109,8 +109,7 @@ async def test_queued_jobs_run_in_priority_then_arrival_order(scheduler, runner)
 
 async def test_waiting_decode_steps_run_as_one_batch(scheduler, runner):
     gate, held = await hold(scheduler)
-    tasks = [asyncio.create_task(scheduler.decode(f"s{i}", 100 * i, None, priority=i % 3))
-             for i in range(5)]
+    tasks = [asyncio.create_task(scheduler.decode(f"s{i}", 100 * i, None, priority=i % 3)) for i in range(5)]
     await settle(tasks)
     assert scheduler.batches == 0
     gate.release.set()
@@ -119,8 +118,7 @@ async def test_waiting_decode_steps_run_as_one_batch(scheduler, runner):
     await held
     assert len(runner.batches) == 1
     # Every waiting step in the one batch, most urgent first (priority, then arrival).
-    assert runner.batches[0] == [("s0", 0, 0), ("s3", 300, 0), ("s1", 100, 1),
-                                 ("s4", 400, 1), ("s2", 200, 2)]
+    assert runner.batches[0] == [("s0", 0, 0), ("s3", 300, 0), ("s1", 100, 1), ("s4", 400, 1), ("s2", 200, 2)]
     assert (scheduler.batches, scheduler.batched_steps) == (1, 5)
 
 
@@ -167,16 +165,14 @@ async def test_max_batch_splits_most_urgent_first():
     try:
         gate, held = await hold(scheduler)
         priorities = [2, 1, 2, 0, 1]
-        tasks = [asyncio.create_task(scheduler.decode(f"s{i}", i, None, priority=p))
-                 for i, p in enumerate(priorities)]
+        tasks = [asyncio.create_task(scheduler.decode(f"s{i}", i, None, priority=p)) for i, p in enumerate(priorities)]
         await settle(tasks)
         gate.release.set()
         assert await gather(*tasks) == [1, 2, 3, 4, 5]
         await held
     finally:
         await scheduler.stop()
-    assert [[seq for seq, _t, _p in batch] for batch in runner.batches] == \
-        [["s3", "s1"], ["s4", "s0"], ["s2"]]
+    assert [[seq for seq, _t, _p in batch] for batch in runner.batches] == [["s3", "s1"], ["s4", "s0"], ["s2"]]
     assert (scheduler.batches, scheduler.batched_steps) == (3, 5)
 
 
@@ -262,8 +258,10 @@ async def test_stop_fails_waiting_jobs_and_later_calls():
     scheduler = StepScheduler(runner)
     scheduler.start()
     gate, held = await hold(scheduler)
-    waiting = [asyncio.create_task(scheduler.call(runner.log.append, "never")),
-               asyncio.create_task(scheduler.decode("s", 1, None))]
+    waiting = [
+        asyncio.create_task(scheduler.call(runner.log.append, "never")),
+        asyncio.create_task(scheduler.decode("s", 1, None)),
+    ]
     await settle(waiting)
 
     stopping = asyncio.create_task(scheduler.stop())
@@ -323,8 +321,10 @@ async def test_waiting_prefills_run_together_within_the_token_budget():
     scheduler.start()
     try:
         gate, held = await hold(scheduler)
-        jobs = [asyncio.create_task(scheduler.prefill(name, [0] * n, None, priority))
-                for name, n, priority in (("a", 4, 1), ("b", 4, 1), ("c", 4, 1), ("s", 3, 0))]
+        jobs = [
+            asyncio.create_task(scheduler.prefill(name, [0] * n, None, priority))
+            for name, n, priority in (("a", 4, 1), ("b", 4, 1), ("c", 4, 1), ("s", 3, 0))
+        ]
         decode = asyncio.create_task(scheduler.decode("d", 1, None, priority=1))
         await settle([*jobs, decode])
         gate.release.set()
@@ -348,8 +348,7 @@ async def test_prefill_batches_keep_to_the_time_budget_once_the_cost_is_measured
         time.sleep(0.001 * sum(len(s.ids) for s in steps))
         return [0 for _ in steps]
 
-    scheduler = StepScheduler(FakeRunner(), run_prefills=run_prefills, max_prefill_tokens=512,
-                              prefill_budget_ms=20)
+    scheduler = StepScheduler(FakeRunner(), run_prefills=run_prefills, max_prefill_tokens=512, prefill_budget_ms=20)
     scheduler.start()
     try:
         for _round in range(2):

@@ -9,10 +9,16 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from services.router.structured import StructuredMetrics, check_schema, repair
 
-SCHEMA = check_schema(json.dumps({
-    "type": "object", "properties": {"price": {"type": "number"}, "id": {"type": "string"}},
-    "required": ["price", "id"], "additionalProperties": False,
-}))
+SCHEMA = check_schema(
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"price": {"type": "number"}, "id": {"type": "string"}},
+            "required": ["price", "id"],
+            "additionalProperties": False,
+        }
+    )
+)
 
 
 def test_outcomes_and_repair_kinds_are_counted():
@@ -22,7 +28,9 @@ def test_outcomes_and_repair_kinds_are_counted():
         metrics.record(repair(text, SCHEMA), model="tiny", schema=SCHEMA.name)
     points = {
         m.name: sorted((tuple(sorted(p.attributes.items())), p.value) for p in m.data.data_points)
-        for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
     }
     assert points["ballast_structured_outcomes"] == [
         ((("model", "tiny"), ("schema", SCHEMA.name), ("status", status)), 1)

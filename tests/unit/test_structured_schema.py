@@ -44,18 +44,21 @@ def test_the_declared_draft_is_used():
     assert isinstance(schema.validator, jsonschema.Draft7Validator)
 
 
-@pytest.mark.parametrize("text, words", [
-    ("", ["empty"]),
-    ("{not json", ["not valid JSON", "line 1"]),
-    ('["type", "object"]', ["JSON Schema object"]),
-    ('{"type": "strin"}', ["'strin'", "$.type", "not a JSON type"]),
-    ('{"type": "object", "properties": {"price": {"type": 5}}}', ["$.properties.price.type"]),
-    ('{"type": "object", "required": "price"}', ["not a valid JSON Schema", "$.required"]),
-    ('{"type": "string", "minLength": -1}', ["$.minLength"]),
-    ('{"$schema": "https://example.com/my-dialect", "type": "object"}', ["unknown $schema"]),
-    ('{"properties": {"a": {"$ref": "https://example.com/a.json"}}}', ["not local", "$.properties.a"]),
-    ('{"properties": {"a": {"$ref": "#/$defs/missing"}}}', ["cannot be resolved"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", ["empty"]),
+        ("{not json", ["not valid JSON", "line 1"]),
+        ('["type", "object"]', ["JSON Schema object"]),
+        ('{"type": "strin"}', ["'strin'", "$.type", "not a JSON type"]),
+        ('{"type": "object", "properties": {"price": {"type": 5}}}', ["$.properties.price.type"]),
+        ('{"type": "object", "required": "price"}', ["not a valid JSON Schema", "$.required"]),
+        ('{"type": "string", "minLength": -1}', ["$.minLength"]),
+        ('{"$schema": "https://example.com/my-dialect", "type": "object"}', ["unknown $schema"]),
+        ('{"properties": {"a": {"$ref": "https://example.com/a.json"}}}', ["not local", "$.properties.a"]),
+        ('{"properties": {"a": {"$ref": "#/$defs/missing"}}}', ["cannot be resolved"]),
+    ],
+)
 def test_an_invalid_schema_names_the_problem(text, words):
     message = rejected(text)
     for word in words:
@@ -63,9 +66,13 @@ def test_an_invalid_schema_names_the_problem(text, words):
 
 
 def test_local_refs_and_data_that_looks_like_a_ref_are_fine():
-    schema = check_schema(json.dumps({
-        "$defs": {"price": {"type": "number", "minimum": 0}},
-        "type": "object",
-        "properties": {"price": {"$ref": "#/$defs/price"}, "meta": {"const": {"$ref": "http://x"}}},
-    }))
+    schema = check_schema(
+        json.dumps(
+            {
+                "$defs": {"price": {"type": "number", "minimum": 0}},
+                "type": "object",
+                "properties": {"price": {"$ref": "#/$defs/price"}, "meta": {"const": {"$ref": "http://x"}}},
+            }
+        )
+    )
     assert schema.is_valid({"price": 1}) and not schema.is_valid({"price": -1})

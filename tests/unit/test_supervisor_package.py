@@ -28,8 +28,15 @@ def test_exit_reasons_name_the_code_the_signal_and_who_killed():
 
 
 def test_a_mesh_spec_survives_its_json_round_trip(tmp_path):
-    spec = MeshSpec(state_dir=tmp_path / "state", model_dir=tmp_path / "model", workers=3, engine="sim",
-                    overrides={"worker": {"respawn": True}}, redis_persist=True, fixed_ports=True)
+    spec = MeshSpec(
+        state_dir=tmp_path / "state",
+        model_dir=tmp_path / "model",
+        workers=3,
+        engine="sim",
+        overrides={"worker": {"respawn": True}},
+        redis_persist=True,
+        fixed_ports=True,
+    )
     again = MeshSpec.from_json(json.loads(json.dumps(spec.to_json())))
     assert again == spec
     assert isinstance(again.state_dir, Path)

@@ -34,8 +34,12 @@ def test_text_is_parsed_at_the_edge_naming_the_field():
 
 
 def test_one_table_maps_every_tier_to_protobuf_and_back():
-    pairs = {Tier.AUTO: common_pb2.TIER_AUTO, Tier.S: common_pb2.TIER_S,
-             Tier.A: common_pb2.TIER_A, Tier.B: common_pb2.TIER_B}
+    pairs = {
+        Tier.AUTO: common_pb2.TIER_AUTO,
+        Tier.S: common_pb2.TIER_S,
+        Tier.A: common_pb2.TIER_A,
+        Tier.B: common_pb2.TIER_B,
+    }
     for tier, value in pairs.items():
         assert tier_to_pb(tier) == value and TIER_TO_PB[tier.value] == value
         assert tier_from_pb(value) is tier

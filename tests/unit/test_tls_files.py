@@ -29,8 +29,12 @@ def cert_dir(tmp_path_factory):
 
 
 def config(directory, role="router", **changes):
-    fields = dict(enabled=True, ca_file=str(directory / certs.CA_CERT),
-                  cert_file=str(certs.cert_path(directory, role)), key_file=str(certs.key_path(directory, role)))
+    fields = dict(
+        enabled=True,
+        ca_file=str(directory / certs.CA_CERT),
+        cert_file=str(certs.cert_path(directory, role)),
+        key_file=str(certs.key_path(directory, role)),
+    )
     fields.update(changes)
     return TLSConfig(**fields)
 
@@ -113,8 +117,10 @@ def test_a_service_refuses_to_start_with_a_bad_file(cert_dir, tmp_path, capsys):
     from services.entrypoint import run_main
 
     path = tmp_path / "ballast.yaml"
-    path.write_text(f"tls:\n  enabled: true\n  ca_file: {cert_dir / certs.CA_CERT}\n"
-                    f"  cert_file: {tmp_path / 'absent.crt'}\n  key_file: {certs.key_path(cert_dir, 'router')}\n")
+    path.write_text(
+        f"tls:\n  enabled: true\n  ca_file: {cert_dir / certs.CA_CERT}\n"
+        f"  cert_file: {tmp_path / 'absent.crt'}\n  key_file: {certs.key_path(cert_dir, 'router')}\n"
+    )
 
     async def serve(_config):
         raise AssertionError("must not serve")

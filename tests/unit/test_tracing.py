@@ -151,8 +151,12 @@ def test_a_bad_collector_endpoint_fails_naming_the_field(endpoint):
 
 
 def test_tracing_config_from_the_environment():
-    config = load_config(environ={"BALLAST__TELEMETRY__TRACING__ENDPOINT": "http://otel:4317",
-                                  "BALLAST__TELEMETRY__TRACING__SAMPLE_RATIO": "0.25"})
+    config = load_config(
+        environ={
+            "BALLAST__TELEMETRY__TRACING__ENDPOINT": "http://otel:4317",
+            "BALLAST__TELEMETRY__TRACING__SAMPLE_RATIO": "0.25",
+        }
+    )
     assert config.telemetry.tracing.endpoint == "http://otel:4317"
     assert config.telemetry.tracing.sample_ratio == 0.25
     with pytest.raises(ConfigError, match="sample_ratio"):

@@ -13,19 +13,22 @@ from services.router.turns import SlidingWindowRate, TurnMetrics, TurnOutcome, c
 from tests.unit.fake_clock import FakeClock
 
 
-@pytest.mark.parametrize("error, finished, structured_failed, deadline_passed, outcome", [
-    (None, True, False, False, TurnOutcome.SUCCESS),
-    (None, True, True, False, TurnOutcome.FORMAT_ERROR),
-    (None, False, False, False, TurnOutcome.ERROR),
-    (DeadlineExceeded("late"), False, False, True, TurnOutcome.TIMEOUT),
-    (asyncio.CancelledError(), False, False, True, TurnOutcome.TIMEOUT),  # the client's deadline
-    (asyncio.CancelledError(), False, False, False, TurnOutcome.CANCELLED),
-    (ResourceExhausted("full"), False, False, False, TurnOutcome.REFUSED),
-    (Unavailable("no worker"), False, False, False, TurnOutcome.ERROR),
-    (InvalidArgument("bad"), False, False, False, TurnOutcome.REJECTED),
-    (NotFound("model"), False, False, False, TurnOutcome.REJECTED),
-    (RuntimeError("bug"), False, False, False, TurnOutcome.ERROR),
-])
+@pytest.mark.parametrize(
+    "error, finished, structured_failed, deadline_passed, outcome",
+    [
+        (None, True, False, False, TurnOutcome.SUCCESS),
+        (None, True, True, False, TurnOutcome.FORMAT_ERROR),
+        (None, False, False, False, TurnOutcome.ERROR),
+        (DeadlineExceeded("late"), False, False, True, TurnOutcome.TIMEOUT),
+        (asyncio.CancelledError(), False, False, True, TurnOutcome.TIMEOUT),  # the client's deadline
+        (asyncio.CancelledError(), False, False, False, TurnOutcome.CANCELLED),
+        (ResourceExhausted("full"), False, False, False, TurnOutcome.REFUSED),
+        (Unavailable("no worker"), False, False, False, TurnOutcome.ERROR),
+        (InvalidArgument("bad"), False, False, False, TurnOutcome.REJECTED),
+        (NotFound("model"), False, False, False, TurnOutcome.REJECTED),
+        (RuntimeError("bug"), False, False, False, TurnOutcome.ERROR),
+    ],
+)
 def test_classify_turn(error, finished, structured_failed, deadline_passed, outcome):
     assert classify_turn(error, finished, structured_failed, deadline_passed) is outcome
 
@@ -75,8 +78,14 @@ def test_turn_metrics_export_the_counter_pair_and_the_rate():
     try:
         turns = TurnMetrics(telemetry.meter)
         assert _samples(telemetry, "ballast_agent_turn_success_rate") == {}  # no turn yet: no value
-        for outcome in (TurnOutcome.SUCCESS, TurnOutcome.SUCCESS, TurnOutcome.SUCCESS, TurnOutcome.FORMAT_ERROR,
-                        TurnOutcome.CANCELLED, TurnOutcome.REJECTED):
+        for outcome in (
+            TurnOutcome.SUCCESS,
+            TurnOutcome.SUCCESS,
+            TurnOutcome.SUCCESS,
+            TurnOutcome.FORMAT_ERROR,
+            TurnOutcome.CANCELLED,
+            TurnOutcome.REJECTED,
+        ):
             turns.record(outcome, "tiny")
         counters = _samples(telemetry, "ballast_agent_turns_total")
         assert counters['ballast_agent_turns_total{model="tiny",outcome="success"}'] == 3

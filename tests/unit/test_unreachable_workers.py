@@ -22,8 +22,9 @@ def record(worker_id: str, lease_id: int) -> WorkerRecord:
 
 
 def view(clock: FakeClock) -> WorkerHealthView:
-    return WorkerHealthView(BreakerBoard(BreakerConfig(), clock), TemperatureGate(TemperatureConfig()),
-                            unreachable_hold_s=10.0, clock=clock)
+    return WorkerHealthView(
+        BreakerBoard(BreakerConfig(), clock), TemperatureGate(TemperatureConfig()), unreachable_hold_s=10.0, clock=clock
+    )
 
 
 def test_marked_incarnation_is_out_until_the_hold_lapses():
@@ -69,23 +70,29 @@ def worker_answer(error: BallastError) -> grpc.aio.AioRpcError:
     return rpc_error(error.code, error.message, status_trailers(error))
 
 
-@pytest.mark.parametrize("details", [
-    "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:5: Connection refused",
-    "Stream removed (Socket closed)",
-    "Stream removed (recvmsg:Connection reset by peer (104))",
-    "Socket closed",
-])
+@pytest.mark.parametrize(
+    "details",
+    [
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:5: Connection refused",
+        "Stream removed (Socket closed)",
+        "Stream removed (recvmsg:Connection reset by peer (104))",
+        "Socket closed",
+    ],
+)
 def test_connection_failures_count(details):
     assert is_connection_lost(rpc_error(grpc.StatusCode.UNAVAILABLE, details))
     assert worker_gone(rpc_error(grpc.StatusCode.UNAVAILABLE, details))
 
 
-@pytest.mark.parametrize("error", [
-    worker_answer(Draining("worker is draining")),
-    worker_answer(Unavailable("torch engine is stopping")),
-    worker_answer(ResourceExhausted("worker full: 4 in flight, capacity 4")),
-    rpc_error(grpc.StatusCode.INTERNAL, "Socket closed"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        worker_answer(Draining("worker is draining")),
+        worker_answer(Unavailable("torch engine is stopping")),
+        worker_answer(ResourceExhausted("worker full: 4 in flight, capacity 4")),
+        rpc_error(grpc.StatusCode.INTERNAL, "Socket closed"),
+    ],
+)
 def test_answers_from_the_worker_do_not(error):
     assert not is_connection_lost(error)
     assert not worker_gone(error)

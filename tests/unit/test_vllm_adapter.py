@@ -36,7 +36,11 @@ from services.worker.vllm.errors import map_vllm_error
 from services.worker.vllm.params import sampling_plan
 from services.worker.vllm.request_args import PROCESSOR_NAMES, SAMPLER_KEY, guide_args, sampler_args
 from services.worker.vllm.stats import (
-    SchedulerSnapshot, SchedulerStatsSink, engine_stats, kv_fragmentation, snapshot_of,
+    SchedulerSnapshot,
+    SchedulerStatsSink,
+    engine_stats,
+    kv_fragmentation,
+    snapshot_of,
 )
 from tests.engine_conformance import EngineConformance, EngineFactory, factory_fixture
 from tests.engine_conformance import conf_engine, endless  # noqa: F401  (fixtures)
@@ -100,9 +104,19 @@ class FakeAsyncLLM:
     and stop-token ids are included in token_ids, stop strings are matched on the decoded
     output, as vLLM does."""
 
-    def __init__(self, tokenizer, vocab: int, *, chunk: int = 3, eos_at: int | None = None,
-                 cached: int = 0, fail: BaseException | None = None, fail_after: int = 0,
-                 finish_override: str | None = None, step_delay: float = 0.0):
+    def __init__(
+        self,
+        tokenizer,
+        vocab: int,
+        *,
+        chunk: int = 3,
+        eos_at: int | None = None,
+        cached: int = 0,
+        fail: BaseException | None = None,
+        fail_after: int = 0,
+        finish_override: str | None = None,
+        step_delay: float = 0.0,
+    ):
         self.tokenizer, self.vocab, self.chunk = tokenizer, vocab, chunk
         self.eos_at, self.cached, self.fail, self.fail_after = eos_at, cached, fail, fail_after
         self.finish_override, self.step_delay = finish_override, step_delay
@@ -162,8 +176,11 @@ class FakeAsyncLLM:
                 for _ in range(self.chunk):
                     if self.fail is not None and step >= self.fail_after:
                         raise self.fail
-                    rng = None if sampler is None else random.Random(
-                        f"{sampler['seed']}:{sampler['offset'] + len(out_ids)}")
+                    rng = (
+                        None
+                        if sampler is None
+                        else random.Random(f"{sampler['seed']}:{sampler['offset'] + len(out_ids)}")
+                    )
                     token = EOS if step == self.eos_at else self.next_token(context, rng, guide)
                     if guide is not None:
                         try:
@@ -187,10 +204,11 @@ class FakeAsyncLLM:
                         break
                 finish = self.finish_override or finish
                 yield SimpleNamespace(
-                    request_id=request_id, finished=finish is not None,
+                    request_id=request_id,
+                    finished=finish is not None,
                     num_cached_tokens=self.cached if len(out_ids) == len(batch) else 0,
-                    outputs=[SimpleNamespace(token_ids=batch, text="", finish_reason=finish,
-                                             stop_reason=stop_reason)])
+                    outputs=[SimpleNamespace(token_ids=batch, text="", finish_reason=finish, stop_reason=stop_reason)],
+                )
                 if finish is not None:
                     return
                 await asyncio.sleep(self.step_delay)
@@ -247,8 +265,9 @@ def fake_modules(*, v1: bool = True, structured: str = "structured_outputs", del
         mods["vllm.v1.metrics.loggers"] = module("x", StatLoggerBase=FakeStatLoggerBase)
         mods["vllm.v1.engine.exceptions"] = module("x", EngineDeadError=EngineDeadError)
     else:
-        mods["vllm.engine.async_llm_engine"] = module("x", AsyncLLMEngine=FakeAsyncLLM,
-                                                      AsyncEngineDeadError=EngineDeadError)
+        mods["vllm.engine.async_llm_engine"] = module(
+            "x", AsyncLLMEngine=FakeAsyncLLM, AsyncEngineDeadError=EngineDeadError
+        )
 
     def importer(name):
         if name not in mods:
@@ -268,13 +287,26 @@ def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("vllm-model")
     tok = train_tokenizer(prose(150), 320)
     (path / "tokenizer.json").write_text(tok.to_str())
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[3], "add_bos_token": False}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[3], "add_bos_token": False})
+    )
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 1]}))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": tok.get_vocab_size(), "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 512, "torch_dtype": "bfloat16", "eos_token_id": [3, 1]}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": tok.get_vocab_size(),
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 512,
+                "torch_dtype": "bfloat16",
+                "eos_token_id": [3, 1],
+            }
+        )
+    )
     (path / "model.safetensors").write_bytes(b"\0" * 4096)
     return path
 
@@ -291,16 +323,18 @@ SETTINGS = VllmSettings(kv_cache_dtype="bfloat16", max_concurrency=4)
 
 def make_engine(model_dir, tokenizer, settings=SETTINGS, api=API, **fake_options):
     fake = FakeAsyncLLM(tokenizer, tokenizer.get_vocab_size(), **fake_options)
-    engine = VllmEngine(model_dir, "tiny", settings, api=api, client_factory=lambda *a: fake,
-                        gpu_memory=lambda: 80 * GIB)
+    engine = VllmEngine(
+        model_dir, "tiny", settings, api=api, client_factory=lambda *a: fake, gpu_memory=lambda: 80 * GIB
+    )
     return engine, fake
 
 
 def request(ids, generated=(), response_format="", tenant="", **sampling):
     sampling.setdefault("temperature", 0.0)
     sampling.setdefault("max_tokens", 12)
-    return EngineRequest("r1", tuple(ids), tuple(generated), Sampling(**sampling), tenant=tenant,
-                         response_format=response_format)
+    return EngineRequest(
+        "r1", tuple(ids), tuple(generated), Sampling(**sampling), tenant=tenant, response_format=response_format
+    )
 
 
 async def collect(engine, req):
@@ -343,10 +377,20 @@ def test_detection_without_guidance_or_vllm_or_delta_outputs():
 def test_greedy_mapping_is_explicit():
     plan = sampling_plan(request(PROMPT, top_p=0.5, seed=9), [3, 1], RequestOutputKind.DELTA)
     assert plan.kwargs == {
-        "n": 1, "temperature": 0.0, "top_p": 1.0, "seed": None, "max_tokens": 12, "stop": None,
-        "stop_token_ids": [1, 3], "ignore_eos": True, "include_stop_str_in_output": False,
-        "skip_special_tokens": True, "detokenize": False, "output_kind": RequestOutputKind.DELTA,
-        "extra_args": None}
+        "n": 1,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": None,
+        "max_tokens": 12,
+        "stop": None,
+        "stop_token_ids": [1, 3],
+        "ignore_eos": True,
+        "include_stop_str_in_output": False,
+        "skip_special_tokens": True,
+        "detokenize": False,
+        "output_kind": RequestOutputKind.DELTA,
+        "extra_args": None,
+    }
     assert (plan.schema, plan.resumed_guide) == ("", False)
 
 
@@ -361,8 +405,10 @@ def test_seeded_sampling_goes_to_the_position_sampler_and_vllm_decodes_greedily(
     resumed = sampling_plan(request(PROMPT, generated=[5, 6, 7], temperature=0.7, seed=42), [], None)
     assert resumed.kwargs["extra_args"][SAMPLER_KEY] == {"seed": 42, "offset": 3, "temperature": 0.7, "top_p": 1.0}
     # No seed: fresh randomness per request, still drawn by position.
-    unseeded = [sampling_plan(request(PROMPT, temperature=0.7), [], None).kwargs["extra_args"][SAMPLER_KEY]["seed"]
-                for _ in range(2)]
+    unseeded = [
+        sampling_plan(request(PROMPT, temperature=0.7), [], None).kwargs["extra_args"][SAMPLER_KEY]["seed"]
+        for _ in range(2)
+    ]
     assert unseeded[0] != unseeded[1]
 
 
@@ -392,13 +438,22 @@ async def test_engine_sends_guidance_in_the_field_the_vllm_release_uses(model_di
         assert engine.stats().extra["guided_resumes_total"] == 1
         # Ids that the schema does not accept are bad input, refused before vLLM sees them.
         with pytest.raises(InvalidArgument, match="do not fit response_format"):
-            await collect(engine, request(PROMPT, generated=tokenizer.encode("no", add_special_tokens=False).ids,
-                                          response_format=schema))
+            await collect(
+                engine,
+                request(PROMPT, generated=tokenizer.encode("no", add_special_tokens=False).ids, response_format=schema),
+            )
 
 
 # --- configuration checks ------------------------------------------------------------------
-FACTS = ModelFacts(max_position_embeddings=32768, layers=32, kv_heads=8, head_dim=128,
-                   weights_dtype="bfloat16", weights_bytes=16 * GIB, vocab_size=128256)
+FACTS = ModelFacts(
+    max_position_embeddings=32768,
+    layers=32,
+    kv_heads=8,
+    head_dim=128,
+    weights_dtype="bfloat16",
+    weights_bytes=16 * GIB,
+    vocab_size=128256,
+)
 
 
 def test_kv_dtype_auto_or_unset_is_refused_with_the_weights_dtype():
@@ -442,8 +497,14 @@ def test_max_model_len_beyond_the_kv_memory_fails_with_the_numbers():
     with pytest.raises(EngineConfigError) as info:
         check_engine_config(VllmSettings(kv_cache_dtype="bfloat16", gpu_memory_utilization=0.8), FACTS, 24 * GIB)
     message = str(info.value)
-    for number in ("32768 x 131072 bytes per token", "4.00 GiB of KV cache", "only 3.20 GiB",
-                   "24.00 GiB x 0.8", "weights 16.00 GiB", "at most 26214"):
+    for number in (
+        "32768 x 131072 bytes per token",
+        "4.00 GiB of KV cache",
+        "only 3.20 GiB",
+        "24.00 GiB x 0.8",
+        "weights 16.00 GiB",
+        "at most 26214",
+    ):
         assert number in message, message
     with pytest.raises(EngineConfigError, match=r"weights need 16.00 GiB .* of this GPU's 16.00 GiB is 14.40 GiB"):
         check_engine_config(settings, FACTS, 16 * GIB)
@@ -455,8 +516,11 @@ def test_unknown_gpu_memory_skips_only_the_memory_checks():
 
 
 def test_dtype_override_and_mla_sizes():
-    plan = check_engine_config(VllmSettings(kv_cache_dtype="float16", dtype="float16"),
-                               ModelFacts(4096, 2, 4, 16, "float32", 8 * GIB), 80 * GIB)
+    plan = check_engine_config(
+        VllmSettings(kv_cache_dtype="float16", dtype="float16"),
+        ModelFacts(4096, 2, 4, 16, "float32", 8 * GIB),
+        80 * GIB,
+    )
     assert plan.kv_budget_bytes == int(80 * GIB * 0.9) - 4 * GIB  # fp32 weights run in fp16
     mla = ModelFacts(163840, 61, 128, 128, "bfloat16", 0, mla_latent_dim=512 + 64)
     assert mla.kv_bytes_per_token("fp8") == 61 * 576
@@ -465,10 +529,21 @@ def test_dtype_override_and_mla_sizes():
 
 
 def test_reads_model_facts_from_config_json(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
-        "max_position_embeddings": 32768, "torch_dtype": "bfloat16", "vocab_size": 152064,
-        "sliding_window": 131072, "use_sliding_window": False}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 28,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+                "hidden_size": 3584,
+                "max_position_embeddings": 32768,
+                "torch_dtype": "bfloat16",
+                "vocab_size": 152064,
+                "sliding_window": 131072,
+                "use_sliding_window": False,
+            }
+        )
+    )
     (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 100)
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 999)  # ignored beside safetensors
     facts = read_model_facts(tmp_path)
@@ -478,20 +553,41 @@ def test_reads_model_facts_from_config_json(tmp_path):
 def test_worker_config_fields_and_engine_args(model_dir):
     from services.config import load_config
 
-    config = load_config(environ={"BALLAST__WORKER__ENGINE": "vllm", "BALLAST__WORKER__KV_CACHE_DTYPE": "fp8",
-                                  "BALLAST__WORKER__MAX_MODEL_LEN": "256"})
+    config = load_config(
+        environ={
+            "BALLAST__WORKER__ENGINE": "vllm",
+            "BALLAST__WORKER__KV_CACHE_DTYPE": "fp8",
+            "BALLAST__WORKER__MAX_MODEL_LEN": "256",
+        }
+    )
     worker = config.worker
-    assert (worker.enable_chunked_prefill, worker.enable_prefix_caching, worker.gpu_memory_utilization) == (True, True, 0.9)
+    assert (worker.enable_chunked_prefill, worker.enable_prefix_caching, worker.gpu_memory_utilization) == (
+        True,
+        True,
+        0.9,
+    )
     assert load_config(environ={}).worker.kv_cache_dtype == ""  # unset: a vLLM worker refuses to start
     settings = VllmSettings.from_worker_config(worker)
     plan = check_engine_config(settings, read_model_facts(model_dir), 80 * GIB)
     args = engine_args(model_dir, "tiny", settings, plan)
     assert args == {
-        "model": str(model_dir), "tokenizer": str(model_dir), "served_model_name": "tiny",
-        "dtype": "bfloat16", "kv_cache_dtype": "fp8", "max_model_len": 256, "gpu_memory_utilization": 0.9,
-        "enable_chunked_prefill": True, "enable_prefix_caching": True, "enforce_eager": False,
-        "enable_sleep_mode": False, "max_num_seqs": 8, "scheduling_policy": "priority", "disable_log_stats": False,
-        "trust_remote_code": False, "logits_processors": list(PROCESSOR_NAMES)}
+        "model": str(model_dir),
+        "tokenizer": str(model_dir),
+        "served_model_name": "tiny",
+        "dtype": "bfloat16",
+        "kv_cache_dtype": "fp8",
+        "max_model_len": 256,
+        "gpu_memory_utilization": 0.9,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
+        "enforce_eager": False,
+        "enable_sleep_mode": False,
+        "max_num_seqs": 8,
+        "scheduling_policy": "priority",
+        "disable_log_stats": False,
+        "trust_remote_code": False,
+        "logits_processors": list(PROCESSOR_NAMES),
+    }
 
 
 def test_opens_the_engine_with_explicit_args_and_a_stats_logger(model_dir):
@@ -502,8 +598,9 @@ def test_opens_the_engine_with_explicit_args_and_a_stats_logger(model_dir):
     assert engine.args.kwargs["kv_cache_dtype"] == "auto" and engine.args.kwargs["dtype"] == "bfloat16"
     (logger_class,) = engine.from_kwargs["stat_loggers"]
     assert issubclass(logger_class, FakeStatLoggerBase)
-    logger_class(None, 0).record(SimpleNamespace(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25),
-                                 None, engine_idx=0)
+    logger_class(None, 0).record(
+        SimpleNamespace(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25), None, engine_idx=0
+    )
     snapshot = client.scheduler_stats()
     assert (snapshot.running, snapshot.waiting, snapshot.kv_usage) == (2, 1, 0.25)
 
@@ -600,8 +697,9 @@ async def test_eos_ends_the_stream_without_being_emitted(model_dir, tokenizer):
 
 async def test_eos_override_disables_eos(model_dir, tokenizer):
     fake = FakeAsyncLLM(tokenizer, tokenizer.get_vocab_size(), eos_at=2)
-    engine = VllmEngine(model_dir, "tiny", SETTINGS, eos_token_ids=(), api=API,
-                        client_factory=lambda *a: fake, gpu_memory=lambda: None)
+    engine = VllmEngine(
+        model_dir, "tiny", SETTINGS, eos_token_ids=(), api=API, client_factory=lambda *a: fake, gpu_memory=lambda: None
+    )
     await engine.start()
     _, tokens, _ = await collect(engine, request(PROMPT, max_tokens=6))
     assert len(tokens) == 6 and tokens[2] == EOS and fake.calls[-1][1].stop_token_ids is None
@@ -611,7 +709,7 @@ async def test_stop_string_matched_by_vllm(model_dir, tokenizer):
     engine, fake = make_engine(model_dir, tokenizer, chunk=2)
     await engine.start()
     _, full, full_text = await collect(engine, request(PROMPT, max_tokens=12))
-    stop = full_text[len(full_text) // 2: len(full_text) // 2 + 2]
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 2]
     deltas, tokens, text = await collect(engine, request(PROMPT, max_tokens=12, stop=(stop,)))
     assert deltas[-1].finish_reason == FinishReason.STOP and text == full_text[: full_text.index(stop)]
     assert tokens == full[: len(tokens)] and fake.calls[-1][1].stop == [stop]
@@ -626,7 +724,7 @@ async def test_stop_string_across_the_resume_point_is_found_and_aborts(model_dir
     before = tokenizer.decode(full[:k], skip_special_tokens=True)
     after = tokenizer.decode(full, skip_special_tokens=True)
     assert not before.endswith("\ufffd")
-    stop = after[len(before) - 1: len(before) + 1]  # one character on each side of the resume point
+    stop = after[len(before) - 1 : len(before) + 1]  # one character on each side of the resume point
     # The uninterrupted stream (vLLM matches the stop string itself there).
     whole, whole_tokens, whole_text = await collect(engine, request(PROMPT, max_tokens=12, stop=(stop,)))
     assert whole[-1].finish_reason == FinishReason.STOP and fake.aborted == []
@@ -678,12 +776,19 @@ async def test_cancelling_the_consumer_aborts_and_reraises(model_dir, tokenizer)
     assert fake.calls[-1][2] in fake.aborted and engine._in_flight == 0
 
 
-@pytest.mark.parametrize("fail, fail_after, kind, match", [
-    (ValueError("The decoder prompt (length 600) is longer than the maximum model length of 512."), 0,
-     InvalidArgument, "length 600"),
-    (EngineDeadError("EngineCore encountered an issue"), 4, Unavailable, "dead"),
-    (wrapped(RuntimeError("illegal memory access")), 1, Unavailable, "illegal memory access"),
-])
+@pytest.mark.parametrize(
+    "fail, fail_after, kind, match",
+    [
+        (
+            ValueError("The decoder prompt (length 600) is longer than the maximum model length of 512."),
+            0,
+            InvalidArgument,
+            "length 600",
+        ),
+        (EngineDeadError("EngineCore encountered an issue"), 4, Unavailable, "dead"),
+        (wrapped(RuntimeError("illegal memory access")), 1, Unavailable, "illegal memory access"),
+    ],
+)
 async def test_vllm_errors_become_typed_errors(model_dir, tokenizer, fail, fail_after, kind, match):
     engine, fake = make_engine(model_dir, tokenizer, chunk=2, fail=fail, fail_after=fail_after)
     await engine.start()
@@ -699,17 +804,20 @@ async def test_aborted_by_vllm_is_unavailable(model_dir, tokenizer):
         await collect(engine, request(PROMPT))
 
 
-@pytest.mark.parametrize("prompt, generated, extra, match", [
-    ([], (), {}, "prompt is empty"),
-    ([5, 100000], (), {}, "outside the vocabulary"),
-    ([5] * 500, (6,) * 10, {"max_tokens": 3}, "513 tokens exceeds the model's context of 512"),
-    ([5], (), {"temperature": -1.0}, "temperature"),
-    ([5], (), {"temperature": float("inf")}, "temperature"),
-    ([5], (), {"top_p": 0.0}, "top_p"),
-    ([5], (), {"stop": ("",)}, "stop"),
-    ([5], (), {"response_format": "{not json"}, "not valid JSON"),
-    ([5], (), {"response_format": "[1]"}, "JSON Schema object"),
-])
+@pytest.mark.parametrize(
+    "prompt, generated, extra, match",
+    [
+        ([], (), {}, "prompt is empty"),
+        ([5, 100000], (), {}, "outside the vocabulary"),
+        ([5] * 500, (6,) * 10, {"max_tokens": 3}, "513 tokens exceeds the model's context of 512"),
+        ([5], (), {"temperature": -1.0}, "temperature"),
+        ([5], (), {"temperature": float("inf")}, "temperature"),
+        ([5], (), {"top_p": 0.0}, "top_p"),
+        ([5], (), {"stop": ("",)}, "stop"),
+        ([5], (), {"response_format": "{not json"}, "not valid JSON"),
+        ([5], (), {"response_format": "[1]"}, "JSON Schema object"),
+    ],
+)
 async def test_invalid_requests_fail_before_vllm(model_dir, tokenizer, prompt, generated, extra, match):
     engine, fake = make_engine(model_dir, tokenizer)
     await engine.start()
@@ -757,13 +865,24 @@ async def test_not_started_or_stopped_is_unavailable(model_dir, tokenizer):
 
 async def test_start_refuses_a_bad_configuration_before_opening_vllm(model_dir, tokenizer):
     opened = []
-    engine = VllmEngine(model_dir, "tiny", VllmSettings(kv_cache_dtype="auto"), api=API,
-                        client_factory=lambda *a: opened.append(a), gpu_memory=lambda: 80 * GIB)
+    engine = VllmEngine(
+        model_dir,
+        "tiny",
+        VllmSettings(kv_cache_dtype="auto"),
+        api=API,
+        client_factory=lambda *a: opened.append(a),
+        gpu_memory=lambda: 80 * GIB,
+    )
     with pytest.raises(EngineConfigError, match="auto"):
         await engine.start()
     assert opened == []
-    capped = VllmEngine(model_dir, "tiny", VllmSettings(kv_cache_dtype="fp8", max_model_len=256), api=API,
-                        client_factory=lambda *a: None)
+    capped = VllmEngine(
+        model_dir,
+        "tiny",
+        VllmSettings(kv_cache_dtype="fp8", max_model_len=256),
+        api=API,
+        client_factory=lambda *a: None,
+    )
     assert capped.model.max_context == 256 and capped.model.eos_token_ids == (3, 1)
     assert capped.tokenize("The customer") == tokenizer.encode("The customer", add_special_tokens=False).ids
 
@@ -887,7 +1006,7 @@ def _vec_pages(keys, values, page_table, pages, page):
         slot, offset = page_table[t // page], t % page
         for d in range(head_dim):
             flat[slot, :, d * page + offset] = keys[0, :, t, d]
-        flat[slot, :, page * head_dim + offset * head_dim:page * head_dim + (offset + 1) * head_dim] = values[0, :, t]
+        flat[slot, :, page * head_dim + offset * head_dim : page * head_dim + (offset + 1) * head_dim] = values[0, :, t]
     return cache
 
 
@@ -903,9 +1022,13 @@ def test_cpu_pages_gather_to_the_torch_engines_bytes_and_scatter_back(dtype):
     keys = ConnectorKeys("v", block, page)
     tokens = 2 * block
     generator = torch.Generator().manual_seed(0)
-    pairs = [(torch.randn(1, heads, tokens, head_dim, generator=generator).to(NAMED_DTYPES[dtype]),
-              torch.randn(1, heads, tokens, head_dim, generator=generator).to(NAMED_DTYPES[dtype]))
-             for _ in range(layers)]
+    pairs = [
+        (
+            torch.randn(1, heads, tokens, head_dim, generator=generator).to(NAMED_DTYPES[dtype]),
+            torch.randn(1, heads, tokens, head_dim, generator=generator).to(NAMED_DTYPES[dtype]),
+        )
+        for _ in range(layers)
+    ]
     layout = KVLayout(dtype, (layers, 2, heads, block, head_dim), layers, block)
     expected = encode_blocks(pairs, layout, 0, 2)
 
@@ -937,9 +1060,15 @@ def _stand_in_engine(model_dir, eos_token_ids=None, max_concurrency=4):
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     fake = FakeAsyncLLM(tokenizer, tokenizer.get_vocab_size(), chunk=2)
-    return VllmEngine(model_dir, "conformance", replace(SETTINGS, max_concurrency=max_concurrency),
-                      eos_token_ids=eos_token_ids, api=API, client_factory=lambda *a: fake,
-                      gpu_memory=lambda: 80 * GIB)
+    return VllmEngine(
+        model_dir,
+        "conformance",
+        replace(SETTINGS, max_concurrency=max_concurrency),
+        eos_token_ids=eos_token_ids,
+        api=API,
+        client_factory=lambda *a: fake,
+        gpu_memory=lambda: 80 * GIB,
+    )
 
 
 engine_factory = factory_fixture(EngineFactory("vllm-stand-in", _stand_in_engine))
@@ -956,8 +1085,15 @@ class TestStandInConformance(EngineConformance):
 
 
 # --- vLLM on CPUs ------------------------------------------------------------------------
-TINY_FP32 = ModelFacts(max_position_embeddings=2048, layers=2, kv_heads=2, head_dim=32,
-                       weights_dtype="float32", weights_bytes=700_000, vocab_size=512)
+TINY_FP32 = ModelFacts(
+    max_position_embeddings=2048,
+    layers=2,
+    kv_heads=2,
+    head_dim=32,
+    weights_dtype="float32",
+    weights_bytes=700_000,
+    vocab_size=512,
+)
 
 
 def test_cpu_plan_puts_the_kv_cache_in_the_configured_host_memory():

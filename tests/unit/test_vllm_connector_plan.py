@@ -131,10 +131,14 @@ def test_the_connector_is_configured_only_where_pages_are_in_a_verified_layout()
         ((None, "v1", FACTS, PLAN, "cpu", lambda *a: "vec"), "no_cache"),
         ((STORE, "v1", FACTS, PLAN, "cpu", lambda *a: "amx"), "unverified_page_layout"),
         ((STORE, "v1", FACTS, PLAN, "cuda", None), "unverified_page_layout"),
-        ((StoreSettings("a:1", block_tokens=16), "v1", FACTS, PLAN, "cpu", lambda *a: "vec"),
-         "block_tokens_not_multiple_of_32"),
-        ((STORE, "v1", ModelFacts(2048, 2, 2, 32, "float32", 1, mla_latent_dim=8), PLAN, "cpu",
-          lambda *a: "vec"), "unstorable_model"),
+        (
+            (StoreSettings("a:1", block_tokens=16), "v1", FACTS, PLAN, "cpu", lambda *a: "vec"),
+            "block_tokens_not_multiple_of_32",
+        ),
+        (
+            (STORE, "v1", ModelFacts(2048, 2, 2, 32, "float32", 1, mla_latent_dim=8), PLAN, "cpu", lambda *a: "vec"),
+            "unstorable_model",
+        ),
     ]
     for args, expected in cases:
         assert plan_connector(*args) == (None, expected)

@@ -22,9 +22,13 @@ TEXTS = [
     "我的订单在哪里？",
     "可以用支付宝付款吗？ mixed 中文 and English",
     render_chat([{"role": "user", "content": "Can I pay with PayPal?"}], add_generation_prompt=True),
-    render_chat([{"role": "system", "content": "You are a helpful shopping assistant."},
-                 {"role": "user", "content": "我想退跑步鞋。"},
-                 {"role": "assistant", "content": "跑步鞋可以在七天内退货。"}]),
+    render_chat(
+        [
+            {"role": "system", "content": "You are a helpful shopping assistant."},
+            {"role": "user", "content": "我想退跑步鞋。"},
+            {"role": "assistant", "content": "跑步鞋可以在七天内退货。"},
+        ]
+    ),
     "",
 ]
 
@@ -32,8 +36,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tokenizers(tiny_model_dir):
     """(ours, transformers') for the tiny model folder."""
-    return (load_tokenizer(tiny_model_dir),
-            AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True))
+    return (load_tokenizer(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True))
 
 
 def test_tiny_model_gets_the_plain_tokenizer(tokenizers):
@@ -55,8 +58,7 @@ def test_decode_matches_transformers(tokenizers, text):
     ours, theirs = tokenizers
     ids = theirs.encode(text, add_special_tokens=False)
     for skip in (False, True):
-        assert ours.decode(ids, skip_special_tokens=skip) == \
-            theirs.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     assert ours.decode(ids) == text  # byte-level BPE round-trips exactly
 
 
@@ -68,10 +70,14 @@ def test_skip_special_tokens_drops_the_chat_markers(tokenizers):
     assert ours.decode(ids, skip_special_tokens=True) == "user\nhi\nassistant\n"
 
 
-@pytest.mark.parametrize("change", [
-    {"clean_up_tokenization_spaces": True},
-    {"tokenizer_class": "LlamaTokenizerFast"},
-], ids=["clean-up-spaces", "other-tokenizer-class"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"clean_up_tokenization_spaces": True},
+        {"tokenizer_class": "LlamaTokenizerFast"},
+    ],
+    ids=["clean-up-spaces", "other-tokenizer-class"],
+)
 def test_other_settings_fall_back_to_transformers(tiny_model_dir, tmp_path, change):
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
@@ -85,5 +91,4 @@ def test_other_settings_fall_back_to_transformers(tiny_model_dir, tmp_path, chan
     expected = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     assert type(tokenizer) is type(expected)
     text = "Where is my order 12345?"
-    assert tokenizer.encode(text, add_special_tokens=False) == \
-        expected.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text, add_special_tokens=False) == expected.encode(text, add_special_tokens=False)

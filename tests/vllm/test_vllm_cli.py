@@ -34,8 +34,21 @@ def descendants(pid: int) -> list[int]:
 
 def test_up_with_vllm_workers_streams_a_model_answer_and_down_stops_everything(tmp_path, tiny_model_dir):
     state = tmp_path / "state"
-    up = ballast("up", "--engine", "vllm", "--workers", "1", "--state-dir", str(state),
-                 "--model-dir", str(tiny_model_dir), "--router-port", str(free_port()), cwd=tmp_path, timeout=500)
+    up = ballast(
+        "up",
+        "--engine",
+        "vllm",
+        "--workers",
+        "1",
+        "--state-dir",
+        str(state),
+        "--model-dir",
+        str(tiny_model_dir),
+        "--router-port",
+        str(free_port()),
+        cwd=tmp_path,
+        timeout=500,
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     processes = json.loads((state / "mesh.json").read_text())["processes"]
     worker = next(p["pid"] for p in processes if p["name"] == "worker-1")

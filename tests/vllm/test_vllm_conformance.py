@@ -27,7 +27,14 @@ from services.worker.engine import EngineRequest, Sampling  # noqa: E402
 from services.worker.vllm import VllmEngine  # noqa: E402
 from services.worker.vllm.client import open_vllm_client  # noqa: E402
 from tests.engine_conformance import (  # noqa: E402
-    GUIDED_BUDGET, GUIDED_PROMPT, ORDER_SCHEMA, PROSE, EngineConformance, EngineFactory, factory_fixture, run,
+    GUIDED_BUDGET,
+    GUIDED_PROMPT,
+    ORDER_SCHEMA,
+    PROSE,
+    EngineConformance,
+    EngineFactory,
+    factory_fixture,
+    run,
 )
 from tests.engine_conformance import conf_engine, endless  # noqa: E402,F401  (fixtures)
 
@@ -36,9 +43,13 @@ pytestmark = pytest.mark.timeout(300)
 
 def guided_request(engine, generated=()) -> EngineRequest:
     prompt = tuple(engine.tokenize(GUIDED_PROMPT))
-    return EngineRequest("guided", prompt, tuple(generated),
-                         Sampling(max_tokens=GUIDED_BUDGET - len(generated), temperature=0.0),
-                         response_format=ORDER_SCHEMA)
+    return EngineRequest(
+        "guided",
+        prompt,
+        tuple(generated),
+        Sampling(max_tokens=GUIDED_BUDGET - len(generated), temperature=0.0),
+        response_format=ORDER_SCHEMA,
+    )
 
 
 class _Unowned:
@@ -79,8 +90,13 @@ SHARED = SharedVllm()
 
 def vllm_factory() -> EngineFactory:
     def make(model_dir, eos_token_ids=None, max_concurrency=8):
-        return VllmEngine(model_dir, "conformance", cpu_settings(max_concurrency=max_concurrency),
-                          eos_token_ids=eos_token_ids, client_factory=SHARED.factory)
+        return VllmEngine(
+            model_dir,
+            "conformance",
+            cpu_settings(max_concurrency=max_concurrency),
+            eos_token_ids=eos_token_ids,
+            client_factory=SHARED.factory,
+        )
 
     # Stats arrive with vLLM's engine steps: an aborted request leaves the snapshot a step late.
     return EngineFactory("vllm", make, exact_seeded_resume=True, idle_timeout_s=10.0)
@@ -115,8 +131,7 @@ class TestVllmEngineConformance(EngineConformance):
         api = endless.api
         prompt = endless.tokenize(PROSE)
         ours = await run(endless, prompt, max_tokens=32)
-        params = api.sampling_params(temperature=0.0, max_tokens=32, ignore_eos=True,
-                                     output_kind=api.delta_output_kind)
+        params = api.sampling_params(temperature=0.0, max_tokens=32, ignore_eos=True, output_kind=api.delta_output_kind)
         theirs: list[int] = []
         async for out in shared_vllm.client.generate(api.tokens_prompt(prompt), params, "own-generate"):
             theirs += list(out.outputs[0].token_ids)
@@ -200,4 +215,3 @@ def test_the_plan_is_a_cpu_plan(tiny_model_dir):
 
     plan = check_cpu_engine_config(cpu_settings(), read_model_facts(tiny_model_dir))
     assert plan.platform == "cpu" and plan.kv_capacity_tokens > plan.max_model_len
-

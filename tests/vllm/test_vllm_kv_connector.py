@@ -27,29 +27,45 @@ from services.worker.app import create_server as create_worker  # noqa: E402
 from services.worker.kv.tensors import NAMED_DTYPES  # noqa: E402
 from services.worker.vllm.checks import read_model_facts  # noqa: E402
 from tests.component.test_kv_worker import (  # noqa: E402
-    first_turn, generate, metric, next_turn, wait_for, worker_config,
+    first_turn,
+    generate,
+    metric,
+    next_turn,
+    wait_for,
+    worker_config,
 )
 from tests.component.test_kv_worker import cache, etcd_prefix  # noqa: E402,F401  (fixtures)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
 BLOCK = 32
-QUESTION = ("My order 4471 was due on Monday but the tracking page has not changed since "
-            "Thursday; can you tell me where it is and when it will arrive at my office?")
+QUESTION = (
+    "My order 4471 was due on Monday but the tracking page has not changed since "
+    "Thursday; can you tell me where it is and when it will arrive at my office?"
+)
 
 
 def _config(etcd_server, model_dir, prefix, cache_address, **extra):
-    return worker_config(etcd_server, model_dir, prefix, cache_address,
-                         BALLAST__WORKER__KV_BLOCK_TOKENS=str(BLOCK), **extra)
+    return worker_config(
+        etcd_server, model_dir, prefix, cache_address, BALLAST__WORKER__KV_BLOCK_TOKENS=str(BLOCK), **extra
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def vllm_worker(etcd_server, tiny_model_dir, etcd_prefix, cache):
     facts = read_model_facts(tiny_model_dir)
-    app = await create_worker(_config(
-        etcd_server, tiny_model_dir, etcd_prefix, cache.address,
-        BALLAST__WORKER__ENGINE="vllm", BALLAST__WORKER__KV_CACHE_DTYPE=facts.weights_dtype,
-        BALLAST__WORKER__ENFORCE_EAGER="true", BALLAST__WORKER__VLLM_CPU_KV_CACHE_GIB="1"))
+    app = await create_worker(
+        _config(
+            etcd_server,
+            tiny_model_dir,
+            etcd_prefix,
+            cache.address,
+            BALLAST__WORKER__ENGINE="vllm",
+            BALLAST__WORKER__KV_CACHE_DTYPE=facts.weights_dtype,
+            BALLAST__WORKER__ENFORCE_EAGER="true",
+            BALLAST__WORKER__VLLM_CPU_KV_CACHE_GIB="1",
+        )
+    )
     assert app.session_kv is not None and app.session_kv.available
     yield app
     await app.shutdown(grace_s=1.0)
@@ -86,12 +102,13 @@ async def _fetch(cache, app, tenant: str, tokens: list[int], blocks: int) -> tor
     layout = app.session_kv.layout
     client = KVCacheClient(cache.address)
     try:
-        fetched = await client.get(KVScope(app.engine.model.version, tenant), _names(app, tenant, tokens)[:blocks],
-                                   layout, 5.0)
+        fetched = await client.get(
+            KVScope(app.engine.model.version, tenant), _names(app, tenant, tokens)[:blocks], layout, 5.0
+        )
     finally:
         await client.close()
     assert fetched.verified_prefix() == blocks
-    data = torch.frombuffer(bytes(fetched.buffer[:blocks * layout.block_bytes]), dtype=torch.uint8)
+    data = torch.frombuffer(bytes(fetched.buffer[: blocks * layout.block_bytes]), dtype=torch.uint8)
     return data.view(NAMED_DTYPES[layout.dtype]).view(blocks, *layout.shape)
 
 
@@ -111,7 +128,9 @@ async def test_blocks_vllm_saves_hold_the_torch_engines_keys_and_values(cache, v
     torch.testing.assert_close(from_vllm, from_torch, atol=1e-4, rtol=1e-4)
 
 
-async def test_a_session_saved_by_torch_is_restored_by_vllm_and_answers_as_a_recompute(cache, vllm_worker, torch_worker):
+async def test_a_session_saved_by_torch_is_restored_by_vllm_and_answers_as_a_recompute(
+    cache, vllm_worker, torch_worker
+):
     tenant = "cross-to-vllm"
     prompt = first_turn(torch_worker, QUESTION)
     answer = await generate(torch_worker, prompt, session="s1", tenant=tenant)
@@ -122,12 +141,15 @@ async def test_a_session_saved_by_torch_is_restored_by_vllm_and_answers_as_a_rec
     hits_before = metric(vllm_worker, "ballast_worker_kv_lookups_total", result="hit")
     got = await generate(vllm_worker, turn, session="s1", tenant=tenant)
     assert got == reference
-    assert await wait_for(lambda: metric(vllm_worker, "ballast_worker_kv_prefix_tokens_total", source="cache")
-                          >= restored_before + BLOCK)
+    assert await wait_for(
+        lambda: metric(vllm_worker, "ballast_worker_kv_prefix_tokens_total", source="cache") >= restored_before + BLOCK
+    )
     assert metric(vllm_worker, "ballast_worker_kv_lookups_total", result="hit") > hits_before
 
 
-async def test_a_session_saved_by_vllm_is_restored_by_torch_and_answers_as_a_recompute(cache, vllm_worker, torch_worker):
+async def test_a_session_saved_by_vllm_is_restored_by_torch_and_answers_as_a_recompute(
+    cache, vllm_worker, torch_worker
+):
     tenant = "cross-to-torch"
     prompt = first_turn(vllm_worker, QUESTION)
     answer = await generate(vllm_worker, prompt, session="s2", tenant=tenant)
@@ -148,5 +170,9 @@ async def test_with_the_cache_gone_vllm_sessions_recompute_and_say_so(cache, vll
     assert await wait_for(lambda: not vllm_worker.session_kv.available)
     got = await generate(vllm_worker, prompt, session="s3", tenant="gone")
     assert got == reference
-    assert await wait_for(lambda: metric(vllm_worker, "ballast_worker_kv_lookups_total", result="unavailable") > 0
-                          or metric(vllm_worker, "ballast_worker_kv_saves_total", outcome="unavailable") > 0)
+    assert await wait_for(
+        lambda: (
+            metric(vllm_worker, "ballast_worker_kv_lookups_total", result="unavailable") > 0
+            or metric(vllm_worker, "ballast_worker_kv_saves_total", outcome="unavailable") > 0
+        )
+    )

@@ -39,13 +39,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")
 STREAM_TOKENS = 600
 PROMPTS = [f"Customer {i} asks about order {2000 + i} and when it will be delivered." for i in range(4)]
 SEEDED = {"temperature": 0.9, "seed": 4242}
-SCHEMA = json.dumps({
-    "type": "object",
-    "properties": {"order": {"type": "integer", "minimum": 0, "maximum": 9999},
-                   "status": {"type": "string", "enum": ["shipped", "late"]}},
-    "required": ["order", "status"],
-    "additionalProperties": False,
-})
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "order": {"type": "integer", "minimum": 0, "maximum": 9999},
+            "status": {"type": "string", "enum": ["shipped", "late"]},
+        },
+        "required": ["order", "status"],
+        "additionalProperties": False,
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +133,10 @@ def conversation(turns: list[tuple[str, str]], session_id: str):
 
 
 async def test_a_session_whose_vllm_worker_died_continues_on_the_other_from_the_stored_prefix(mesh, router):
-    question = ("I ordered a blue kettle two weeks ago, order 5120, and the tracking page still says "
-                "that the label was created but nothing has been shipped. What happened to it?")
+    question = (
+        "I ordered a blue kettle two weeks ago, order 5120, and the tracking page still says "
+        "that the label was created but nothing has been shipped. What happened to it?"
+    )
     served_before = {w.name: await worker_metric(w, "ballast_worker_requests_total") for w in mesh.workers()}
     stored_before = await cache_blocks(mesh)
     first = await collect(router, conversation([("user", question)], "vllm-session"), LOCAL_API_KEY, timeout=120)
@@ -172,8 +178,9 @@ async def test_a_session_whose_vllm_worker_died_continues_on_the_other_from_the_
 async def test_kill9_mid_stream_greedy_and_seeded_streams_equal_their_references(mesh, router):
     references = {}
     for seeded in (False, True):
-        results = await asyncio.gather(*[collect(router, request(p, seeded), LOCAL_API_KEY, timeout=120)
-                                         for p in PROMPTS])
+        results = await asyncio.gather(
+            *[collect(router, request(p, seeded), LOCAL_API_KEY, timeout=120) for p in PROMPTS]
+        )
         for prompt, result in zip(PROMPTS, results):
             assert_served(result)
             assert len(result.token_ids) > 64, "the reference stream is too short to be cut"
@@ -184,12 +191,16 @@ async def test_kill9_mid_stream_greedy_and_seeded_streams_equal_their_references
     def counter(key):
         def on_tokens(tokens) -> None:
             arrived[key] = arrived.get(key, 0) + len(tokens.token_ids)
+
         return on_tokens
 
     keys = [(p, seeded) for p in PROMPTS for seeded in (False, True)]
-    streams = [asyncio.create_task(collect(router, request(p, seeded), LOCAL_API_KEY, timeout=180,
-                                           on_tokens=counter((p, seeded))))
-               for p, seeded in keys]
+    streams = [
+        asyncio.create_task(
+            collect(router, request(p, seeded), LOCAL_API_KEY, timeout=180, on_tokens=counter((p, seeded)))
+        )
+        for p, seeded in keys
+    ]
     # Kill a worker that is generating streams which have already sent tokens (one killed
     # before its first token is retried, not resumed). Its live in-flight count says it is
     # still generating: vLLM can finish a stream while the router still relays it.
@@ -245,10 +256,17 @@ async def test_a_vllm_standby_is_loaded_unroutable_and_serves_once_promoted(mesh
         assert loop.time() < deadline, "the promoted standby never became routable"
         await asyncio.sleep(0.1)
     before = metric_value(await scrape(standby.metrics_port), "ballast_worker_requests_total")
-    results = await asyncio.gather(*[
-        collect(router, chat_request(f"{p} (after promotion)", max_tokens=32, raw_prompt=True, allow_degraded=False),
-                LOCAL_API_KEY, timeout=120)
-        for p in PROMPTS * 3])
+    results = await asyncio.gather(
+        *[
+            collect(
+                router,
+                chat_request(f"{p} (after promotion)", max_tokens=32, raw_prompt=True, allow_degraded=False),
+                LOCAL_API_KEY,
+                timeout=120,
+            )
+            for p in PROMPTS * 3
+        ]
+    )
     for result in results:
         assert_served(result)
     assert metric_value(await scrape(standby.metrics_port), "ballast_worker_requests_total") > before

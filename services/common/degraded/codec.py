@@ -173,8 +173,9 @@ class ReplayResult:
     model_version: str
 
 
-def backfilled_answer_pb(record: backfill_pb2.DegradedRequest, result: ReplayResult,
-                         completed_at: float | None = None) -> backfill_pb2.BackfilledAnswer:
+def backfilled_answer_pb(
+    record: backfill_pb2.DegradedRequest, result: ReplayResult, completed_at: float | None = None
+) -> backfill_pb2.BackfilledAnswer:
     return backfill_pb2.BackfilledAnswer(
         ticket=record.ticket,
         tenant=record.tenant,

@@ -40,8 +40,9 @@ def check_backing_tls(tls: BackingTLSConfig, section: str, now: dt.datetime | No
         try:
             key = serialization.load_pem_private_key(read_file(tls.key_file, key_field), password=None)
         except (ValueError, TypeError):
-            raise TLSNotPEM(f"config field '{key_field}': {tls.key_file} holds no unencrypted PEM "
-                            "private key") from None
+            raise TLSNotPEM(
+                f"config field '{key_field}': {tls.key_file} holds no unencrypted PEM private key"
+            ) from None
         if public_der(key.public_key()) != public_der(cert.public_key()):
             raise TLSKeyMismatch(f"config field '{key_field}': {tls.key_file} is not the key of {tls.cert_file}")
         check_period(cert, tls.cert_file, cert_field, now)

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 def _server_config(identity: Identity) -> grpc.ServerCertificateConfiguration:
     return grpc.ssl_server_certificate_configuration(
-        [(identity.key_pem, identity.cert_pem)], root_certificates=identity.ca_pem)
+        [(identity.key_pem, identity.cert_pem)], root_certificates=identity.ca_pem
+    )
 
 
 class ServerCertificates:
@@ -61,13 +62,16 @@ class ServerCertificates:
             return _server_config(identity)
 
 
-def server_credentials(tls: TLSConfig, role: str | None, require_client_cert: bool = True) -> grpc.ServerCredentials | None:
+def server_credentials(
+    tls: TLSConfig, role: str | None, require_client_cert: bool = True
+) -> grpc.ServerCredentials | None:
     """Credentials of an internal port (client certificates required); None when TLS is off."""
     if not tls.enabled:
         return None
     certificates = ServerCertificates(tls, role)
     return grpc.dynamic_ssl_server_credentials(
-        certificates.initial(), certificates.fetch, require_client_authentication=require_client_cert)
+        certificates.initial(), certificates.fetch, require_client_authentication=require_client_cert
+    )
 
 
 def public_server_credentials(tls: TLSConfig, role: str | None) -> grpc.ServerCredentials | None:
@@ -99,8 +103,8 @@ class _ChannelCredentialCache:
                 log.warning("keeping the current TLS client certificates: %s", exc)
                 return cached[1]
             credentials = grpc.ssl_channel_credentials(
-                root_certificates=identity.ca_pem, private_key=identity.key_pem,
-                certificate_chain=identity.cert_pem)
+                root_certificates=identity.ca_pem, private_key=identity.key_pem, certificate_chain=identity.cert_pem
+            )
             self._entries[key] = (stamp, credentials)
             return credentials
 
@@ -113,8 +117,12 @@ def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
     return _channel_credentials.get(tls)
 
 
-def open_channel(address: str, tls: TLSConfig | None, options: Sequence[tuple[str, object]] | None = None,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None) -> grpc.aio.Channel:
+def open_channel(
+    address: str,
+    tls: TLSConfig | None,
+    options: Sequence[tuple[str, object]] | None = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+) -> grpc.aio.Channel:
     """A channel to `address` (CHANNEL_OPTIONS unless `options`): mutual TLS when `tls` is
     enabled, plaintext otherwise."""
     options = list(CHANNEL_OPTIONS if options is None else options)

@@ -19,29 +19,35 @@ log = logging.getLogger(__name__)
 
 
 def _over_tls(auth_context) -> bool:
-    return b"ssl" in auth_context.get("transport_security_type", ()) or \
-        "ssl" in auth_context.get("transport_security_type", ())
+    return b"ssl" in auth_context.get("transport_security_type", ()) or "ssl" in auth_context.get(
+        "transport_security_type", ()
+    )
 
 
-async def _refuse_unless_allowed(context: grpc.aio.ServicerContext, method: str, allowed: frozenset[str] | None,
-                                 plaintext_services: frozenset[str]) -> None:
+async def _refuse_unless_allowed(
+    context: grpc.aio.ServicerContext, method: str, allowed: frozenset[str] | None, plaintext_services: frozenset[str]
+) -> None:
     auth = context.auth_context()
     if not _over_tls(auth):
         if service_of(method) not in plaintext_services:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"{service_of(method)} is not served without TLS on this port")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"{service_of(method)} is not served without TLS on this port"
+            )
         return
     if allowed is ANY_PEER:
         return
     role = peer_role(auth)
     if role not in allowed:
         log.info("refused %s to a peer with role %s", method, role or "(none)")
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            f"a {role or 'peer without a Ballast role'} may not call {service_of(method)}")
+        await context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"a {role or 'peer without a Ballast role'} may not call {service_of(method)}",
+        )
 
 
-def _guard(handler: grpc.RpcMethodHandler, method: str, allowed: frozenset[str] | None,
-           plaintext_services: frozenset[str]) -> grpc.RpcMethodHandler:
+def _guard(
+    handler: grpc.RpcMethodHandler, method: str, allowed: frozenset[str] | None, plaintext_services: frozenset[str]
+) -> grpc.RpcMethodHandler:
     # Whether the request is one message or a stream, the check comes first; only the
     # response side differs: one awaited reply, or a stream to pass on.
     def single(inner):
@@ -59,8 +65,7 @@ def _guard(handler: grpc.RpcMethodHandler, method: str, allowed: frozenset[str] 
 
         return behavior
 
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(single(handler.unary_unary), **kwargs)
     if handler.unary_stream is not None:

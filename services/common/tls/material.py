@@ -111,8 +111,9 @@ def certificate_role(cert: x509.Certificate) -> str | None:
 
 def check_period(cert: x509.Certificate, path: str, field: str, now: dt.datetime) -> None:
     if now < cert.not_valid_before_utc:
-        raise TLSCertNotYetValid(f"config field '{field}': {path} is valid only from "
-                                 f"{cert.not_valid_before_utc.isoformat()}")
+        raise TLSCertNotYetValid(
+            f"config field '{field}': {path} is valid only from {cert.not_valid_before_utc.isoformat()}"
+        )
     if now > cert.not_valid_after_utc:
         raise TLSCertExpired(f"config field '{field}': {path} expired at {cert.not_valid_after_utc.isoformat()}")
 
@@ -159,8 +160,10 @@ def load_identity(tls: TLSConfig, role: str | None = None, now: dt.datetime | No
         raise TLSCertUntrusted(f"config field 'tls.cert_file': {tls.cert_file} is not signed by a CA of {tls.ca_file}")
     named = certificate_role(cert)
     if role is not None and named != role:
-        raise TLSRoleMismatch(f"config field 'tls.cert_file': {tls.cert_file} names role {named or 'none'}, "
-                              f"this process is {role} (one of {', '.join(ROLES)})")
+        raise TLSRoleMismatch(
+            f"config field 'tls.cert_file': {tls.cert_file} names role {named or 'none'}, "
+            f"this process is {role} (one of {', '.join(ROLES)})"
+        )
     return Identity(ca_pem, cert_pem, key_pem, named, cert.not_valid_after_utc)
 
 

@@ -35,8 +35,11 @@ RULES: dict[str, frozenset[str] | None] = {
 # What a call that arrives without TLS (on `tls.health_port`, or on the router's public port
 # when that port is plaintext) may reach while TLS is on.
 HEALTH_ONLY = frozenset({"grpc.health.v1.Health"})
-PUBLIC_PLAINTEXT = HEALTH_ONLY | {"ballast.v1.Inference", "grpc.reflection.v1alpha.ServerReflection",
-                                  "grpc.reflection.v1.ServerReflection"}
+PUBLIC_PLAINTEXT = HEALTH_ONLY | {
+    "ballast.v1.Inference",
+    "grpc.reflection.v1alpha.ServerReflection",
+    "grpc.reflection.v1.ServerReflection",
+}
 
 
 def role_uri(role: str) -> str:
@@ -46,7 +49,7 @@ def role_uri(role: str) -> str:
 def role_from_names(uris: Iterable[str], common_names: Iterable[str]) -> str | None:
     """The one role named by the role URIs, else by the common names; None when there is
     none, or more than one (a certificate must not speak for two roles)."""
-    from_uris = {u[len(ROLE_URI_PREFIX):] for u in uris if u.startswith(ROLE_URI_PREFIX)}
+    from_uris = {u[len(ROLE_URI_PREFIX) :] for u in uris if u.startswith(ROLE_URI_PREFIX)}
     found = from_uris or {cn for cn in common_names if cn in ROLES}
     if len(found) != 1:
         return None
@@ -66,7 +69,7 @@ def peer_role(auth_context: Mapping[str, Iterable[bytes | str]]) -> str | None:
 
 
 def service_of(method: str) -> str:
-    """"/ballast.v1.Worker/Generate" -> "ballast.v1.Worker"."""
+    """ "/ballast.v1.Worker/Generate" -> "ballast.v1.Worker"."""
     return method.strip("/").split("/", 1)[0]
 
 

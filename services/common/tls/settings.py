@@ -10,27 +10,40 @@ from services.common.config import Section
 
 class TLSConfig(Section):
     enabled: bool = Field(
-        False, description="Mutual TLS between services: every internal port requires a client certificate "
-                           "signed by ca_file, and every channel presents cert_file.")
+        False,
+        description="Mutual TLS between services: every internal port requires a client certificate "
+        "signed by ca_file, and every channel presents cert_file.",
+    )
     ca_file: str = Field("", description="PEM file of the CA(s) that sign every Ballast certificate.")
     cert_file: str = Field(
-        "", description="PEM certificate of this process, naming its role (URI SAN spiffe://ballast/<role> "
-                        "or CN=<role>); re-read when it changes.")
+        "",
+        description="PEM certificate of this process, naming its role (URI SAN spiffe://ballast/<role> "
+        "or CN=<role>); re-read when it changes.",
+    )
     key_file: str = Field("", description="PEM private key of cert_file; re-read when it changes.")
     public_tls: bool = Field(
-        True, description="With enabled: serve the router's public port over TLS too (false: plaintext, "
-                          "e.g. behind a balancer that terminates TLS).")
+        True,
+        description="With enabled: serve the router's public port over TLS too (false: plaintext, "
+        "e.g. behind a balancer that terminates TLS).",
+    )
     require_client_cert_public: bool = Field(
-        False, description="With enabled and public_tls: the router's public port also requires a client "
-                           "certificate signed by ca_file.")
+        False,
+        description="With enabled and public_tls: the router's public port also requires a client "
+        "certificate signed by ca_file.",
+    )
     health_port: int | None = Field(
-        None, ge=0, le=65535,
+        None,
+        ge=0,
+        le=65535,
         description="With enabled: a plaintext port that serves only grpc.health.v1, for probes that cannot "
-                    "speak TLS (the kubelet's gRPC probes); every other call there is PERMISSION_DENIED. "
-                    "Unset: none.")
+        "speak TLS (the kubelet's gRPC probes); every other call there is PERMISSION_DENIED. "
+        "Unset: none.",
+    )
     target_name_override: str = Field(
-        "", description="Name checked against servers' certificates instead of the dialled host (for "
-                        "certificates that name a service rather than each address); empty: the host.")
+        "",
+        description="Name checked against servers' certificates instead of the dialled host (for "
+        "certificates that name a service rather than each address); empty: the host.",
+    )
 
     @model_validator(mode="after")
     def _files_named(self) -> "TLSConfig":

@@ -85,7 +85,11 @@ class AutoscalerController:
         self._owns_session = session is None
         self.session = session or EtcdSession(config.etcd)
         self.board = ReportBoard(
-            config.etcd, router_id, lambda: observations.report(router_id), self.settings.report_interval_s, clock,
+            config.etcd,
+            router_id,
+            lambda: observations.report(router_id),
+            self.settings.report_interval_s,
+            clock,
             session=self.session,
         )
         self.lock = LeaderLock(config.etcd, LEADER_NAME, router_id, self.settings.leader_ttl_s, session=self.session)
@@ -107,11 +111,13 @@ class AutoscalerController:
             yield Observation(1 if self.lock.is_leader else 0)
 
         meter.create_observable_gauge(
-            "ballast_desired_replicas", callbacks=[desired],
+            "ballast_desired_replicas",
+            callbacks=[desired],
             description="Replicas (serving plus warm standby) the elected autoscaler wants per pool.",
         )
         meter.create_observable_gauge(
-            "ballast_autoscaler_leader", callbacks=[leader],
+            "ballast_autoscaler_leader",
+            callbacks=[leader],
             description="1 on the router whose autoscaler holds the leader lock, else 0.",
         )
 
@@ -158,8 +164,14 @@ class AutoscalerController:
             members = await self.executor.members(name, workers)
             decision = pool.decide(now, members.replicas(), signals)
             if decision.changed:
-                log.info("pool %s: %s -> serving %d, standby %d (%s)", name, decision.action.value,
-                         decision.serving, decision.standby, decision.reason)
+                log.info(
+                    "pool %s: %s -> serving %d, standby %d (%s)",
+                    name,
+                    decision.action.value,
+                    decision.serving,
+                    decision.standby,
+                    decision.reason,
+                )
             await self.session.put(
                 decision_key(self.config.etcd.prefix, name).encode(),
                 json.dumps(decision_record(decision, self.router_id), sort_keys=True).encode(),

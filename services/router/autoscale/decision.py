@@ -109,7 +109,10 @@ class PoolAutoscaler:
     # -- observations ---------------------------------------------------------------------
 
     def observe_request(
-        self, now: float, ttft_ms: float | None = None, e2e_ms: float | None = None,
+        self,
+        now: float,
+        ttft_ms: float | None = None,
+        e2e_ms: float | None = None,
         queue_wait_ms: float | None = None,
     ) -> None:
         """One request of this pool: its arrival and whichever latencies are known."""
@@ -168,15 +171,19 @@ class PoolAutoscaler:
         reasons = []
         limit = policy.scale_out_at * policy.target_p99_ttft_ms
         if signals.p99_ttft_ms is not None and signals.p99_ttft_ms >= limit:
-            reasons.append(f"p99 TTFT {signals.p99_ttft_ms:.0f} ms >= {limit:.0f} ms "
-                           f"({policy.scale_out_at:.0%} of {policy.target_p99_ttft_ms:.0f} ms)")
+            reasons.append(
+                f"p99 TTFT {signals.p99_ttft_ms:.0f} ms >= {limit:.0f} ms "
+                f"({policy.scale_out_at:.0%} of {policy.target_p99_ttft_ms:.0f} ms)"
+            )
         if policy.target_p99_e2e_ms is not None and signals.p99_e2e_ms is not None:
             limit = policy.scale_out_at * policy.target_p99_e2e_ms
             if signals.p99_e2e_ms >= limit:
                 reasons.append(f"p99 e2e {signals.p99_e2e_ms:.0f} ms >= {limit:.0f} ms")
         if self._queue_growing(signals):
-            reasons.append(f"queue wait growing {signals.queue_wait_slope_ms_per_min:.0f} ms/min "
-                           f"(now {signals.queue_wait_ms:.0f} ms)")
+            reasons.append(
+                f"queue wait growing {signals.queue_wait_slope_ms_per_min:.0f} ms/min "
+                f"(now {signals.queue_wait_ms:.0f} ms)"
+            )
         return reasons
 
     def _surge_ratio(self, now: float, signals: PoolSignals) -> float | None:
@@ -237,8 +244,10 @@ class PoolAutoscaler:
             self._changed(now, out=False)
             return result(Action.SCALE_IN, policy.max_replicas, f"above max_replicas {policy.max_replicas}")
 
-        surge_text = "" if surge is None else (
-            f"surge: {signals.request_rate:.1f} req/s vs baseline {signals.baseline_rate:.1f} req/s"
+        surge_text = (
+            ""
+            if surge is None
+            else (f"surge: {signals.request_rate:.1f} req/s vs baseline {signals.baseline_rate:.1f} req/s")
         )
         if surge is not None and current.standby > 0 and serving < policy.max_replicas:
             # Enough standbys to carry the extra traffic at the current per-replica load.
@@ -246,8 +255,12 @@ class PoolAutoscaler:
             promote = min(current.standby, wanted, policy.max_replicas - serving)
             self._last_surge = now
             self._changed(now, out=True)
-            return result(Action.PROMOTE_STANDBY, serving + promote,
-                          f"{surge_text}; promote {promote} warm standby", promote=promote)
+            return result(
+                Action.PROMOTE_STANDBY,
+                serving + promote,
+                f"{surge_text}; promote {promote} warm standby",
+                promote=promote,
+            )
 
         reasons = pressure + ([surge_text] if surge is not None else [])
         if reasons:
@@ -288,9 +301,7 @@ class Autoscaler:
 
     def __init__(self, config: AutoscalerConfig) -> None:
         self.config = config
-        self.pools = {
-            name: PoolAutoscaler(name, policy, config.prewarm) for name, policy in config.pools.items()
-        }
+        self.pools = {name: PoolAutoscaler(name, policy, config.prewarm) for name, policy in config.pools.items()}
 
     def pool(self, name: str) -> PoolAutoscaler:
         try:

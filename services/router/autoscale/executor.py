@@ -85,8 +85,9 @@ class RoleExecutor:
 
     kind = "none"
 
-    def __init__(self, etcd: EtcdConfig, clock: Callable[[], float] = time.monotonic,
-                 session: EtcdSession | None = None) -> None:
+    def __init__(
+        self, etcd: EtcdConfig, clock: Callable[[], float] = time.monotonic, session: EtcdSession | None = None
+    ) -> None:
         self.etcd = etcd
         self._clock = clock
         # The router's session when given (the router closes it), else one of its own.

@@ -97,7 +97,13 @@ class KubernetesExecutor(RoleExecutor):
         plan = await super().apply(decision, members)
         if self.spec_replicas.get(decision.pool) != decision.total:
             replicas = await asyncio.to_thread(self.set_replicas, decision.pool, decision.total)
-            log.info("pool %s: Deployment %s/%s scaled to %d (%s)", decision.pool, self.settings.namespace,
-                     self._deployment(decision.pool), replicas, decision.reason)
+            log.info(
+                "pool %s: Deployment %s/%s scaled to %d (%s)",
+                decision.pool,
+                self.settings.namespace,
+                self._deployment(decision.pool),
+                replicas,
+                decision.reason,
+            )
             self.spec_replicas[decision.pool] = replicas
         return plan

@@ -48,8 +48,13 @@ class LocalWorker:
 class LocalExecutor(RoleExecutor):
     kind = "local"
 
-    def __init__(self, config: BallastConfig, router_id: str, clock: Callable[[], float] = time.monotonic,
-                 session: EtcdSession | None = None) -> None:
+    def __init__(
+        self,
+        config: BallastConfig,
+        router_id: str,
+        clock: Callable[[], float] = time.monotonic,
+        session: EtcdSession | None = None,
+    ) -> None:
         super().__init__(config.etcd, clock, session)
         self.config = config
         self.settings = config.autoscaler.local
@@ -80,12 +85,17 @@ class LocalExecutor(RoleExecutor):
                 child.registered = True
             if not child.process.alive():
                 if not child.stopping:
-                    log.warning("worker %s exited (status %s); log: %s", worker_id,
-                                child.process.exit_status(), child.process.log_path)
+                    log.warning(
+                        "worker %s exited (status %s); log: %s",
+                        worker_id,
+                        child.process.exit_status(),
+                        child.process.log_path,
+                    )
                 del self.children[worker_id]
             elif not child.registered and not child.stopping and now - child.started_at > self.settings.start_timeout_s:
-                log.warning("worker %s did not register within %.0fs; stopping it", worker_id,
-                            self.settings.start_timeout_s)
+                log.warning(
+                    "worker %s did not register within %.0fs; stopping it", worker_id, self.settings.start_timeout_s
+                )
                 self._stop(child)
 
     # -- acting ---------------------------------------------------------------------------
@@ -141,8 +151,10 @@ class LocalExecutor(RoleExecutor):
             return
         in_role = {w.id for w in (members.standby if role == STANDBY else members.serving)}
         mine = [
-            child for child in self.children.values()
-            if child.pool == pool and not child.stopping
+            child
+            for child in self.children.values()
+            if child.pool == pool
+            and not child.stopping
             and (child.worker_id in in_role or (not child.registered and child.role == role))
         ]
         # Newest first: a worker still loading is the cheapest to give up.
@@ -150,8 +162,7 @@ class LocalExecutor(RoleExecutor):
         for child in victims:
             self._stop(child)
         if len(victims) < count:
-            log.info("pool %s: %d %s replicas too many, but only %d were started here", pool, count, role,
-                     len(victims))
+            log.info("pool %s: %d %s replicas too many, but only %d were started here", pool, count, role, len(victims))
 
     def _stop(self, child: LocalWorker) -> None:
         child.stopping = True

@@ -105,8 +105,15 @@ class PoolPolicy:
             raise PolicyError("min_replicas", "must be >= 0")
         if self.max_replicas < max(1, self.min_replicas):
             raise PolicyError("max_replicas", f"must be >= 1 and >= min_replicas ({self.min_replicas})")
-        for name in ("target_p99_ttft_ms", "calm_p99_ttft_ms", "scale_out_step_ratio", "latency_window_s",
-                     "queue_window_s", "queue_growth_ms_per_min", "rate_bucket_s"):
+        for name in (
+            "target_p99_ttft_ms",
+            "calm_p99_ttft_ms",
+            "scale_out_step_ratio",
+            "latency_window_s",
+            "queue_window_s",
+            "queue_growth_ms_per_min",
+            "rate_bucket_s",
+        ):
             if getattr(self, name) <= 0:
                 raise PolicyError(name, "must be > 0")
         if self.target_p99_e2e_ms is not None and self.target_p99_e2e_ms <= 0:
@@ -119,8 +126,15 @@ class PoolPolicy:
                 "calm_p99_ttft_ms",
                 f"must be below scale_out_at x target_p99_ttft_ms ({self.scale_out_at * self.target_p99_ttft_ms:g} ms)",
             )
-        for name in ("calm_for_s", "scale_out_cooldown_s", "scale_in_cooldown_s", "queue_wait_floor_ms",
-                     "surge_min_rate_per_s", "surge_cooldown_s", "standby_replicas"):
+        for name in (
+            "calm_for_s",
+            "scale_out_cooldown_s",
+            "scale_in_cooldown_s",
+            "queue_wait_floor_ms",
+            "surge_min_rate_per_s",
+            "surge_cooldown_s",
+            "standby_replicas",
+        ):
             if getattr(self, name) < 0:
                 raise PolicyError(name, "must be >= 0")
         if self.min_samples < 1:

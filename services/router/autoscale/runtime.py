@@ -32,13 +32,18 @@ def make_executor(config: BallastConfig, router_id: str, session: EtcdSession | 
     if kind == "kubernetes":
         from services.router.autoscale.kubernetes_executor import KubernetesExecutor
 
-        return KubernetesExecutor(config.etcd, config.autoscaler.kubernetes, list(config.autoscaler.pools),
-                                  session=session)
+        return KubernetesExecutor(
+            config.etcd, config.autoscaler.kubernetes, list(config.autoscaler.pools), session=session
+        )
     return RoleExecutor(config.etcd, session=session)
 
 
 async def start_autoscaler(
-    config: BallastConfig, membership: MembershipWatcher, servicer: Any, telemetry: Telemetry, router_id: str,
+    config: BallastConfig,
+    membership: MembershipWatcher,
+    servicer: Any,
+    telemetry: Telemetry,
+    router_id: str,
     session: EtcdSession,
 ) -> AutoscalerController | None:
     """Observes the servicer's request path and starts the controller over `session` (the
@@ -51,7 +56,12 @@ async def start_autoscaler(
     servicer.runner.add_observer(observations)
     servicer.metrics.add_queue_wait_listener(observations.queue_wait)
     controller = AutoscalerController(
-        config, router_id, membership, observations, make_executor(config, router_id, session), telemetry.meter,
+        config,
+        router_id,
+        membership,
+        observations,
+        make_executor(config, router_id, session),
+        telemetry.meter,
         session=session,
     )
     await controller.start()

@@ -19,7 +19,8 @@ class AutoscalerLocalConfig(Section):
 class AutoscalerKubernetesConfig(Section):
     namespace: str = Field("ballast", min_length=1, description="Namespace of the worker Deployments.")
     deployments: dict[str, str] = Field(
-        default_factory=lambda: {"primary": "ballast-worker"}, description="Pool -> its worker Deployment.")
+        default_factory=lambda: {"primary": "ballast-worker"}, description="Pool -> its worker Deployment."
+    )
     in_cluster: bool = Field(True, description="Use the pod's service account; false: the local kubeconfig.")
     timeout_s: float = Field(5.0, gt=0, description="Deadline of each Kubernetes API call.")
 
@@ -29,16 +30,20 @@ class AutoscalerSection(Section):
 
     enabled: bool = Field(False, description="Campaign for leadership and scale the pools.")
     executor: Literal["none", "local", "kubernetes"] = Field(
-        "none", description="Who carries decisions out: none (warm standby roles only; an HPA or KEDA "
-                            "follows the gauge), local processes, or the Deployments' scale subresource.")
+        "none",
+        description="Who carries decisions out: none (warm standby roles only; an HPA or KEDA "
+        "follows the gauge), local processes, or the Deployments' scale subresource.",
+    )
     tick_s: float = Field(2.0, gt=0, description="How often the leader decides.")
     report_interval_s: float = Field(1.0, gt=0, description="How often each router publishes its latency windows.")
     leader_ttl_s: int = Field(5, ge=2, le=60, description="Lease TTL of the leader lock: the takeover delay.")
     pools: dict[str, dict] = Field(
         default_factory=lambda: {"primary": {}},
-        description="Pool -> policy overrides (PoolPolicy fields: targets, bounds, cooldowns, surge).")
+        description="Pool -> policy overrides (PoolPolicy fields: targets, bounds, cooldowns, surge).",
+    )
     prewarm: list = Field(
-        default_factory=list, description="Prewarm windows, e.g. 'primary: warm 2 replicas 09:45-12:00 Europe/Berlin'.")
+        default_factory=list, description="Prewarm windows, e.g. 'primary: warm 2 replicas 09:45-12:00 Europe/Berlin'."
+    )
     local: AutoscalerLocalConfig = Field(default_factory=AutoscalerLocalConfig)
     kubernetes: AutoscalerKubernetesConfig = Field(default_factory=AutoscalerKubernetesConfig)
 

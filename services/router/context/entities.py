@@ -18,12 +18,15 @@ WORD_WEIGHT = 1.0
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 # Ascii look-arounds, not \b: Python counts CJK characters as word characters, so \b finds
 # no boundary in "订单A123".
-_ID = re.compile(r"(?<![A-Za-z0-9_-])(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])"
-                 r"[A-Za-z0-9][A-Za-z0-9_-]{2,}(?![A-Za-z0-9_-])")
+_ID = re.compile(
+    r"(?<![A-Za-z0-9_-])(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])"
+    r"[A-Za-z0-9][A-Za-z0-9_-]{2,}(?![A-Za-z0-9_-])"
+)
 _WORD = re.compile(r"[A-Za-z][A-Za-z']+")
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
 
-_STOP_WORDS = frozenset("""
+_STOP_WORDS = frozenset(
+    """
 a about above after again against all also am an and any are as at be because been before
 being below between both but by can could did do does doing done down during each earlier few
 for from further get got had has have having he her here hers him his how i if in into is it its
@@ -32,12 +35,14 @@ our out over own please remind said same say she should so some such tell than t
 the their them then there these they this those through to too under until up very want was we
 were what when where which while who whom why will with would yes you your yours hello hi okay
 ok again ago earlier previous previously told asked question questions answer
-""".split())
+""".split()
+)
 
 # Function characters: a bigram holding one is grammar (是多, 说的), not a topic.
 _STOP_CHARS = frozenset(
     "的了是吗呢吧啊呀哦嗯我你您他她它们在有和与就也都还要会能可以这那个么什怎多少请问一下刚才说过之前"
-    "谢好不没对让给把被很太又再啦哪里几")
+    "谢好不没对让给把被很太又再啦哪里几"
+)
 
 
 def terms(text: str) -> dict[str, float]:
@@ -59,8 +64,9 @@ def terms(text: str) -> dict[str, float]:
     return found
 
 
-def overlap(query: Mapping[str, float], candidate: Mapping[str, float],
-            idf: Mapping[str, float] | None = None) -> float:
+def overlap(
+    query: Mapping[str, float], candidate: Mapping[str, float], idf: Mapping[str, float] | None = None
+) -> float:
     """How much `candidate` is about `query`: shared terms, each by weight x rarity."""
     score = 0.0
     for term, weight in query.items():

@@ -45,10 +45,18 @@ class Retention:
 
 # (English name, Chinese name) of each product.
 PRODUCTS = (
-    ("phone case", "手机壳"), ("coffee maker", "咖啡机"), ("running shoes", "跑步鞋"),
-    ("blue jacket", "蓝色外套"), ("headphones", "耳机"), ("winter coat", "冬季大衣"),
-    ("gift card", "礼品卡"), ("laptop stand", "电脑支架"), ("green sweater", "绿色毛衣"),
-    ("desk lamp", "台灯"), ("water bottle", "保温杯"), ("backpack", "双肩包"),
+    ("phone case", "手机壳"),
+    ("coffee maker", "咖啡机"),
+    ("running shoes", "跑步鞋"),
+    ("blue jacket", "蓝色外套"),
+    ("headphones", "耳机"),
+    ("winter coat", "冬季大衣"),
+    ("gift card", "礼品卡"),
+    ("laptop stand", "电脑支架"),
+    ("green sweater", "绿色毛衣"),
+    ("desk lamp", "台灯"),
+    ("water bottle", "保温杯"),
+    ("backpack", "双肩包"),
 )
 _SYSTEM = {"en": "You are a helpful shopping assistant.", "zh": "你是一个购物客服助手。"}
 _FACT = {
@@ -81,8 +89,9 @@ _FILLER = {
 }
 
 
-def synthetic_cases(n: int, seed: int = 0, languages: Sequence[str] = ("en", "zh"),
-                    filler: tuple[int, int] = (20, 40)) -> list[RetentionCase]:
+def synthetic_cases(
+    n: int, seed: int = 0, languages: Sequence[str] = ("en", "zh"), filler: tuple[int, int] = (20, 40)
+) -> list[RetentionCase]:
     """`n` deterministic conversations, alternating languages."""
     rng = random.Random(seed)
     return [_case(rng, languages[i % len(languages)], filler) for i in range(n)]
@@ -105,16 +114,21 @@ def _case(rng: random.Random, lang: str, filler: tuple[int, int]) -> RetentionCa
             slots = {"item": item, "price": price, "sku": sku}
         else:
             q, a = rng.choice(_FILLER[lang])
-            slots = {"item": rng.choice(others), "price": str(rng.randrange(9, 400)),
-                     "order": str(rng.randrange(10000, 99999)), "n": str(rng.randrange(2, 6)),
-                     "m": str(rng.randrange(6, 12))}
+            slots = {
+                "item": rng.choice(others),
+                "price": str(rng.randrange(9, 400)),
+                "order": str(rng.randrange(10000, 99999)),
+                "n": str(rng.randrange(2, 6)),
+                "m": str(rng.randrange(6, 12)),
+            }
         messages += [Turn("user", q.format(**slots)), Turn("assistant", a.format(**slots))]
     messages.append(Turn("user", rng.choice(_ASK[lang]).format(item=item)))
     return RetentionCase(tuple(messages), needed, lang, round(rng.uniform(0.3, 0.7), 2), price)
 
 
-def retention_rate(cases: Sequence[RetentionCase], encode: Encode, policy: ContextPolicy,
-                   max_tokens: int = 64) -> Retention:
+def retention_rate(
+    cases: Sequence[RetentionCase], encode: Encode, policy: ContextPolicy, max_tokens: int = 64
+) -> Retention:
     """Fits each case into `context_fraction` of its tokens (+ max_tokens) with `policy`;
     a case whose fit fails (InvalidArgument) counts as not retained."""
     retained = 0
@@ -123,8 +137,7 @@ def retention_rate(cases: Sequence[RetentionCase], encode: Encode, policy: Conte
         total = len(encode(case.messages))
         max_context = int(total * case.context_fraction) + max_tokens
         try:
-            fit = fit_conversation(case.messages, encode, max_context=max_context,
-                                   max_tokens=max_tokens, policy=policy)
+            fit = fit_conversation(case.messages, encode, max_context=max_context, max_tokens=max_tokens, policy=policy)
             ok = set(case.needed) <= set(fit.kept)
         except InvalidArgument:
             ok = False

@@ -25,8 +25,13 @@ EVALUATION_CASES = 12
 
 def _evaluate(tokenizer: ModelTokenizer, metrics: ContextMetrics) -> None:
     template = InferenceRequest(
-        request_id="retention-eval", session_id="", tenant="", model="", sampling=Sampling(max_tokens=64),
-        tier=Tier.A, messages=(Message("user", "x"),),
+        request_id="retention-eval",
+        session_id="",
+        tenant="",
+        model="",
+        sampling=Sampling(max_tokens=64),
+        tier=Tier.A,
+        messages=(Message("user", "x"),),
     )
 
     def encode(messages) -> list[int]:

@@ -59,7 +59,8 @@ class ContextPolicy(str, enum.Enum):
             return cls(name)
         except ValueError:
             raise InvalidArgument(
-                f"unknown context policy {name!r}; use one of {', '.join(p.value for p in cls)}") from None
+                f"unknown context policy {name!r}; use one of {', '.join(p.value for p in cls)}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -108,12 +109,14 @@ def fit_conversation(
         return ContextFit(tuple(messages), tuple(ids), policy, everything, (), len(ids))
     if policy is ContextPolicy.ERROR:
         if over_turns:
-            raise InvalidArgument(f"conversation has {turns} turns; max_turns is {max_turns} "
-                                  "(context policy 'error' drops nothing)")
+            raise InvalidArgument(
+                f"conversation has {turns} turns; max_turns is {max_turns} (context policy 'error' drops nothing)"
+            )
         raise InvalidArgument(
             f"conversation is {len(ids)} tokens; with max_tokens {max_tokens} that exceeds the model's "
             f"context of {max_context} tokens (context policy 'error' drops nothing; use drop_oldest "
-            "or entity_aware, or send fewer turns)")
+            "or entity_aware, or send fewer turns)"
+        )
     original_tokens = len(ids)
     latest, earlier = (units[-1] if units else []), units[:-1]
     order = _drop_order(messages, earlier, latest, policy, recent_exchanges)  # positions in `earlier`
@@ -154,7 +157,8 @@ def fit_conversation(
         if len(ids) + max_tokens > max_context:
             raise InvalidArgument(
                 f"the system prompt and the latest turn alone are {len(ids)} tokens; with max_tokens "
-                f"{max_tokens} that exceeds the model's context of {max_context} tokens")
+                f"{max_tokens} that exceeds the model's context of {max_context} tokens"
+            )
         while low < high:
             middle = (low + high) // 2
             trial = attempt(middle)
@@ -167,8 +171,7 @@ def fit_conversation(
     return ContextFit(tuple(chosen), tuple(ids), policy, kept_idx, dropped_idx, original_tokens)
 
 
-def _exchange_costs(messages: Sequence[ChatMessage], earlier: list[list[int]], encode: Encode,
-                    total: int) -> list[int]:
+def _exchange_costs(messages: Sequence[ChatMessage], earlier: list[list[int]], encode: Encode, total: int) -> list[int]:
     """Estimated tokens each earlier exchange adds to the prompt, `total` for all of them.
 
     Each exchange is rendered alone; what such a render adds besides the exchange (a BOS, a
@@ -205,8 +208,13 @@ def _exchanges(messages: Sequence[ChatMessage]) -> list[list[int]]:
     return units
 
 
-def _drop_order(messages: Sequence[ChatMessage], earlier: list[list[int]], latest: list[int],
-                policy: ContextPolicy, recent_exchanges: int) -> list[int]:
+def _drop_order(
+    messages: Sequence[ChatMessage],
+    earlier: list[list[int]],
+    latest: list[int],
+    policy: ContextPolicy,
+    recent_exchanges: int,
+) -> list[int]:
     """Positions in `earlier`, in the order their exchanges are to be dropped."""
     if policy is ContextPolicy.DROP_OLDEST or not earlier:
         return list(range(len(earlier)))
@@ -230,8 +238,9 @@ def _drop_order(messages: Sequence[ChatMessage], earlier: list[list[int]], lates
     return unrelated + related + recent
 
 
-def fit_request(request, tokenizer, *, policy: ContextPolicy = ContextPolicy.ENTITY_AWARE,
-                max_turns: int | None = None):
+def fit_request(
+    request, tokenizer, *, policy: ContextPolicy = ContextPolicy.ENTITY_AWARE, max_turns: int | None = None
+):
     """Applies the policy to a router InferenceRequest with its model's ModelTokenizer.
 
     Returns (request with the kept messages, ContextFit). A raw prompt is never cut: it
@@ -246,13 +255,20 @@ def fit_request(request, tokenizer, *, policy: ContextPolicy = ContextPolicy.ENT
     def encode(messages: Sequence[ChatMessage]) -> list[int]:
         return tokenizer.encode(replace(request, messages=tuple(messages)))
 
-    fit = fit_conversation(request.messages, encode, max_context=tokenizer.max_context,
-                           max_tokens=max_tokens, policy=policy, max_turns=max_turns)
+    fit = fit_conversation(
+        request.messages,
+        encode,
+        max_context=tokenizer.max_context,
+        max_tokens=max_tokens,
+        policy=policy,
+        max_turns=max_turns,
+    )
     return (replace(request, messages=fit.messages) if fit.truncated else request), fit
 
 
-async def fit_request_async(request, tokenizer, *, policy: ContextPolicy = ContextPolicy.ENTITY_AWARE,
-                            max_turns: int | None = None):
+async def fit_request_async(
+    request, tokenizer, *, policy: ContextPolicy = ContextPolicy.ENTITY_AWARE, max_turns: int | None = None
+):
     """`fit_request`, on a thread when the request is big enough to hold the event loop
     (a small one is fitted in place: the hop costs more than the work)."""
     chars = len(request.prompt) if request.prompt is not None else sum(len(m.content) for m in request.messages)

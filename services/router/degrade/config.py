@@ -36,17 +36,22 @@ class DegradeConfig(Section):
     topic_partitions: int = Field(3, ge=1, description="Partitions when the router creates the topic.")
     topic_replication: int = Field(1, ge=1, description="Replication factor when the router creates the topic.")
     outbox_path: str = Field(
-        "outbox/degraded.sqlite", min_length=1,
+        "outbox/degraded.sqlite",
+        min_length=1,
         description="SQLite outbox (relative to the working folder); one per router replica.",
     )
     outbox_max_rows: int = Field(100_000, ge=1, description="Rows the outbox may hold; beyond, hand-offs are refused.")
-    outbox_max_bytes: int = Field(256 << 20, ge=1024, description="Bytes the outbox may hold; beyond, hand-offs are refused.")
+    outbox_max_bytes: int = Field(
+        256 << 20, ge=1024, description="Bytes the outbox may hold; beyond, hand-offs are refused."
+    )
     outbox_synchronous: Literal["FULL", "NORMAL"] = Field(
         "FULL", description="SQLite synchronous mode: FULL survives power loss, NORMAL only process crashes."
     )
     delivery_timeout_s: float = Field(10.0, gt=0, description="How long a record may wait for a broker ack.")
     drain_batch: int = Field(100, ge=1, le=10_000, description="Outbox rows produced per round.")
-    stop_drain_s: float = Field(5.0, ge=0, description="Time the outbox gets to drain on shutdown (the rest waits on disk).")
+    stop_drain_s: float = Field(
+        5.0, ge=0, description="Time the outbox gets to drain on shutdown (the rest waits on disk)."
+    )
     origin: str = Field("", description="This replica's name in hand-offs; empty: host-pid.")
 
     @field_validator("ladders")

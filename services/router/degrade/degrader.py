@@ -72,22 +72,26 @@ class Degrader:
     ) -> None:
         self.config = config
         self.ladder = Ladder(config.ladders, config.default_path)
-        self.rules = rules or (RuleEngine.from_file(config.rules_file) if config.rules_file else RuleEngine.default_rules())
+        self.rules = rules or (
+            RuleEngine.from_file(config.rules_file) if config.rules_file else RuleEngine.default_rules()
+        )
         self.origin = config.origin or f"{socket.gethostname()}-{os.getpid()}"
         if handoff is None and config.handoff:
-            handoff = HandOff(HandOffSettings(
-                outbox_path=Path(config.outbox_path),
-                bootstrap=kafka_bootstrap,
-                topic=config.topic,
-                topic_partitions=config.topic_partitions,
-                topic_replication=config.topic_replication,
-                max_rows=config.outbox_max_rows,
-                max_bytes=config.outbox_max_bytes,
-                synchronous=config.outbox_synchronous,
-                drain_batch=config.drain_batch,
-                delivery_timeout_s=config.delivery_timeout_s,
-                kafka_security=dict(kafka_security or {}),
-            ))
+            handoff = HandOff(
+                HandOffSettings(
+                    outbox_path=Path(config.outbox_path),
+                    bootstrap=kafka_bootstrap,
+                    topic=config.topic,
+                    topic_partitions=config.topic_partitions,
+                    topic_replication=config.topic_replication,
+                    max_rows=config.outbox_max_rows,
+                    max_bytes=config.outbox_max_bytes,
+                    synchronous=config.outbox_synchronous,
+                    drain_batch=config.drain_batch,
+                    delivery_timeout_s=config.delivery_timeout_s,
+                    kafka_security=dict(kafka_security or {}),
+                )
+            )
         self.handoff = handoff
         self.encoder_for = encoder_for
         self.on_fallback = on_fallback
@@ -112,11 +116,19 @@ class Degrader:
     def path(self, model: str) -> tuple[Rung, ...]:
         return self.ladder.path(model) if self.config.enabled else ()
 
-    def decide(self, error: BaseException, request: Any, after: int = -1,
-               remaining_s: float = math.inf) -> Decision | None:
+    def decide(
+        self, error: BaseException, request: Any, after: int = -1, remaining_s: float = math.inf
+    ) -> Decision | None:
         """The rung to try after `error` on rung `after` (-1: the primary pool), or None."""
-        return decide(error, request.allow_degraded, self.path(request.model), after, remaining_s,
-                      self.config.light_min_remaining_s, self._reasons)
+        return decide(
+            error,
+            request.allow_degraded,
+            self.path(request.model),
+            after,
+            remaining_s,
+            self.config.light_min_remaining_s,
+            self._reasons,
+        )
 
     def may_degrade(self, request: Any) -> bool:
         return bool(request.allow_degraded and self.path(request.model))
@@ -150,14 +162,26 @@ class Degrader:
             if self.handoff is not None:
                 yield Observation(1 if self.handoff.stats.broker_up else 0)
 
-        meter.create_observable_gauge("ballast_degrade_outbox_depth", callbacks=[depth],
-                                      description="Degraded requests waiting in the outbox for Kafka, in rows and bytes.")
-        meter.create_observable_gauge("ballast_degrade_outbox_limit", callbacks=[limit],
-                                      description="Outbox bounds; at the limit hand-offs are refused.")
-        meter.create_observable_counter("ballast_degrade_handoffs_refused", callbacks=[refused],
-                                        description="Degraded answers sent without a ticket: the outbox refused them.")
-        meter.create_observable_gauge("ballast_degrade_kafka_up", callbacks=[broker],
-                                      description="1 while the outbox drainer reaches Kafka, else 0.")
+        meter.create_observable_gauge(
+            "ballast_degrade_outbox_depth",
+            callbacks=[depth],
+            description="Degraded requests waiting in the outbox for Kafka, in rows and bytes.",
+        )
+        meter.create_observable_gauge(
+            "ballast_degrade_outbox_limit",
+            callbacks=[limit],
+            description="Outbox bounds; at the limit hand-offs are refused.",
+        )
+        meter.create_observable_counter(
+            "ballast_degrade_handoffs_refused",
+            callbacks=[refused],
+            description="Degraded answers sent without a ticket: the outbox refused them.",
+        )
+        meter.create_observable_gauge(
+            "ballast_degrade_kafka_up",
+            callbacks=[broker],
+            description="1 while the outbox drainer reaches Kafka, else 0.",
+        )
 
     # -- the ladder -----------------------------------------------------------------------
 
@@ -197,7 +221,9 @@ class Degrader:
                     async for event in events:
                         for out in self._relay(event, relay):
                             if isinstance(out, Finished) and rung is not None:
-                                out = await self._mark(out, request, tier, first, rung, "".join(relay.text), received_at)
+                                out = await self._mark(
+                                    out, request, tier, first, rung, "".join(relay.text), received_at
+                                )
                             yield out
                 return
             except BallastError as error:
@@ -206,8 +232,14 @@ class Degrader:
                 decision = self.decide(error, request, position, deadline - time.monotonic())
                 if decision is None:
                     raise
-                log.info("request %s: %s on %s (%s); degrading to %s", request.request_id,
-                         decision.reason.value, rung.label if rung else "primary pool", error, decision.rung.label)
+                log.info(
+                    "request %s: %s on %s (%s); degrading to %s",
+                    request.request_id,
+                    decision.reason.value,
+                    rung.label if rung else "primary pool",
+                    error,
+                    decision.rung.label,
+                )
                 if self.on_fallback is not None:
                     self.on_fallback(self.fallback_labels(decision))
                 first = first or decision
@@ -235,39 +267,61 @@ class Degrader:
         relay.started_sent = True
         return (relay.started, event)
 
-    async def _mark(self, event: Finished, request: Any, tier: Tier, first: Decision,
-                    rung: Rung, text: str, received_at: float) -> Finished:
+    async def _mark(
+        self, event: Finished, request: Any, tier: Tier, first: Decision, rung: Rung, text: str, received_at: float
+    ) -> Finished:
         ticket = await self._hand_off(request, tier, first, rung, text, received_at)
         return dataclasses.replace(event, degradation=rung.level, backfill_ticket=ticket)
 
-    async def _rules(self, request: Any, tier: Tier, tier_reason: str, first: Decision,
-                     received_at: float) -> AsyncIterator[Event]:
+    async def _rules(
+        self, request: Any, tier: Tier, tier_reason: str, first: Decision, received_at: float
+    ) -> AsyncIterator[Event]:
         text = self.rules.answer_request(request).text
         # A JSON request gets a document of its schema, not the rule's sentence: the client's
         # parser must not break because the big model is down.
         structured = placeholder_answer(request.schema) if request.schema is not None else None
         if structured is not None:
             text = structured.text
-        yield Started(request_id=request.request_id, tier=tier, tier_reason=tier_reason, model=RULES,
-                      model_version=self.rules.version)
+        yield Started(
+            request_id=request.request_id,
+            tier=tier,
+            tier_reason=tier_reason,
+            model=RULES,
+            model_version=self.rules.version,
+        )
         encoder = self.encoder_for(request.model) if self.encoder_for is not None else None
         sent = 0
         for piece_text, ids in _pieces(text, self.config.rules_piece_chars, encoder):
             yield Tokens(text=piece_text, token_ids=ids, first_index=sent)
             sent += len(ids)
         ticket = await self._hand_off(request, tier, first, Rung(Level.RULES), text, received_at)
-        yield Finished(reason=FinishReason.STOP, prompt_tokens=0, completion_tokens=sent, resumes=0,
-                       structured=structured, degradation=Level.RULES, backfill_ticket=ticket)
+        yield Finished(
+            reason=FinishReason.STOP,
+            prompt_tokens=0,
+            completion_tokens=sent,
+            resumes=0,
+            structured=structured,
+            degradation=Level.RULES,
+            backfill_ticket=ticket,
+        )
 
-    async def _hand_off(self, request: Any, tier: Tier, first: Decision, rung: Rung, text: str,
-                        received_at: float) -> str:
+    async def _hand_off(
+        self, request: Any, tier: Tier, first: Decision, rung: Rung, text: str, received_at: float
+    ) -> str:
         """Commits the degraded request to the outbox; returns its ticket, or "" if refused."""
         if self.handoff is None:
             return ""
         ticket = make_ticket(request.tenant, request.request_id)
         record = degraded_request_pb(
-            request, ticket=ticket, tier=tier, level=rung.level, reason=first.reason.value,
-            degraded_text=text, degraded_by=rung.label, received_at=received_at, origin=self.origin,
+            request,
+            ticket=ticket,
+            tier=tier,
+            level=rung.level,
+            reason=first.reason.value,
+            degraded_text=text,
+            degraded_by=rung.label,
+            received_at=received_at,
+            origin=self.origin,
         )
         try:
             await self.handoff.submit(kafka_key(request.session_id, ticket), record.SerializeToString())
@@ -277,8 +331,12 @@ class Degrader:
             # Loud, but one line per second at most: under a flood every request would log.
             if now - self._last_refusal_log >= 1.0:
                 self._last_refusal_log = now
-                log.error("degraded request %s NOT handed off for backfill (%d refused so far): %s",
-                          request.request_id, self.handoffs_refused, exc)
+                log.error(
+                    "degraded request %s NOT handed off for backfill (%d refused so far): %s",
+                    request.request_id,
+                    self.handoffs_refused,
+                    exc,
+                )
             return ""
         return ticket
 

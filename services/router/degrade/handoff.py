@@ -77,8 +77,9 @@ class HandOff:
         # One thread for every SQLite call: the connection is used by one thread at a time and
         # calls stay in submission order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox")
-        self._producer = AsyncProducer(settings.bootstrap, settings.delivery_timeout_s, settings.client_id,
-                                       extra=settings.kafka_security)
+        self._producer = AsyncProducer(
+            settings.bootstrap, settings.delivery_timeout_s, settings.client_id, extra=settings.kafka_security
+        )
         # (key, value, trace headers, future) of submits waiting for the next outbox commit.
         self._pending: list[tuple[bytes | None, bytes, list[tuple[str, bytes]], asyncio.Future[int]]] = []
         # Row id -> trace headers of rows not delivered yet (bounded by the outbox's rows).
@@ -159,7 +160,9 @@ class HandOff:
         while self._pending:
             batch, self._pending = self._pending, []
             try:
-                ids = await loop.run_in_executor(self._executor, self._outbox.append, [(k, v) for k, v, _h, _f in batch])
+                ids = await loop.run_in_executor(
+                    self._executor, self._outbox.append, [(k, v) for k, v, _h, _f in batch]
+                )
             except Exception as exc:  # noqa: BLE001 - every waiter learns it failed
                 error = exc if isinstance(exc, OutboxError) else OutboxError(f"outbox write failed: {exc!r}")
                 for _k, _v, _h, future in batch:
@@ -214,8 +217,11 @@ class HandOff:
                 backoff = self.settings.backoff_initial_s
             else:
                 if self.stats.broker_up:
-                    log.warning("Kafka unreachable (%s): degraded requests wait in outbox %s",
-                                self.stats.last_error, self.settings.outbox_path)
+                    log.warning(
+                        "Kafka unreachable (%s): degraded requests wait in outbox %s",
+                        self.stats.last_error,
+                        self.settings.outbox_path,
+                    )
                 self.stats.broker_up = False
                 self.stats.failed_rounds += 1
                 await asyncio.sleep(backoff)
@@ -235,24 +241,37 @@ class HandOff:
             if not self._topic_ready:
                 # Auto-created topics get the broker's default partitioning; make it ours first.
                 try:
-                    await asyncio.to_thread(ensure_topics, s.bootstrap, [s.topic], s.topic_partitions,
-                                            s.topic_replication, s.delivery_timeout_s, s.kafka_security)
+                    await asyncio.to_thread(
+                        ensure_topics,
+                        s.bootstrap,
+                        [s.topic],
+                        s.topic_partitions,
+                        s.topic_replication,
+                        s.delivery_timeout_s,
+                        s.kafka_security,
+                    )
                     self._topic_ready = True
                 except Exception as exc:  # noqa: BLE001 - broker away: try again later
                     self.stats.last_error = f"cannot create topic {s.topic}: {exc!r}"
                     return False
-            futures = [self._producer.send_nowait(s.topic, item.value, item.key,
-                                                  [*s.headers, *self._trace_headers.get(item.id, ())])
-                       for item in items]
+            futures = [
+                self._producer.send_nowait(
+                    s.topic, item.value, item.key, [*s.headers, *self._trace_headers.get(item.id, ())]
+                )
+                for item in items
+            ]
             try:
                 # librdkafka fails each record after message.timeout.ms; the margin covers the report.
                 async with asyncio.timeout(s.delivery_timeout_s + 5.0):
                     await asyncio.wait(futures)
             except TimeoutError:
                 pass
-            results = [f.result() if f.done() and not f.cancelled() and f.exception() is None
-                       else (f.exception() if f.done() and not f.cancelled() else DeliveryFailed("no delivery report"))
-                       for f in futures]
+            results = [
+                f.result()
+                if f.done() and not f.cancelled() and f.exception() is None
+                else (f.exception() if f.done() and not f.cancelled() else DeliveryFailed("no delivery report"))
+                for f in futures
+            ]
             delivered = [item.id for item, result in zip(items, results) if isinstance(result, Delivered)]
             if delivered:
                 await loop.run_in_executor(self._executor, self._outbox.delete, delivered)

@@ -79,7 +79,9 @@ class Outbox:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
-            raise OutboxError(f"outbox {self.path} is in use by another process; give each router replica its own path") from None
+            raise OutboxError(
+                f"outbox {self.path} is in use by another process; give each router replica its own path"
+            ) from None
         try:
             # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per batch.
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
@@ -141,8 +143,10 @@ class Outbox:
         return row_id
 
     def full_message(self) -> str:
-        return (f"outbox {self.path} is full ({self._rows} rows, {self._bytes} bytes; "
-                f"limits {self.max_rows} rows, {self.max_bytes} bytes)")
+        return (
+            f"outbox {self.path} is full ({self._rows} rows, {self._bytes} bytes; "
+            f"limits {self.max_rows} rows, {self.max_bytes} bytes)"
+        )
 
     # -- draining -------------------------------------------------------------------------
 
@@ -150,9 +154,7 @@ class Outbox:
         """The oldest rows, in the order they were added."""
         with self._lock:
             self._check_open()
-            cursor = self._db.execute(
-                "SELECT id, key, value, created_at FROM outbox ORDER BY id LIMIT ?", (limit,)
-            )
+            cursor = self._db.execute("SELECT id, key, value, created_at FROM outbox ORDER BY id LIMIT ?", (limit,))
             return [OutboxItem(row[0], row[1], row[2], row[3]) for row in cursor.fetchall()]
 
     def delete(self, ids: Sequence[int]) -> int:
@@ -166,7 +168,7 @@ class Outbox:
             try:
                 removed_rows = removed_bytes = 0
                 for start in range(0, len(ids), 500):
-                    chunk = list(ids[start:start + 500])
+                    chunk = list(ids[start : start + 500])
                     marks = ",".join("?" * len(chunk))
                     count, size = cursor.execute(
                         f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM outbox WHERE id IN ({marks})", chunk

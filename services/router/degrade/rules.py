@@ -124,7 +124,9 @@ class _Checker:
             raise self.fail(line_of(value, line), f"{where} must be a mapping")
         for key in value:
             if key not in allowed:
-                raise self.fail(value.line_of(key), f"{where}: unknown field {key!r}; allowed: {', '.join(sorted(allowed))}")
+                raise self.fail(
+                    value.line_of(key), f"{where}: unknown field {key!r}; allowed: {', '.join(sorted(allowed))}"
+                )
         return value
 
     def text(self, value: Any, line: int, where: str) -> str:
@@ -155,7 +157,9 @@ class _Checker:
         out: dict[str, str] = {}
         for lang, text in value.items():
             if not isinstance(text, str) or (not allow_empty and not text.strip()):
-                raise self.fail(value.line_of(lang), f"{where}.{lang} must be a {'' if allow_empty else 'non-empty '}string")
+                raise self.fail(
+                    value.line_of(lang), f"{where}.{lang} must be a {'' if allow_empty else 'non-empty '}string"
+                )
             out[lang] = text
         return out
 
@@ -170,13 +174,17 @@ class _Checker:
             if not _IDENTIFIER.match(name) or spec or conversion:
                 raise self.fail(line, f"{where}: slot {{{name}}} must be a plain name like {{product}}")
             if name not in known:
-                raise self.fail(line, f"{where}: unknown slot {{{name}}}; declared: {', '.join(sorted(known)) or 'none'}")
+                raise self.fail(
+                    line, f"{where}: unknown slot {{{name}}}; declared: {', '.join(sorted(known)) or 'none'}"
+                )
 
 
 class RuleEngine:
     """Matches a user's text to an intent and renders its answer (pure, thread-safe)."""
 
-    def __init__(self, slots: Mapping[str, Slot], intents: list[Intent], default: Intent, version: str, source: str) -> None:
+    def __init__(
+        self, slots: Mapping[str, Slot], intents: list[Intent], default: Intent, version: str, source: str
+    ) -> None:
         self.slots = dict(slots)
         self.intents = intents
         self.default = default
@@ -207,7 +215,10 @@ class RuleEngine:
         for i, raw in enumerate(raw_intents):
             intent = cls._load_intent(check, raw, raw_intents.line_of(i), f"intents[{i}]", slots, order=i)
             if intent.name in names:
-                raise check.fail(raw_intents.line_of(i), f"intents[{i}]: name {intent.name!r} is already used on line {names[intent.name]}")
+                raise check.fail(
+                    raw_intents.line_of(i),
+                    f"intents[{i}]: name {intent.name!r} is already used on line {names[intent.name]}",
+                )
             names[intent.name] = raw_intents.line_of(i)
             intents.append(intent)
         if "default" not in doc:
@@ -259,7 +270,9 @@ class RuleEngine:
             else:
                 text = check.text(spec["pattern"], spec.line_of("pattern"), f"slots.{name}.pattern")
                 pattern = check.regex(text, spec.line_of("pattern"), f"slots.{name}.pattern")
-            default = check.by_language(spec.get("default", ""), spec.line_of("default"), f"slots.{name}.default", allow_empty=True)
+            default = check.by_language(
+                spec.get("default", ""), spec.line_of("default"), f"slots.{name}.default", allow_empty=True
+            )
             slots[name] = Slot(name, words, pattern, default)
         return slots
 
@@ -283,10 +296,14 @@ class RuleEngine:
                 groups.update(pattern.groupindex)
                 patterns.append(pattern)
         if not keywords and not patterns:
-            raise check.fail(spec.line, f"{where}: needs 'keywords' or 'patterns' (only the default answer matches everything)")
+            raise check.fail(
+                spec.line, f"{where}: needs 'keywords' or 'patterns' (only the default answer matches everything)"
+            )
         priority = spec.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool) or not -1000 <= priority <= 1000:
-            raise check.fail(spec.line_of("priority"), f"{where}.priority must be an integer from -1000 to 1000 (got {priority!r})")
+            raise check.fail(
+                spec.line_of("priority"), f"{where}.priority must be an integer from -1000 to 1000 (got {priority!r})"
+            )
         answers = check.by_language(spec["answer"], spec.line_of("answer"), f"{where}.answer")
         for lang, template in answers.items():
             check.template_fields(template, spec.line_of("answer"), f"{where}.answer.{lang}", set(slots) | groups)
@@ -348,7 +365,9 @@ def request_text(request: Any) -> str:
     return messages[-1].content if messages else ""
 
 
-_PIECE = re.compile(r"[\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\uff00-\uffef]|[^\s\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\uff00-\uffef]+\s*|\s+")
+_PIECE = re.compile(
+    r"[\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\uff00-\uffef]|[^\s\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\uff00-\uffef]+\s*|\s+"
+)
 
 
 def split_pieces(text: str, min_chars: int = 8) -> list[str]:

@@ -89,11 +89,15 @@ class FlowStats:
             yield Observation(self.stalled)
 
         meter.create_observable_gauge(
-            "ballast_http_stream_buffered_bytes", callbacks=[buffered],
-            description="Bytes of streamed HTTP answers written and not yet sent to their clients.")
+            "ballast_http_stream_buffered_bytes",
+            callbacks=[buffered],
+            description="Bytes of streamed HTTP answers written and not yet sent to their clients.",
+        )
         meter.create_observable_counter(
-            "ballast_http_stalled_clients", callbacks=[stalled],
-            description="HTTP streams cancelled because their client read nothing for router.http_stalled_client_s.")
+            "ballast_http_stalled_clients",
+            callbacks=[stalled],
+            description="HTTP streams cancelled because their client read nothing for router.http_stalled_client_s.",
+        )
 
 
 class StreamFlow:
@@ -129,8 +133,12 @@ class StreamFlow:
                 await response.write(data)
         except TimeoutError:
             self._stats.stalled += 1
-            log.info("%s %s: the client read nothing for %gs; dropping its stream", self._request.method,
-                     self._request.path, self._stalled_s)
+            log.info(
+                "%s %s: the client read nothing for %gs; dropping its stream",
+                self._request.method,
+                self._request.path,
+                self._stalled_s,
+            )
             if self._transport is not None:
                 # Abort, not close: a close would wait to send what the client does not read.
                 self._transport.abort()

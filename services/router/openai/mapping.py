@@ -34,10 +34,23 @@ SERVICE_TIERS = {"auto": Tier.AUTO, "default": Tier.AUTO, "priority": Tier.S, "f
 HEADER_TIERS = {"auto": Tier.AUTO, "s": Tier.S, "a": Tier.A, "b": Tier.B}
 # Fields refused unless they hold their neutral value (absent, null, or the value listed).
 UNSUPPORTED_UNLESS = {
-    "n": (1,), "best_of": (1,), "tools": ((),), "tool_choice": ("none",), "functions": ((),),
-    "function_call": ("none",), "parallel_tool_calls": (), "logprobs": (False, 0), "top_logprobs": (0,),
-    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "echo": (False,),
-    "suffix": ("",), "audio": (), "modalities": ((), ("text",)), "prediction": (),
+    "n": (1,),
+    "best_of": (1,),
+    "tools": ((),),
+    "tool_choice": ("none",),
+    "functions": ((),),
+    "function_call": ("none",),
+    "parallel_tool_calls": (),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "audio": (),
+    "modalities": ((), ("text",)),
+    "prediction": (),
 }
 # OpenAI's newer name for the system role.
 ROLE_ALIASES = {"developer": "system"}
@@ -101,14 +114,20 @@ def _refuse_lone_surrogates(value: Any) -> None:
         item, path = stack.pop()
         if isinstance(item, str):
             if not _encodable(item):
-                raise InvalidField(path, f"{path} holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape): "
-                                         "strings must be valid Unicode")
+                raise InvalidField(
+                    path,
+                    f"{path} holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape): "
+                    "strings must be valid Unicode",
+                )
         elif isinstance(item, dict):
             for key, child in reversed(item.items()):
                 where = f"{path}.{key}" if path != "body" else key
                 if not _encodable(key):
-                    raise InvalidField(path, f"a key of {path} holds a lone surrogate (an unpaired "
-                                             "\\uD800-\\uDFFF escape): strings must be valid Unicode")
+                    raise InvalidField(
+                        path,
+                        f"a key of {path} holds a lone surrogate (an unpaired "
+                        "\\uD800-\\uDFFF escape): strings must be valid Unicode",
+                    )
                 stack.append((child, where))
         elif isinstance(item, list):
             stack.extend((child, f"{path}[{i}]") for i, child in reversed(list(enumerate(item))))
@@ -275,7 +294,9 @@ def _allow_degraded(headers: Mapping[str, str]) -> bool | None:
     return flag == "true"
 
 
-def to_generate_request(body: Any, headers: Mapping[str, str], *, chat: bool) -> tuple[inference_pb2.GenerateRequest, Shape]:
+def to_generate_request(
+    body: Any, headers: Mapping[str, str], *, chat: bool
+) -> tuple[inference_pb2.GenerateRequest, Shape]:
     """The GenerateRequest of an OpenAI body and how to shape its answer. `headers` has
     lower-case names. Raises InvalidField (or UnsupportedField) naming the field."""
     if not isinstance(body, dict):
@@ -292,7 +313,9 @@ def to_generate_request(body: Any, headers: Mapping[str, str], *, chat: bool) ->
         raise InvalidField("stream_options", "stream_options must be an object, and only with stream")
     include_usage = _bool(options or {}, "include_usage")
     request = inference_pb2.GenerateRequest(
-        model=model, tier=tier_to_pb(_tier(body, headers)), response_format=response_schema(body.get("response_format")),
+        model=model,
+        tier=tier_to_pb(_tier(body, headers)),
+        response_format=response_schema(body.get("response_format")),
         session_id=headers.get(SESSION_HEADER, ""),
     )
     if chat:

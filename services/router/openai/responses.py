@@ -51,8 +51,11 @@ def ballast_extras(finished: inference_pb2.Finished, started: inference_pb2.Star
     }
     status = STRUCTURED.get(finished.structured_status)
     if status is not None:
-        extras["structured"] = {"status": status, "repairs": list(finished.structured_repairs),
-                                "errors": list(finished.structured_errors)}
+        extras["structured"] = {
+            "status": status,
+            "repairs": list(finished.structured_repairs),
+            "errors": list(finished.structured_errors),
+        }
     return extras
 
 
@@ -105,8 +108,11 @@ class Answer:
 
     def text(self) -> str:
         finished = self.finished
-        if finished is not None and finished.structured_status in (
-                common_pb2.STRUCTURED_VALID, common_pb2.STRUCTURED_REPAIRED) and finished.structured_output:
+        if (
+            finished is not None
+            and finished.structured_status in (common_pb2.STRUCTURED_VALID, common_pb2.STRUCTURED_REPAIRED)
+            and finished.structured_output
+        ):
             return finished.structured_output
         return "".join(self.parts)
 
@@ -114,25 +120,42 @@ class Answer:
         finished = self.finished or inference_pb2.Finished()
         reason = FINISH_REASONS.get(finished.reason, "stop")
         if self.shape.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text()},
-                      "logprobs": None, "finish_reason": reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text()},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         else:
             choice = {"index": 0, "text": self.text(), "logprobs": None, "finish_reason": reason}
-        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.shape.model,
-                "choices": [choice], "usage": _usage(finished), "ballast": ballast_extras(finished, self.started)}
+        return {
+            "id": self.id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.shape.model,
+            "choices": [choice],
+            "usage": _usage(finished),
+            "ballast": ballast_extras(finished, self.started),
+        }
 
     # -- streamed -------------------------------------------------------------------------
 
     def _chunk(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.shape.chat else "text_completion",
-                "created": self.created, "model": self.shape.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.shape.chat else "text_completion",
+            "created": self.created,
+            "model": self.shape.model,
+            "choices": choices,
+        }
 
     def first_chunk(self) -> dict | None:
         """Chat streams open with the assistant role (as OpenAI's do); completions do not."""
         if not self.shape.chat:
             return None
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
+        return self._chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
 
     def text_chunk(self, text: str) -> dict:
         if self.shape.chat:

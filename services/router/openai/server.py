@@ -72,8 +72,6 @@ class HttpCall:
         return None
 
 
-
-
 def _refusal_of(error: web.HTTPException) -> HttpRefusal:
     if isinstance(error, web.HTTPRequestEntityTooLarge):
         return BodyTooLarge("the request body is too large")
@@ -95,8 +93,9 @@ class OpenAIFront:
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/ballast/backfill/{ticket}", self.backfill)
         # No HEAD: it would open a subscription (claiming the session's answers) nobody reads.
-        self.app.router.add_get("/v1/ballast/sessions/{session_id}/backfill", self.backfill_subscription,
-                                allow_head=False)
+        self.app.router.add_get(
+            "/v1/ballast/sessions/{session_id}/backfill", self.backfill_subscription, allow_head=False
+        )
         self._runner: web.AppRunner | None = None
         self.port = 0
         self.flow = FlowStats()
@@ -110,13 +109,19 @@ class OpenAIFront:
         """Listens on host:port (0 picks one); returns the port."""
         # keepalive_timeout is aiohttp's only header timer: it runs from when a connection
         # opens or its last answer ended until a whole request's headers are in.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.shutdown_grace_s,
-                                     keepalive_timeout=self.config.http_header_timeout_s, lingering_time=LINGER_S)
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.config.shutdown_grace_s,
+            keepalive_timeout=self.config.http_header_timeout_s,
+            lingering_time=LINGER_S,
+        )
         await self._runner.setup()
         # The processes of one router (router.processes) listen on the same port.
-        site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context,
-                           reuse_port=self.config.processes > 1 or None)
+        site = web.TCPSite(
+            self._runner, host, port, ssl_context=self.ssl_context, reuse_port=self.config.processes > 1 or None
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self.port
@@ -133,8 +138,12 @@ class OpenAIFront:
         parent = context_from_headers(request.headers.items())
         route = request.match_info.route.resource
         name = f"{request.method} {route.canonical if route is not None else request.path}"
-        span = _TRACER.start_span(name, context=parent, kind=SpanKind.SERVER,
-                                  attributes={"http.request.method": request.method, "url.path": request.path})
+        span = _TRACER.start_span(
+            name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": request.method, "url.path": request.path},
+        )
         token = otel_context.attach(set_span_in_context(span, parent))
         status = 500
         try:
@@ -183,7 +192,9 @@ class OpenAIFront:
 
     async def backfill(self, request: web.Request) -> web.Response:
         call = HttpCall(request)
-        answer = await self.servicer.GetBackfill(backfill_answers_pb2.GetAnswerRequest(ticket=request.match_info["ticket"]), call)
+        answer = await self.servicer.GetBackfill(
+            backfill_answers_pb2.GetAnswerRequest(ticket=request.match_info["ticket"]), call
+        )
         return web.json_response(answer_json(answer))
 
     async def backfill_subscription(self, request: web.Request) -> web.StreamResponse:
@@ -196,8 +207,9 @@ class OpenAIFront:
         answers = self.servicer.Subscribe(subscription, call)
         # One answer in hand at a time: an answer the backfill counts as pushed waits in no
         # buffer a leaving client would drop (it stays readable by ticket either way).
-        relay = SseRelay(request, answers, self.keepalive_s, 1, name="http-backfill-subscription",
-                         flow=self._flow(request))
+        relay = SseRelay(
+            request, answers, self.keepalive_s, 1, name="http-backfill-subscription", flow=self._flow(request)
+        )
         try:
             while (answer := await relay.next()) is not None:
                 await relay.write(sse_event(answer_json(answer)))
@@ -249,8 +261,9 @@ class OpenAIFront:
         headers = degraded_headers(answer.finished) if answer.finished is not None else {}
         return web.json_response(answer.response(), headers=headers)
 
-    async def _stream(self, request: web.Request, shape: Shape,
-                      events: AsyncIterator[inference_pb2.GenerateEvent]) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, shape: Shape, events: AsyncIterator[inference_pb2.GenerateEvent]
+    ) -> web.StreamResponse:
         answer = Answer(shape)
 
         async def first_chunk(response: web.StreamResponse) -> None:
@@ -258,8 +271,15 @@ class OpenAIFront:
             if first is not None:
                 await response.write(sse_event(first))
 
-        relay = SseRelay(request, events, self.keepalive_s, STREAM_BUFFER, on_open=first_chunk, name="http-stream",
-                         flow=self._flow(request))
+        relay = SseRelay(
+            request,
+            events,
+            self.keepalive_s,
+            STREAM_BUFFER,
+            on_open=first_chunk,
+            name="http-stream",
+            flow=self._flow(request),
+        )
         try:
             while (event := await relay.next()) is not None:
                 text = answer.feed(event)

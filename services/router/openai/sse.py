@@ -51,9 +51,16 @@ class SseRelay:
     first once the 200 is sent. Use `next()` until it returns None, then `finish()`; always
     `close()` (in a finally)."""
 
-    def __init__(self, request: web.Request, source: AsyncIterator, keepalive_s: float, buffer: int,
-                 on_open: Callable[[web.StreamResponse], Awaitable[None]] | None = None, name: str = "sse",
-                 flow: StreamFlow | None = None) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        source: AsyncIterator,
+        keepalive_s: float,
+        buffer: int,
+        on_open: Callable[[web.StreamResponse], Awaitable[None]] | None = None,
+        name: str = "sse",
+        flow: StreamFlow | None = None,
+    ) -> None:
         self._request = request
         self._flow = flow
         self._keepalive_s = keepalive_s

@@ -37,14 +37,16 @@ from services.router.resilience.retry_budget import Refusal
 from services.router.resilience.stall import StreamStalled
 
 # Codes after which the same request may succeed on another worker.
-RETRIABLE_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.CANCELLED,  # the worker's server went away under the call
-})
+RETRIABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,  # the worker's server went away under the call
+    }
+)
 
 
 class StreamEndedEarly(Unavailable):

@@ -61,8 +61,13 @@ class WorkerHealth:
 class WorkerHealthView:
     """Routability of workers, from their records plus the router's own breakers and gate."""
 
-    def __init__(self, breakers: BreakerBoard, temperature: TemperatureGate, unreachable_hold_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        breakers: BreakerBoard,
+        temperature: TemperatureGate,
+        unreachable_hold_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.breakers = breakers
         self.temperature = temperature
         self.unreachable_hold_s = unreachable_hold_s

@@ -34,10 +34,21 @@ log = logging.getLogger(__name__)
 class QuarantineConfig(Section):
     enabled: bool = Field(True, description="Quarantine requests that kill or stall the workers they run on.")
     max_workers_lost: int = Field(
-        2, ge=1, le=10, description="Workers a request may cost (died, stalled or ran out of memory taking it on) "
-                                    "before it is quarantined; it is tried on one more worker after each loss below it.")
-    ttl_s: float = Field(600.0, gt=0, le=86_400, description="How long a quarantined fingerprint is refused (and how long its losses are remembered).")
-    max_entries: int = Field(10_000, ge=1, description="Quarantined fingerprints (and tallies of losses) held in memory at most.")
+        2,
+        ge=1,
+        le=10,
+        description="Workers a request may cost (died, stalled or ran out of memory taking it on) "
+        "before it is quarantined; it is tried on one more worker after each loss below it.",
+    )
+    ttl_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description="How long a quarantined fingerprint is refused (and how long its losses are remembered).",
+    )
+    max_entries: int = Field(
+        10_000, ge=1, description="Quarantined fingerprints (and tallies of losses) held in memory at most."
+    )
 
 
 def implicated(lost: bool, tokens_this_attempt: int, accepted: bool) -> bool:
@@ -77,9 +88,15 @@ class LossTally:
 class RouterQuarantine:
     """The router's quarantine: refuses quarantined requests, counts worker losses, publishes."""
 
-    def __init__(self, config: QuarantineConfig, etcd: EtcdConfig | None = None, counter: Any = None,
-                 clock: Clock = time.time, monotonic: Clock = time.monotonic,
-                 session: EtcdSession | None = None) -> None:
+    def __init__(
+        self,
+        config: QuarantineConfig,
+        etcd: EtcdConfig | None = None,
+        counter: Any = None,
+        clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
+        session: EtcdSession | None = None,
+    ) -> None:
         self.config = config
         self.store = QuarantineStore(config.max_entries, clock)
         self.tally = LossTally(config.ttl_s, config.max_entries, monotonic)
@@ -125,22 +142,45 @@ class RouterQuarantine:
         fp = request_fingerprint(request)
         lost = self.tally.add(fp)
         if lost < self.config.max_workers_lost:
-            log.warning("request %s (fingerprint %s) lost worker %s (%s) taking it on: %d of %d before quarantine",
-                        request.request_id, fp[:16], worker_id, reason, lost, self.config.max_workers_lost)
+            log.warning(
+                "request %s (fingerprint %s) lost worker %s (%s) taking it on: %d of %d before quarantine",
+                request.request_id,
+                fp[:16],
+                worker_id,
+                reason,
+                lost,
+                self.config.max_workers_lost,
+            )
             return
         self.tally.forget(fp)
-        entry = QuarantineEntry(fingerprint=fp, tenant=request.tenant, reason=reason, since=self._clock(),
-                                workers_lost=lost, ttl_s=self.config.ttl_s)
+        entry = QuarantineEntry(
+            fingerprint=fp,
+            tenant=request.tenant,
+            reason=reason,
+            since=self._clock(),
+            workers_lost=lost,
+            ttl_s=self.config.ttl_s,
+        )
         self.store.add(entry)
         if self.publisher is not None:
             self.publisher.publish(entry)
         self._count("quarantined")
-        log.error("request %s (fingerprint %s, tenant %s) quarantined for %.0fs: it cost %d workers (last %s, %s)",
-                  request.request_id, fp[:16], request.tenant, self.config.ttl_s, lost, worker_id, reason)
+        log.error(
+            "request %s (fingerprint %s, tenant %s) quarantined for %.0fs: it cost %d workers (last %s, %s)",
+            request.request_id,
+            fp[:16],
+            request.tenant,
+            self.config.ttl_s,
+            lost,
+            worker_id,
+            reason,
+        )
         raise self._error(fp, entry, request.request_id)
 
     def _error(self, fp: str, entry: QuarantineEntry, request_id: str) -> Quarantined:
         remaining = self.store.remaining_s(entry)
         return Quarantined(
             f"request {request_id} is quarantined (fingerprint {fp[:16]}): requests like it cost "
-            f"{entry.workers_lost} workers; refused for another {remaining:.0f}s", retry_after_s=remaining)
+            f"{entry.workers_lost} workers; refused for another {remaining:.0f}s",
+            retry_after_s=remaining,
+        )

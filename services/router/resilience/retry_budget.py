@@ -26,7 +26,8 @@ class RetryBudgetConfig(Section):
     window_s: float = Field(10.0, gt=0, description="Sliding window of the budget.")
     bucket_s: float = Field(1.0, gt=0, description="Granularity of the sliding window.")
     min_retries_per_s: float = Field(
-        3.0, ge=0,
+        3.0,
+        ge=0,
         description="Retries allowed per second of window whatever the traffic: one worker lost takes all its streams at once.",
     )
     max_attempts: int = Field(5, ge=1, description="Attempts per request at most, the first one included.")

@@ -34,7 +34,9 @@ class StallConfig(Section):
         try:
             return timeouts[tier]
         except KeyError:
-            raise ValueError(f"unknown tier {str(tier)!r}; expected one of {sorted(t.value for t in timeouts)}") from None
+            raise ValueError(
+                f"unknown tier {str(tier)!r}; expected one of {sorted(t.value for t in timeouts)}"
+            ) from None
 
 
 class StreamStalled(Unavailable):

@@ -71,7 +71,9 @@ class RolloutController:
         self._owns_session = False
         self._identity = f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.mirrors = MirrorRunner(
-            clients, models, on_comparison=self._compared,
+            clients,
+            models,
+            on_comparison=self._compared,
             on_outcome=lambda model, outcome: self.metrics.mirrors.add(1, {"model": model, "outcome": outcome}),
             business_score=business_score,
         )
@@ -104,14 +106,25 @@ class RolloutController:
         before = self.rollouts.get(rollout.model)
         self.rollouts[rollout.model] = rollout
         if before != rollout:
-            log.info("rollout of %s: %s -> %s at %g%% (%s, mirror %g%%): %s", rollout.model, rollout.stable,
-                     rollout.candidate, rollout.weight, rollout.state.value, rollout.mirror_percent, rollout.reason)
+            log.info(
+                "rollout of %s: %s -> %s at %g%% (%s, mirror %g%%): %s",
+                rollout.model,
+                rollout.stable,
+                rollout.candidate,
+                rollout.weight,
+                rollout.state.value,
+                rollout.mirror_percent,
+                rollout.reason,
+            )
         if not rollout.running:
             self._gates.pop(rollout.model, None)
             return
         gate = self._gates.get(rollout.model)
-        same_trial = before is not None and before.running and (before.stable, before.candidate) == (
-            rollout.stable, rollout.candidate)
+        same_trial = (
+            before is not None
+            and before.running
+            and (before.stable, before.candidate) == (rollout.stable, rollout.candidate)
+        )
         if gate is None or not same_trial:
             self._gates[rollout.model] = SloGate(rollout.gate, started_at=self.clock())
         else:
@@ -126,14 +139,16 @@ class RolloutController:
             return None
         route = choose(rollout, request.tenant, request.session_id, request.request_id)
         self.metrics.version_requests.add(
-            1, {"model": request.model, "version": route.version, "role": route.role.value})
+            1, {"model": request.model, "version": route.version, "role": route.role.value}
+        )
         return route
 
     def fell_back(self, model: str, route: Route) -> None:
         self.metrics.fallbacks.add(1, {"model": model, "role": route.role.value})
 
-    def mirror(self, request: InferenceRequest, idle_worker: Callable[[str], WorkerRecord | None],
-               deadline: float) -> MirrorHandle | None:
+    def mirror(
+        self, request: InferenceRequest, idle_worker: Callable[[str], WorkerRecord | None], deadline: float
+    ) -> MirrorHandle | None:
         """Starts the mirrored copy of a request on the candidate (or drops it)."""
         rollout = self.rollouts.get(request.model)
         if rollout is None or not rollout.running:
@@ -198,8 +213,11 @@ class RolloutController:
         async def write(store: RolloutStore) -> Rollout | None:
             stored = await store.read(model)
             current = stored.rollout if stored is not None else None
-            if current is None or not current.running or (current.stable, current.candidate) != (
-                    seen.stable, seen.candidate):
+            if (
+                current is None
+                or not current.running
+                or (current.stable, current.candidate) != (seen.stable, seen.candidate)
+            ):
                 return None  # decided or replaced meanwhile
             decided = current.decided(VERDICT_PHASE[reading.verdict], f"gate: {reading.reason}")
             return decided if await store.swap(decided, stored.mod_revision) else None
@@ -255,4 +273,3 @@ class RolloutController:
         # Last, once nothing here uses it; a session it was given stays open for its owner.
         if self._owns_session and self.session is not None:
             await self.session.close()
-

@@ -70,14 +70,27 @@ class SloGate:
         numbers = dict(requests=count, errors=errors, error_rate=rate, p99_ms=latency)
         if count >= policy.breach_min_requests:
             if rate > policy.max_error_rate:
-                return GateReading(Verdict.ROLLBACK, **numbers, reason=(
-                    f"error rate {rate:.1%} over {policy.max_error_rate:.1%} ({errors} of {count} "
-                    f"in {policy.window_s:g}s)"))
+                return GateReading(
+                    Verdict.ROLLBACK,
+                    **numbers,
+                    reason=(
+                        f"error rate {rate:.1%} over {policy.max_error_rate:.1%} ({errors} of {count} "
+                        f"in {policy.window_s:g}s)"
+                    ),
+                )
             if latency is not None and latency > policy.max_p99_ms:
-                return GateReading(Verdict.ROLLBACK, **numbers, reason=(
-                    f"p99 {latency:.0f}ms over {policy.max_p99_ms:.0f}ms ({count} requests in {policy.window_s:g}s)"))
+                return GateReading(
+                    Verdict.ROLLBACK,
+                    **numbers,
+                    reason=(
+                        f"p99 {latency:.0f}ms over {policy.max_p99_ms:.0f}ms ({count} requests in {policy.window_s:g}s)"
+                    ),
+                )
         if now - self.started_at >= policy.window_s and count >= policy.min_requests:
             shown = "-" if latency is None else f"{latency:.0f}ms"
-            return GateReading(Verdict.PROMOTE, **numbers, reason=(
-                f"clean window: {count} requests in {policy.window_s:g}s, error rate {rate:.1%}, p99 {shown}"))
+            return GateReading(
+                Verdict.PROMOTE,
+                **numbers,
+                reason=(f"clean window: {count} requests in {policy.window_s:g}s, error rate {rate:.1%}, p99 {shown}"),
+            )
         return GateReading(Verdict.HOLD, **numbers, reason="collecting")

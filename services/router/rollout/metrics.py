@@ -22,10 +22,11 @@ class RolloutMetrics:
         self.mirrors = meter.create_counter(
             "ballast_rollout_mirror_requests",
             description="Mirrored copies by model and outcome (compared, candidate_error, "
-                        "dropped_busy, dropped_no_worker, primary_failed).",
+            "dropped_busy, dropped_no_worker, primary_failed).",
         )
         self.mirror_latency = meter.create_histogram(
-            "ballast_rollout_mirror_ttft", unit="ms",
+            "ballast_rollout_mirror_ttft",
+            unit="ms",
             description="Time to first token of mirrored requests, by model and side (primary, candidate).",
             explicit_bucket_boundaries_advisory=list(LATENCY_BUCKETS_MS),
         )
@@ -41,7 +42,7 @@ class RolloutMetrics:
         self.decisions = meter.create_counter(
             "ballast_rollout_gate_decisions",
             description="SLO gate decisions by model, decision (promote, rollback) and whether "
-                        "this router wrote it (written) or found it made (lost_race).",
+            "this router wrote it (written) or found it made (lost_race).",
         )
         self.rejected = meter.create_counter(
             "ballast_rollout_rejected_documents",

@@ -127,8 +127,9 @@ class MirrorRunner:
             self._on_outcome(request.model, "dropped_busy")
             return None
         handle = MirrorHandle()
-        task = asyncio.create_task(self._mirror(request, candidate, worker, deadline, handle),
-                                   name=f"mirror-{request.request_id}")
+        task = asyncio.create_task(
+            self._mirror(request, candidate, worker, deadline, handle), name=f"mirror-{request.request_id}"
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return handle
@@ -163,8 +164,9 @@ class MirrorRunner:
         started = time.perf_counter()
         try:
             tokenizer = await self._models.tokenizer_for(worker, deadline - time.monotonic())
-            _, fit = await fit_request_async(request, tokenizer, policy=request.context_policy,
-                                             max_turns=request.max_turns)
+            _, fit = await fit_request_async(
+                request, tokenizer, policy=request.context_policy, max_turns=request.max_turns
+            )
             plan = plan_resume(list(fit.prompt_ids), request.sampling, [])
             # Its own id and no session: the copy must not touch the session's saved KV.
             copy = dataclasses.replace(request, request_id=f"{request.request_id}:mirror", session_id="")

@@ -78,8 +78,14 @@ class Rollout:
     def decided(self, state: Phase, reason: str) -> "Rollout":
         """The document after a promotion or rollback: all traffic on one version, no mirror."""
         weight = 100.0 if state is Phase.PROMOTED else 0.0
-        return replace(self, state=state, weight=weight, mirror_percent=0.0,
-                       reason=reason[:MAX_REASON_CHARS], updated_at=time.time())
+        return replace(
+            self,
+            state=state,
+            weight=weight,
+            mirror_percent=0.0,
+            reason=reason[:MAX_REASON_CHARS],
+            updated_at=time.time(),
+        )
 
     def to_json(self) -> bytes:
         data = asdict(self)
@@ -102,8 +108,9 @@ def _fail(field_name: str, problem: str) -> RolloutError:
 def _only(raw: dict, allowed: set[str], where: str) -> None:
     unknown = sorted(str(key) for key in raw if key not in allowed)
     if unknown:
-        raise RolloutError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; "
-                           f"allowed: {', '.join(sorted(allowed))}")
+        raise RolloutError(
+            f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(allowed))}"
+        )
 
 
 def _text(raw: Any, field_name: str, *, required: bool = True) -> str:
@@ -147,8 +154,9 @@ def parse_gate(raw: Any) -> GatePolicy:
         min_requests=_count(raw.get("min_requests", default.min_requests), "gate.min_requests", 10_000_000),
         max_error_rate=_number(raw.get("max_error_rate", default.max_error_rate), "gate.max_error_rate", 0, 1),
         max_p99_ms=_number(raw.get("max_p99_ms", default.max_p99_ms), "gate.max_p99_ms", 0, 3_600_000, low_open=True),
-        breach_min_requests=_count(raw.get("breach_min_requests", default.breach_min_requests),
-                                   "gate.breach_min_requests", 10_000_000),
+        breach_min_requests=_count(
+            raw.get("breach_min_requests", default.breach_min_requests), "gate.breach_min_requests", 10_000_000
+        ),
     )
 
 

@@ -49,7 +49,7 @@ class RolloutStore:
         """Every stored document by model name, unparsed (for listings that show bad ones too)."""
         prefix = f"{self.config.prefix}{ROLLOUT_PREFIX}".encode()
         result = await asyncio.wait_for(self.client.get_prefix(prefix), self.config.timeout_s)
-        return {kv.key[len(prefix):].decode(): kv.value for kv in result}
+        return {kv.key[len(prefix) :].decode(): kv.value for kv in result}
 
     async def swap(self, rollout: Rollout, mod_revision: int) -> bool:
         """Writes the document if the key still has `mod_revision` (0: absent); False if not."""

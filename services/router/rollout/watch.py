@@ -37,7 +37,7 @@ class RolloutWatch:
         self.synced = asyncio.Event()
 
     def _model(self, key: bytes) -> str:
-        return key[len(self.key):].decode()
+        return key[len(self.key) :].decode()
 
     def _synced(self, snapshot: dict[bytes, Change], _changes: list[Change]) -> None:
         self._on_snapshot({self._model(key): c.value for key, c in snapshot.items() if c.value is not None})

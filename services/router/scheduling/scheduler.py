@@ -432,9 +432,7 @@ class PoolScheduler:
 
     # ----- admission ----------------------------------------------------------------------
 
-    def submit(
-        self, ticket: Ticket, workers: Mapping[str, WorkerSlots | tuple[int, int]] | None = None
-    ) -> Admission:
+    def submit(self, ticket: Ticket, workers: Mapping[str, WorkerSlots | tuple[int, int]] | None = None) -> Admission:
         """Queues the ticket, or refuses it at once with a retry hint."""
         if ticket.state is not TicketState.NEW:
             raise ValueError(f"ticket {ticket.request_id} was already submitted ({ticket.state.value})")
@@ -611,7 +609,7 @@ class PoolScheduler:
         items = list(free.items())
         if items:
             self._rotation = (self._rotation + 1) % len(items)
-            items = items[self._rotation:] + items[:self._rotation]
+            items = items[self._rotation :] + items[: self._rotation]
         for wid, n in items:
             if wid in ticket.avoid:
                 continue

@@ -161,7 +161,9 @@ def _fail(where: str, field_name: str, problem: str) -> RuleError:
 def _only(raw: dict, allowed: set[str], where: str) -> None:
     unknown = sorted(str(key) for key in raw if key not in allowed)
     if unknown:
-        raise RuleError(f"{where}: unknown field(s) {', '.join(repr(k) for k in unknown)}; allowed: {', '.join(sorted(allowed))}")
+        raise RuleError(
+            f"{where}: unknown field(s) {', '.join(repr(k) for k in unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
 
 
 def _mapping(raw: Any, where: str) -> dict:
@@ -237,7 +239,9 @@ def _rule(raw: Any, index: int, seen: set[str]) -> Rule:
             raise _fail(where, "sticky_s", "needs a 'tier' to keep")
     if tier is None and "weight_multiplier" not in raw:
         raise RuleError(f"{where}: sets neither 'tier' nor 'weight_multiplier', so it would do nothing")
-    return Rule(name=name, when=_condition(raw.get("when"), where), tier=tier, weight_multiplier=multiplier, sticky_s=sticky)
+    return Rule(
+        name=name, when=_condition(raw.get("when"), where), tier=tier, weight_multiplier=multiplier, sticky_s=sticky
+    )
 
 
 def parse_rules(data: Any) -> RuleSet:
@@ -258,7 +262,9 @@ def parse_rules(data: Any) -> RuleSet:
     ttl = _number(sessions.get("ttl_s", 3600.0), "tiering rules", "sessions.ttl_s")
     max_tracked = sessions.get("max_tracked", 100_000)
     if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or not 1 <= max_tracked <= 10_000_000:
-        raise _fail("tiering rules", "sessions.max_tracked", f"must be an integer from 1 to 10000000 (got {max_tracked!r})")
+        raise _fail(
+            "tiering rules", "sessions.max_tracked", f"must be an integer from 1 to 10000000 (got {max_tracked!r})"
+        )
     raw_rules = data.get("rules", [])
     if not isinstance(raw_rules, list):
         raise _fail("tiering rules", "rules", f"must be a list (got {type(raw_rules).__name__})")
@@ -271,7 +277,9 @@ def parse_rules(data: Any) -> RuleSet:
     for index, rule in enumerate(rules):
         # A lift must not outlive the memory of its session.
         if rule.sticky_s > ttl:
-            raise _fail(f"tiering rule {rule.name!r} (rules[{index}])", "sticky_s", f"must not exceed sessions.ttl_s ({ttl})")
+            raise _fail(
+                f"tiering rule {rule.name!r} (rules[{index}])", "sticky_s", f"must not exceed sessions.ttl_s ({ttl})"
+            )
     return RuleSet(
         rules=rules,
         default_tier=default_tier,

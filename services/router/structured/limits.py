@@ -23,14 +23,16 @@ class RequestLimits(Section):
     max_message_chars: int = Field(100_000, ge=1, description="Longest single message (characters).")
     json_schema: SchemaLimits = Field(
         default_factory=SchemaLimits,
-        description="Bounds on a response_format JSON Schema (size, depth, counts, enums, patterns, formats).")
+        description="Bounds on a response_format JSON Schema (size, depth, counts, enums, patterns, formats).",
+    )
 
 
 def check_message_count(count: int, limits: RequestLimits) -> None:
     """InvalidArgument when a conversation has more messages than the limit."""
     if count > limits.max_messages:
-        raise InvalidArgument(f"conversation has {count} messages; the limit is {limits.max_messages} "
-                              "(router.limits.max_messages)")
+        raise InvalidArgument(
+            f"conversation has {count} messages; the limit is {limits.max_messages} (router.limits.max_messages)"
+        )
 
 
 def check_message_sizes(contents: Sequence[str], limits: RequestLimits) -> None:
@@ -40,7 +42,8 @@ def check_message_sizes(contents: Sequence[str], limits: RequestLimits) -> None:
         if len(content) > limits.max_message_chars:
             raise InvalidArgument(
                 f"conversation.messages[{i}].content is {len(content)} characters; the limit is "
-                f"{limits.max_message_chars} (router.limits.max_message_chars)")
+                f"{limits.max_message_chars} (router.limits.max_message_chars)"
+            )
 
 
 class _ChatBody(msgspec.Struct):

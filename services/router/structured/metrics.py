@@ -16,7 +16,7 @@ class StructuredMetrics:
         self.repairs = meter.create_counter(
             "ballast_structured_repairs",
             description="Repairs made to structured answers, by kind "
-                        "(extracted, syntax, truncated, filled, coerced, dropped).",
+            "(extracted, syntax, truncated, filled, coerced, dropped).",
         )
 
     def record(self, result: StructuredResult, model: str = "", schema: str = "") -> None:

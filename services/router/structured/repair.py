@@ -328,7 +328,8 @@ class _Conformer:
         for branch in branches:
             trial: list[Repair] = []
             candidate = _Conformer(self.schema, trial, self.cut).conform(
-                copy.deepcopy(value), branch, resolver, path, depth + 1)
+                copy.deepcopy(value), branch, resolver, path, depth + 1
+            )
             if self.schema.subschema_valid(branch, candidate):
                 self.repairs.extend(trial)
                 return candidate
@@ -358,16 +359,17 @@ class _Conformer:
             for target in types:
                 ok, coerced = _coerce(value, target)
                 if ok:
-                    self.note(RepairKind.COERCED,
-                              f"converted {_where(path)} from {_show(value)} to {_show(coerced)}")
+                    self.note(RepairKind.COERCED, f"converted {_where(path)} from {_show(value)} to {_show(coerced)}")
                     value = coerced
                     break
             else:
                 if self.cut and isinstance(value, str):
                     ok, completed = _complete_cut(value, types)
                     if ok:
-                        self.note(RepairKind.TRUNCATED,
-                                  f"completed cut-off {_where(path)} from {_show(value)} to {_show(completed)}")
+                        self.note(
+                            RepairKind.TRUNCATED,
+                            f"completed cut-off {_where(path)} from {_show(value)} to {_show(completed)}",
+                        )
                         value = completed
         if isinstance(node.get("enum"), list) and value not in node["enum"]:
             match = _enum_match(value, node["enum"])
@@ -377,8 +379,10 @@ class _Conformer:
             elif self.cut and isinstance(value, str):
                 starts = [m for m in node["enum"] if isinstance(m, str) and m.startswith(value)]
                 if len(starts) == 1:
-                    self.note(RepairKind.TRUNCATED,
-                              f"completed cut-off {_where(path)} from {_show(value)} to {_show(starts[0])}")
+                    self.note(
+                        RepairKind.TRUNCATED,
+                        f"completed cut-off {_where(path)} from {_show(value)} to {_show(starts[0])}",
+                    )
                     value = starts[0]
         return value
 
@@ -422,13 +426,14 @@ class _Conformer:
         limit = node.get("maxItems")
         if isinstance(limit, int) and len(out) > limit:
             extra = len(out) - limit
-            self.note(RepairKind.DROPPED, f"dropped {extra} item{'s' if extra > 1 else ''} of "
-                                          f"{_where(path)} beyond maxItems {limit}")
+            self.note(
+                RepairKind.DROPPED,
+                f"dropped {extra} item{'s' if extra > 1 else ''} of {_where(path)} beyond maxItems {limit}",
+            )
             out = out[:limit]
         return out
 
-    def drop_cut_item(self, value: list, prefix: list, items: Any, node: dict, resolver: Any,
-                      path: tuple) -> list:
+    def drop_cut_item(self, value: list, prefix: list, items: Any, node: dict, resolver: Any, path: tuple) -> list:
         """In a cut-off output, a last object item missing required fields was cut in the
         middle: dropping it keeps the array truthful, where filling it would invent an item."""
         if not self.cut or not value or not isinstance(value[-1], dict):
@@ -476,6 +481,7 @@ class _Conformer:
 
 def _bounded_zero(node: dict, integer: bool) -> int | float:
     """0, or the nearest number to it that the schema's bounds allow."""
+
     def bound(key: str) -> float | None:
         value = node.get(key)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

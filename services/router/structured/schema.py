@@ -73,22 +73,25 @@ def check_schema(text: str, limits: SchemaLimits | None = None) -> Schema:
     meta-schema; InvalidArgument if unusable."""
     limits = limits or _LIMITS
     if len(text) > limits.max_chars:
-        raise InvalidArgument(f"response_format is {len(text)} characters; the limit is {limits.max_chars} "
-                              "(limit max_chars)")
+        raise InvalidArgument(
+            f"response_format is {len(text)} characters; the limit is {limits.max_chars} (limit max_chars)"
+        )
     if not text.strip():
         raise InvalidArgument("response_format is empty; omit it for free text")
     try:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(
-            f"response_format is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+            f"response_format is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
     except RecursionError:
-        raise InvalidArgument(f"response_format nests deeper than {limits.max_json_depth} levels "
-                              "(limit max_json_depth)") from None
+        raise InvalidArgument(
+            f"response_format nests deeper than {limits.max_json_depth} levels (limit max_json_depth)"
+        ) from None
     except ValueError as exc:  # e.g. an integer of more digits than Python converts
         raise InvalidArgument(f"response_format is not usable JSON: {exc}") from None
     if not isinstance(document, dict):
-        raise InvalidArgument("response_format must be a JSON Schema object, e.g. {\"type\": \"object\", ...}")
+        raise InvalidArgument('response_format must be a JSON Schema object, e.g. {"type": "object", ...}')
     check_schema_limits(document, limits)
     cls = validators.validator_for(document, default=None) if "$schema" in document else _DEFAULT
     if cls is None:
@@ -98,7 +101,8 @@ def check_schema(text: str, limits: SchemaLimits | None = None) -> Schema:
         if not ref.startswith("#"):
             # The router never fetches anything a request names: only in-document refs.
             raise InvalidArgument(
-                f"response_format: $ref {ref!r} at {path} is not local; only '#/...' references are supported")
+                f"response_format: $ref {ref!r} at {path} is not local; only '#/...' references are supported"
+            )
     resource = Resource.from_contents(document, default_specification=DRAFT202012)
     registry = Registry().with_resource(uri="", resource=resource)
     validator = cls(document, registry=registry)

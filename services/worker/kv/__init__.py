@@ -22,8 +22,9 @@ __all__ = ["DEPENDENCY", "KVMetrics", "KVSettings", "SessionKV", "start_session_
 log = logging.getLogger(__name__)
 
 
-async def start_session_kv(worker_config: Any, engine: Any, telemetry: Telemetry,
-                           health: Any = None, tls: TLSConfig | None = None) -> SessionKV | None:
+async def start_session_kv(
+    worker_config: Any, engine: Any, telemetry: Telemetry, health: Any = None, tls: TLSConfig | None = None
+) -> SessionKV | None:
     """Attaches KV metrics (and persistence, when configured) to an engine that supports it."""
     if not isinstance(engine, KvAttachable):
         if worker_config.cache_address:
@@ -32,10 +33,14 @@ async def start_session_kv(worker_config: Any, engine: Any, telemetry: Telemetry
     metrics = KVMetrics(telemetry)
     session = None
     if worker_config.cache_address:
-        session = SessionKV(KVCacheClient(worker_config.cache_address, tls=tls),
-                            KVSettings.from_worker_config(worker_config), metrics,
-                            telemetry.dependencies, health,
-                            prefill_chunk=engine.prefill_chunk if isinstance(engine, ChunkedPrefill) else 512)
+        session = SessionKV(
+            KVCacheClient(worker_config.cache_address, tls=tls),
+            KVSettings.from_worker_config(worker_config),
+            metrics,
+            telemetry.dependencies,
+            health,
+            prefill_chunk=engine.prefill_chunk if isinstance(engine, ChunkedPrefill) else 512,
+        )
     if not engine.attach_kv(metrics, session) and session is not None:
         log.warning("this model's KV cannot be stored in blocks; KV persistence is off")
         await session.stop(0)

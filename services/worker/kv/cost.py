@@ -68,8 +68,9 @@ class Decision:
 class CostModel:
     """Thread-safe: the engine thread reports prefill times, the event loop decides."""
 
-    def __init__(self, prefill_chunk: int = 512, min_restore_samples: int = 2,
-                 explore_every: int = 64, forgetting: float = 0.97) -> None:
+    def __init__(
+        self, prefill_chunk: int = 512, min_restore_samples: int = 2, explore_every: int = 64, forgetting: float = 0.97
+    ) -> None:
         self.prefill_chunk = max(1, prefill_chunk)
         self.min_restore_samples = min_restore_samples
         self.explore_every = explore_every
@@ -143,8 +144,7 @@ class CostModel:
             self._lost_since_explore = 0
             return Decision(True, "cheaper", restore_ms, recompute_ms)
         self._lost_since_explore += 1
-        if self.explore_every and self._lost_since_explore >= self.explore_every \
-                and restore_ms < 3 * recompute_ms:
+        if self.explore_every and self._lost_since_explore >= self.explore_every and restore_ms < 3 * recompute_ms:
             # Conditions change (a cache moved closer, the engine got busier): re-measure now
             # and then, but only where a wrong guess costs little.
             self._lost_since_explore = 0

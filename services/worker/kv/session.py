@@ -57,10 +57,15 @@ class KVSettings:
 
     @classmethod
     def from_worker_config(cls, worker: Any) -> "KVSettings":
-        return cls(block_tokens=worker.kv_block_tokens, policy=worker.kv_restore_policy,
-                   timeout_s=worker.kv_timeout_s, restore_timeout_s=worker.kv_restore_timeout_s,
-                   save_timeout_s=worker.kv_save_timeout_s, ttl_s=worker.kv_ttl_s,
-                   save_queue=worker.kv_save_queue)
+        return cls(
+            block_tokens=worker.kv_block_tokens,
+            policy=worker.kv_restore_policy,
+            timeout_s=worker.kv_timeout_s,
+            restore_timeout_s=worker.kv_restore_timeout_s,
+            save_timeout_s=worker.kv_save_timeout_s,
+            ttl_s=worker.kv_ttl_s,
+            save_queue=worker.kv_save_queue,
+        )
 
 
 @dataclass
@@ -81,8 +86,15 @@ class Fetch:
 
 
 class SessionKV:
-    def __init__(self, client: KVCacheClient, settings: KVSettings, metrics: KVMetrics,
-                 dependencies: DependencyStatus, health: Any = None, prefill_chunk: int = 512) -> None:
+    def __init__(
+        self,
+        client: KVCacheClient,
+        settings: KVSettings,
+        metrics: KVMetrics,
+        dependencies: DependencyStatus,
+        health: Any = None,
+        prefill_chunk: int = 512,
+    ) -> None:
         self.client = client
         self.settings = settings
         self.metrics = metrics
@@ -113,8 +125,10 @@ class SessionKV:
 
     async def start(self) -> None:
         await self._probe_once()
-        self._tasks = [asyncio.create_task(self._probe_loop(), name="kvcache-probe"),
-                       asyncio.create_task(self._save_loop(), name="kvcache-save")]
+        self._tasks = [
+            asyncio.create_task(self._probe_loop(), name="kvcache-probe"),
+            asyncio.create_task(self._save_loop(), name="kvcache-save"),
+        ]
 
     async def flush(self, timeout_s: float) -> bool:
         """Waits until every queued save is written (or given up); False on timeout."""
@@ -171,8 +185,9 @@ class SessionKV:
 
     async def fetch(self, tenant: str, context: Sequence[int]) -> Fetch | None:
         """Fetches the longest cached prefix of `context` worth restoring; None to recompute."""
-        with TRACER.start_as_current_span("worker.kv_restore",
-                                          attributes={"ballast.context_tokens": len(context)}) as span:
+        with TRACER.start_as_current_span(
+            "worker.kv_restore", attributes={"ballast.context_tokens": len(context)}
+        ) as span:
             fetched = await self._fetch(tenant, context)
             span.set_attribute("ballast.kv.blocks", fetched.blocks.blocks if fetched is not None else 0)
             return fetched
@@ -208,8 +223,9 @@ class SessionKV:
         timeout = self.settings.restore_timeout_s
         if adaptive:
             decision = self.cost.decide(tokens)
-            self.metrics.decisions.add(1, {"choice": "restore" if decision.restore else "recompute",
-                                           "reason": decision.reason})
+            self.metrics.decisions.add(
+                1, {"choice": "restore" if decision.restore else "recompute", "reason": decision.reason}
+            )
             if not decision.restore:
                 return None
             if self.cost.restore_samples >= self.cost.min_restore_samples and self.cost.prefill_samples:
@@ -274,8 +290,9 @@ class SessionKV:
             self.metrics.saves.add(1, {"outcome": outcome})
 
     async def _save_one(self, job: _SaveJob) -> str:
-        with TRACER.start_as_current_span("worker.kv_save", context=job.trace_context,
-                                          attributes={"ballast.tokens": len(job.token_ids)}) as span:
+        with TRACER.start_as_current_span(
+            "worker.kv_save", context=job.trace_context, attributes={"ballast.tokens": len(job.token_ids)}
+        ) as span:
             outcome = await self._write(job)
             span.set_attribute("ballast.outcome", outcome)
             return outcome
@@ -291,10 +308,10 @@ class SessionKV:
             return "unchanged"
         loop = asyncio.get_running_loop()
         encoded = await loop.run_in_executor(self._encoder, job.encode, cached, len(hashes))
-        blocks = [PutBlock(cached + i, hashes[cached + i], payload, crc)
-                  for i, (payload, crc) in enumerate(encoded)]
-        result = await self.client.put(job.scope, self._layout, blocks, self.settings.ttl_s,
-                                       self.settings.save_timeout_s)
+        blocks = [PutBlock(cached + i, hashes[cached + i], payload, crc) for i, (payload, crc) in enumerate(encoded)]
+        result = await self.client.put(
+            job.scope, self._layout, blocks, self.settings.ttl_s, self.settings.save_timeout_s
+        )
         self.metrics.saved_blocks.add(result.stored_blocks)
         self.metrics.save_ms.record((time.perf_counter() - started) * 1000)
         return "saved" if result.stored_blocks else "rejected"

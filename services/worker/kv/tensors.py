@@ -48,8 +48,16 @@ def fits(pairs: KVPairs, layout: KVLayout, tokens: int) -> bool:
     if len(pairs) != layers:
         return False
     want_dtype = NAMED_DTYPES[layout.dtype]
-    return all(t.dim() == 4 and t.shape[0] == 1 and t.shape[1] == heads and t.shape[2] == tokens
-               and t.shape[3] == head_dim and t.dtype == want_dtype for pair in pairs for t in pair)
+    return all(
+        t.dim() == 4
+        and t.shape[0] == 1
+        and t.shape[1] == heads
+        and t.shape[2] == tokens
+        and t.shape[3] == head_dim
+        and t.dtype == want_dtype
+        for pair in pairs
+        for t in pair
+    )
 
 
 def encode_blocks(pairs: KVPairs, layout: KVLayout, first: int, end: int) -> list[tuple[memoryview, int]]:
@@ -69,7 +77,7 @@ def encode_blocks(pairs: KVPairs, layout: KVLayout, first: int, end: int) -> lis
     size = layout.block_bytes
     blocks = []
     for i in range(count):
-        view = raw[i * size:(i + 1) * size]
+        view = raw[i * size : (i + 1) * size]
         blocks.append((view, zlib.crc32(view)))
     return blocks
 

@@ -26,9 +26,17 @@ log = logging.getLogger(__name__)
 
 
 class SimFaultControl:
-    def __init__(self, etcd: EtcdConfig, worker_id: str, engine: SimEngine, temperature: TemperatureSource,
-                 refusals: FaultInjector, set_health: Callable[[bool], Awaitable[None]],
-                 on_crash: Callable[[], None], session: EtcdSession | None = None) -> None:
+    def __init__(
+        self,
+        etcd: EtcdConfig,
+        worker_id: str,
+        engine: SimEngine,
+        temperature: TemperatureSource,
+        refusals: FaultInjector,
+        set_health: Callable[[bool], Awaitable[None]],
+        on_crash: Callable[[], None],
+        session: EtcdSession | None = None,
+    ) -> None:
         self.engine = engine
         self.temperature = temperature
         self.refusals = refusals

@@ -84,9 +84,16 @@ class _Slots:
 
 
 class SimEngine:
-    def __init__(self, model_dir: Path, model_name: str, profile: SimProfile | None = None, *,
-                 max_concurrency: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 faults: SimFaults | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        model_name: str,
+        profile: SimProfile | None = None,
+        *,
+        max_concurrency: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        faults: SimFaults | None = None,
+    ) -> None:
         from tokenizers import Tokenizer
 
         self.profile = profile or SimProfile()
@@ -222,8 +229,9 @@ class SimEngine:
                     end = document_end(guide, token)
                     complete = end is DocumentEnd.COMPLETE
                     if end is DocumentEnd.AT_EOS:  # the EOS itself is never sent
-                        yield TokenDelta([], text.finish(), FinishReason.STOP,
-                                         prefill_tokens=uncached if first else None)
+                        yield TokenDelta(
+                            [], text.finish(), FinishReason.STOP, prefill_tokens=uncached if first else None
+                        )
                         return
                 self._kv_tokens[key] += 1
                 self._kv_total += 1
@@ -245,7 +253,9 @@ class SimEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            running=self._slots.running, waiting=self._slots.waiting,
+            running=self._slots.running,
+            waiting=self._slots.waiting,
             kv_tokens=min(self._kv_total, self.profile.kv_capacity_tokens),
             kv_capacity_tokens=self.profile.kv_capacity_tokens,
-            extra={"max_concurrency": float(self._slots.size), "generated_tokens_total": float(self._generated_total)})
+            extra={"max_concurrency": float(self._slots.size), "generated_tokens_total": float(self._generated_total)},
+        )

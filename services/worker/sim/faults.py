@@ -45,15 +45,17 @@ class SimFaults:
     crash_on_marker: str | None = None
 
     def __post_init__(self) -> None:
-        if self.fail_after_tokens is not None and (not isinstance(self.fail_after_tokens, int)
-                                                   or self.fail_after_tokens < 0):
+        if self.fail_after_tokens is not None and (
+            not isinstance(self.fail_after_tokens, int) or self.fail_after_tokens < 0
+        ):
             raise SimFaultsError("fail_after_tokens must be a whole number >= 0")
         if not isinstance(self.slowdown, (int, float)) or not 0.01 <= self.slowdown <= 1000:
             raise SimFaultsError("slowdown must be a factor between 0.01 and 1000")
         if self.ready_delay_s < 0:
             raise SimFaultsError("ready_delay_s must be >= 0")
-        if self.crash_on_marker is not None and (not isinstance(self.crash_on_marker, str)
-                                                 or not 0 < len(self.crash_on_marker) <= MAX_MARKER_CHARS):
+        if self.crash_on_marker is not None and (
+            not isinstance(self.crash_on_marker, str) or not 0 < len(self.crash_on_marker) <= MAX_MARKER_CHARS
+        ):
             raise SimFaultsError(f"crash_on_marker must be a text of 1 to {MAX_MARKER_CHARS} characters")
         for name in ("hang", "fail_health", "crash"):
             if not isinstance(getattr(self, name), bool):

@@ -49,16 +49,17 @@ class SimHost:
         self.etcd = EtcdSession(config.etcd)
 
     def _config_for(self, index: int) -> BallastConfig:
-        worker = self.config.worker.model_copy(update={
-            "id": f"{self.base_id}-{index}",
-            # A restarted incarnation takes its old port back, as a restarted process would.
-            "port": self._ports.get(index, self.config.worker.port if self.count == 1 else 0),
-        })
+        worker = self.config.worker.model_copy(
+            update={
+                "id": f"{self.base_id}-{index}",
+                # A restarted incarnation takes its old port back, as a restarted process would.
+                "port": self._ports.get(index, self.config.worker.port if self.count == 1 else 0),
+            }
+        )
         return self.config.model_copy(update={"worker": worker})
 
     async def start_worker(self, index: int) -> WorkerApp:
-        app = await create_server(self._config_for(index), on_crash=lambda: self._crash_soon(index),
-                                  etcd=self.etcd)
+        app = await create_server(self._config_for(index), on_crash=lambda: self._crash_soon(index), etcd=self.etcd)
         self.apps[index] = app
         self._ports[index] = app.port
         print(f"READY worker {app.address} metrics={app.telemetry.port} id={app.worker_id}", flush=True)
@@ -125,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ballast-sim-host", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="ballast.yaml (default: $BALLAST_CONFIG)")
     parser.add_argument("--count", type=int, default=4, help="sim workers in this process")
-    parser.add_argument("--restart-after", type=float, default=None,
-                        help="seconds after a crash before the worker comes back (default: it stays down)")
+    parser.add_argument(
+        "--restart-after",
+        type=float,
+        default=None,
+        help="seconds after a crash before the worker comes back (default: it stays down)",
+    )
     args = parser.parse_args(argv)
     setup_logging("sim-host")
     try:

@@ -18,8 +18,9 @@ class PrefixCache:
     def _names(self, tenant: str, token_ids: Sequence[int]) -> list[bytes]:
         names, running = [], hashlib.blake2b(tenant.encode(), digest_size=16)
         for start in range(0, len(token_ids) - self.block_tokens + 1, self.block_tokens):
-            running.update(b"".join(t.to_bytes(8, "little", signed=True)
-                                    for t in token_ids[start:start + self.block_tokens]))
+            running.update(
+                b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids[start : start + self.block_tokens])
+            )
             names.append(running.copy().digest())
         return names
 

@@ -37,8 +37,13 @@ class SimProfile:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        numbers = (self.prefill_base_ms, self.prefill_ms_per_token, self.decode_base_ms, self.decode_ms_per_seq,
-                   self.decode_ms_per_kv_token)
+        numbers = (
+            self.prefill_base_ms,
+            self.prefill_ms_per_token,
+            self.decode_base_ms,
+            self.decode_ms_per_seq,
+            self.decode_ms_per_kv_token,
+        )
         if any(v < 0 for v in numbers) or not 0 <= self.jitter < 1:
             raise ValueError("sim profile: times must be >= 0 and jitter in [0, 1)")
         if self.max_num_seqs < 1 or self.kv_blocks < 1 or self.block_tokens < 1:
@@ -89,9 +94,16 @@ def from_engines_result(result: dict, engine: str = "vllm") -> SimProfile:
     one = levels[min(levels)]
     step_one = base + slope
     prefill = max(0.0, one["ttft_p50_ms"] - step_one)
-    commit = result.get("commit", {}).get("sha", "unknown")[:10] if isinstance(result.get("commit"), dict) else "unknown"
+    commit = (
+        result.get("commit", {}).get("sha", "unknown")[:10] if isinstance(result.get("commit"), dict) else "unknown"
+    )
     return SimProfile(
         source=f"fitted to bench/engines.py ({engine}, {result.get('preset', '?')} model, commit {commit})",
-        prefill_base_ms=round(prefill, 3), prefill_ms_per_token=0.0,
-        decode_base_ms=round(base, 4), decode_ms_per_seq=round(slope, 4), decode_ms_per_kv_token=0.0,
-        max_num_seqs=max(levels), jitter=0.05)
+        prefill_base_ms=round(prefill, 3),
+        prefill_ms_per_token=0.0,
+        decode_base_ms=round(base, 4),
+        decode_ms_per_seq=round(slope, 4),
+        decode_ms_per_kv_token=0.0,
+        max_num_seqs=max(levels),
+        jitter=0.05,
+    )

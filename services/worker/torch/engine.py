@@ -54,6 +54,7 @@ from services.worker.validation import validate_request
 
 log = logging.getLogger(__name__)
 
+
 class _Sequence:
     """One running request: its KV cache, the tokens the cache holds, and the compute time
     of its last prefill (its share of a batched pass; read back on the loop to feed the cost
@@ -151,8 +152,12 @@ class TorchEngine(KvAttachable, ChunkedPrefill):
         model_eos = describe_model(self._dir, model_name).eos_token_ids
         self._guides = GuideCompiler(description.tokenizer_json, self._vocab_size, model_eos)
         self._runner: Any = None
-        self._steps = StepScheduler(self._decode_batch, max_batch=max_batch,
-                                    run_prefills=self._prefill_batch, max_prefill_tokens=self._prefill_chunk)
+        self._steps = StepScheduler(
+            self._decode_batch,
+            max_batch=max_batch,
+            run_prefills=self._prefill_batch,
+            max_prefill_tokens=self._prefill_chunk,
+        )
         self._slots: asyncio.Semaphore | None = None
         self._running = 0
         self._waiting = 0
@@ -243,8 +248,9 @@ class TorchEngine(KvAttachable, ChunkedPrefill):
         if request.response_format:
             # Compiled on the engine thread (it is CPU work); a resumed stream continues the
             # grammar from the tokens already generated, or is refused (InvalidArgument).
-            guide = await self._steps.call(self._guides.for_request, request.response_format,
-                                           request.generated_ids, priority=priority)
+            guide = await self._steps.call(
+                self._guides.for_request, request.response_format, request.generated_ids, priority=priority
+            )
 
         async with self._slot():
             seq = _Sequence()
@@ -256,8 +262,9 @@ class TorchEngine(KvAttachable, ChunkedPrefill):
                 for i in range(reused, len(context), self._prefill_chunk):
                     chunk = context[i : i + self._prefill_chunk]
                     last = i + self._prefill_chunk >= len(context)
-                    token = await self._steps.prefill(seq, chunk, (s, seed, start_pos, guide) if last else None,
-                                                      priority)
+                    token = await self._steps.prefill(
+                        seq, chunk, (s, seed, start_pos, guide) if last else None, priority
+                    )
                     self._grow(seq, len(chunk))
                     if self._kv is not None:
                         self._kv.cost.observe_prefill(i, len(chunk), seq.last_ms)
@@ -308,8 +315,7 @@ class TorchEngine(KvAttachable, ChunkedPrefill):
         self._kv_tokens += n
 
     # --- session KV reuse -------------------------------------------------------------
-    async def _reuse_prefix(self, request: EngineRequest, context: list[int], seq: _Sequence,
-                            priority: int) -> int:
+    async def _reuse_prefix(self, request: EngineRequest, context: list[int], seq: _Sequence, priority: int) -> int:
         """Loads the longest known KV prefix of `context` into `seq`; returns its length."""
         if not request.session_id:
             return 0
@@ -378,8 +384,7 @@ class TorchEngine(KvAttachable, ChunkedPrefill):
         """Each step's ids run on its sequence's cache, in one forward pass where the runner
         batches; a step with `sample` gets the token sampled after its last id, else -1."""
         started = time.perf_counter()
-        logits, caches = self._runner.prefill_many([step.seq.cache for step in steps],
-                                                   [step.ids for step in steps])
+        logits, caches = self._runner.prefill_many([step.seq.cache for step in steps], [step.ids for step in steps])
         elapsed = time.perf_counter() - started
         tokens = sum(len(step.ids) for step in steps)
         for step in steps:
@@ -404,8 +409,13 @@ class TorchEngine(KvAttachable, ChunkedPrefill):
                 results[i] = result
         return results
 
-    def _after_pass(self, steps: Sequence[PrefillStep | DecodeStep], logits: torch.Tensor,
-                    caches: Sequence[Any], inputs: Sequence[Sequence[int]]) -> list[int | BaseException]:
+    def _after_pass(
+        self,
+        steps: Sequence[PrefillStep | DecodeStep],
+        logits: torch.Tensor,
+        caches: Sequence[Any],
+        inputs: Sequence[Sequence[int]],
+    ) -> list[int | BaseException]:
         """Each sequence takes its new cache and the ids it ran; per step, the token sampled
         from its row of `logits` (-1 for a step that does not sample), or the exception that
         step alone failed with (a grammar error fails its stream, not the batch)."""
@@ -449,8 +459,8 @@ class TorchEngine(KvAttachable, ChunkedPrefill):
             raise Unavailable("torch engine is not started")
         if self._slots.locked() and self._waiting >= self._max_waiting:
             raise ResourceExhausted(
-                f"{self._running} running and {self._waiting} waiting; queue is full",
-                retry_after_s=1.0)
+                f"{self._running} running and {self._waiting} waiting; queue is full", retry_after_s=1.0
+            )
         self._waiting += 1
         try:
             await self._slots.acquire()

@@ -74,8 +74,16 @@ class KVPool:
     that still holds the SequenceKV (a running sequence, the session memory, a pending KV
     save) can see its memory reused."""
 
-    def __init__(self, layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (slots, kv_heads, capacity, head_dim)
         # Zeros, not empty: positions past a sequence's length are masked out of attention,
         # and a masked weight of 0 times a NaN left in uninitialised memory would still be NaN.
@@ -119,8 +127,7 @@ class SequenceKV:
         self.slot = -1
 
     @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                   pool: KVPool | None = None) -> "SequenceKV":
+    def from_pairs(cls, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: KVPool | None = None) -> "SequenceKV":
         """From per-layer (keys, values) of [1, kv_heads, tokens, head_dim] (copied), into a
         slot of `pool` when one is free and large enough."""
         tokens = pairs[0][0].shape[2] if pairs else 0
@@ -151,8 +158,9 @@ class SequenceKV:
         filled positions."""
         if not 0 <= tokens <= self.length:
             raise ValueError(f"cannot keep {tokens} of {self.length} cached tokens")
-        return SequenceKV.from_pairs([(layer.keys[:, :, :tokens], layer.values[:, :, :tokens])
-                                      for layer in self.layers], self.pool)
+        return SequenceKV.from_pairs(
+            [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in self.layers], self.pool
+        )
 
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` more positions. Growing allocates new buffers and leaves the old
@@ -173,8 +181,7 @@ class SequenceKV:
 class LlamaModel:
     """The weights of a Llama-family model and its forward passes (no autograd)."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         from safetensors.torch import load_file
 
         model_dir = Path(model_dir)
@@ -193,7 +200,7 @@ class LlamaModel:
         rope = config.get("rope_parameters") or {}
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-        self._inv_freq = (1.0 / theta ** exponents).to(self.device)
+        self._inv_freq = (1.0 / theta**exponents).to(self.device)
 
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(model_dir.glob("*.safetensors")):
@@ -211,22 +218,31 @@ class LlamaModel:
         self.embed = take("embed_tokens.weight")
         self.norm = take("norm.weight")
         head = weights.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or config.get("tie_word_embeddings") \
+        self.lm_head = (
+            self.embed
+            if head is None or config.get("tie_word_embeddings")
             else head.to(device=self.device, dtype=dtype)
+        )
         self.layers = []
         for i in range(self.layers_count):
             p = f"layers.{i}."
-            self.layers.append({
-                "input_norm": take(p + "input_layernorm.weight"),
-                "post_norm": take(p + "post_attention_layernorm.weight"),
-                "q": take(p + "self_attn.q_proj.weight"), "q_bias": take(p + "self_attn.q_proj.bias", True),
-                "k": take(p + "self_attn.k_proj.weight"), "k_bias": take(p + "self_attn.k_proj.bias", True),
-                "v": take(p + "self_attn.v_proj.weight"), "v_bias": take(p + "self_attn.v_proj.bias", True),
-                "o": take(p + "self_attn.o_proj.weight"), "o_bias": take(p + "self_attn.o_proj.bias", True),
-                "gate": take(p + "mlp.gate_proj.weight"),
-                "up": take(p + "mlp.up_proj.weight"),
-                "down": take(p + "mlp.down_proj.weight"),
-            })
+            self.layers.append(
+                {
+                    "input_norm": take(p + "input_layernorm.weight"),
+                    "post_norm": take(p + "post_attention_layernorm.weight"),
+                    "q": take(p + "self_attn.q_proj.weight"),
+                    "q_bias": take(p + "self_attn.q_proj.bias", True),
+                    "k": take(p + "self_attn.k_proj.weight"),
+                    "k_bias": take(p + "self_attn.k_proj.bias", True),
+                    "v": take(p + "self_attn.v_proj.weight"),
+                    "v_bias": take(p + "self_attn.v_proj.bias", True),
+                    "o": take(p + "self_attn.o_proj.weight"),
+                    "o_bias": take(p + "self_attn.o_proj.bias", True),
+                    "gate": take(p + "mlp.gate_proj.weight"),
+                    "up": take(p + "mlp.up_proj.weight"),
+                    "down": take(p + "mlp.down_proj.weight"),
+                }
+            )
         self.vocab_size = int(self.lm_head.shape[0])
         self.pool: KVPool | None = None
 
@@ -240,8 +256,9 @@ class LlamaModel:
         if slots < 1 or capacity < _MIN_POOLED_TOKENS:
             self.pool = None
         else:
-            self.pool = KVPool(self.layers_count, slots, self.kv_heads, capacity, self.head_dim,
-                               self.dtype, self.device)
+            self.pool = KVPool(
+                self.layers_count, slots, self.kv_heads, capacity, self.head_dim, self.dtype, self.device
+            )
         return self.pool
 
     def new_cache(self, capacity: int = _GROW_MIN) -> SequenceKV:
@@ -279,8 +296,9 @@ class LlamaModel:
         v = F.linear(h, layer["v"], layer["v_bias"]).view(rows, self.kv_heads, self.head_dim)
         return q, k, v
 
-    def _rotated_qkv(self, layer: dict, x: torch.Tensor, rows: int, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _rotated_qkv(
+        self, layer: dict, x: torch.Tensor, rows: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """The layer's queries, keys (both with rotary positions) and values of `x`."""
         q, k, v = self._qkv(layer, self._rms_norm(x, layer["input_norm"]), rows)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin, v
@@ -330,8 +348,13 @@ class LlamaModel:
                 cache.values[i][:, past : past + t] = v[first : first + t].transpose(0, 1)
                 keys, values = cache.keys[i][:, : past + t], cache.values[i][:, : past + t]
                 out = F.scaled_dot_product_attention(
-                    q[first : first + t].transpose(0, 1)[None], keys[None], values[None],
-                    attn_mask=mask, is_causal=not past, enable_gqa=gqa)[0]
+                    q[first : first + t].transpose(0, 1)[None],
+                    keys[None],
+                    values[None],
+                    attn_mask=mask,
+                    is_causal=not past,
+                    enable_gqa=gqa,
+                )[0]
                 attended.append(out.transpose(0, 1).reshape(t, -1))
             x = x + F.linear(torch.cat(attended), layer["o"], layer["o_bias"])
             x = self._mlp_block(layer, x)
@@ -377,14 +400,16 @@ class LlamaModel:
                 cache.keys[i][:, pos] = k[row]
                 cache.values[i][:, pos] = v[row]
                 keys, values = cache.keys[i][:, : pos + 1], cache.values[i][:, : pos + 1]
-                attended.append(F.scaled_dot_product_attention(
-                    q[row][None, :, None], keys[None], values[None], enable_gqa=gqa)[0, :, 0])
+                attended.append(
+                    F.scaled_dot_product_attention(q[row][None, :, None], keys[None], values[None], enable_gqa=gqa)[
+                        0, :, 0
+                    ]
+                )
             return torch.stack(attended)
 
         return attend
 
-    def _pooled_attention(self, pool: KVPool, caches: Sequence[SequenceKV], positions: list[int],
-                          at: torch.Tensor):
+    def _pooled_attention(self, pool: KVPool, caches: Sequence[SequenceKV], positions: list[int], at: torch.Tensor):
         """Layer i's attention for sequences that all live in `pool`: one indexed write of the
         batch's new keys and values, one gather of the batch's caches (padded to the longest,
         the padding masked out) and one attention call, whatever the batch size."""
@@ -400,7 +425,8 @@ class LlamaModel:
             pool_values[slots, :, at] = v
             keys = pool_keys[:, :, :span].index_select(0, slots)  # [b, kv_heads, span, dim]
             values = pool_values[:, :, :span].index_select(0, slots)
-            return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
-                                                  enable_gqa=gqa)  # [b, heads, 1, dim]
+            return F.scaled_dot_product_attention(
+                q[:, :, None], keys, values, attn_mask=visible, enable_gqa=gqa
+            )  # [b, heads, 1, dim]
 
         return attend

@@ -45,8 +45,9 @@ class NativeRunner:
         return self._model.prefill(cache, ids), cache
 
     def prefill_many(self, caches: Sequence[Any], id_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[Any]]:
-        caches = [self._model.new_cache(len(ids) + 64) if cache is None else cache
-                  for cache, ids in zip(caches, id_lists)]
+        caches = [
+            self._model.new_cache(len(ids) + 64) if cache is None else cache for cache, ids in zip(caches, id_lists)
+        ]
         return self._model.prefill_many(caches, id_lists), caches
 
     def decode(self, caches: Sequence[Any], tokens: Sequence[int]) -> tuple[torch.Tensor, list[Any]]:
@@ -105,8 +106,9 @@ class TransformersRunner:
         return self.from_pairs([(k[..., :tokens, :], v[..., :tokens, :]) for k, v in cache_pairs(cache)])
 
 
-def load_runner(model_dir: Path, dtype: torch.dtype, device: torch.device,
-                runtime: str = "auto", kv_pool_slots: int = 0) -> NativeRunner | TransformersRunner:
+def load_runner(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, runtime: str = "auto", kv_pool_slots: int = 0
+) -> NativeRunner | TransformersRunner:
     """The runner for the model in `model_dir` (see the module docstring for `runtime`);
     `kv_pool_slots` sizes the native runner's KV pool."""
     if runtime not in RUNTIMES:

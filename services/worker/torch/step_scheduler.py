@@ -73,9 +73,15 @@ BatchRunner = Callable[[Sequence[Any]], Sequence[Any]]
 
 
 class StepScheduler:
-    def __init__(self, run_batch: BatchRunner, max_batch: int = 64,
-                 thread_name: str = "torch-engine", run_prefills: BatchRunner | None = None,
-                 max_prefill_tokens: int = 2048, prefill_budget_ms: float = 20.0) -> None:
+    def __init__(
+        self,
+        run_batch: BatchRunner,
+        max_batch: int = 64,
+        thread_name: str = "torch-engine",
+        run_prefills: BatchRunner | None = None,
+        max_prefill_tokens: int = 2048,
+        prefill_budget_ms: float = 20.0,
+    ) -> None:
         """`run_batch` runs decode steps, `run_prefills` prefill steps (without it, `prefill`
         is not available)."""
         self._run_batch = run_batch
@@ -154,10 +160,15 @@ class StepScheduler:
             self._wake.clear()
             while True:
                 self._drop_abandoned()
-                heads = [(job.priority, job.order, kind) for kind, job in (
-                    ("call", self._calls[0] if self._calls else None),
-                    ("decode", min(self._decodes) if self._decodes else None),
-                    ("prefill", min(self._prefills) if self._prefills else None)) if job is not None]
+                heads = [
+                    (job.priority, job.order, kind)
+                    for kind, job in (
+                        ("call", self._calls[0] if self._calls else None),
+                        ("decode", min(self._decodes) if self._decodes else None),
+                        ("prefill", min(self._prefills) if self._prefills else None),
+                    )
+                    if job is not None
+                ]
                 if not heads:
                     break
                 kind = min(heads)[2]
@@ -202,7 +213,7 @@ class StepScheduler:
 
     async def _run_decodes(self) -> None:
         self._decodes.sort()
-        batch, self._decodes = self._decodes[: self._max_batch], self._decodes[self._max_batch:]
+        batch, self._decodes = self._decodes[: self._max_batch], self._decodes[self._max_batch :]
         self.batches += 1
         self.batched_steps += len(batch)
         await self._run_steps(batch, self._run_batch)
@@ -221,7 +232,7 @@ class StepScheduler:
                 break
             batch.append(step)
             tokens += len(step.ids)
-        self._prefills = self._prefills[len(batch):]
+        self._prefills = self._prefills[len(batch) :]
         started = time.perf_counter()
         await self._run_steps(batch, self._run_prefills)
         per_token = 1000 * (time.perf_counter() - started) / max(1, tokens)

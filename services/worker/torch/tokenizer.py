@@ -33,9 +33,12 @@ def load_tokenizer(model_dir: Path) -> Any:
     model_dir = Path(model_dir)
     config_file = model_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    plain = (model_dir / "tokenizer.json").exists() and not config.get("clean_up_tokenization_spaces") \
-        and config.get("tokenizer_class", "PreTrainedTokenizerFast") in (
-            "PreTrainedTokenizerFast", "Qwen2TokenizerFast")
+    plain = (
+        (model_dir / "tokenizer.json").exists()
+        and not config.get("clean_up_tokenization_spaces")
+        and config.get("tokenizer_class", "PreTrainedTokenizerFast")
+        in ("PreTrainedTokenizerFast", "Qwen2TokenizerFast")
+    )
     if plain:
         from tokenizers import Tokenizer
 

@@ -108,14 +108,14 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
     except ImportError as exc:
         raise VllmNotInstalled(
             "worker.engine is 'vllm' but vLLM is not installed: install the gpu extra "
-            "(pip install 'ballast[gpu]') on a machine with an NVIDIA GPU") from exc
+            "(pip install 'ballast[gpu]') on a machine with an NVIDIA GPU"
+        ) from exc
     version = str(getattr(vllm, "__version__", "unknown"))
 
     engine_class = _find(importer, (("vllm.v1.engine.async_llm", "AsyncLLM"),))
     kind = "AsyncLLM"
     if engine_class is None:
-        engine_class = _find(importer, (("vllm.engine.async_llm_engine", "AsyncLLMEngine"),
-                                               ("vllm", "AsyncLLMEngine")))
+        engine_class = _find(importer, (("vllm.engine.async_llm_engine", "AsyncLLMEngine"), ("vllm", "AsyncLLMEngine")))
         kind = "AsyncLLMEngine"
     if engine_class is None:
         raise RuntimeError(f"vLLM {version} provides neither AsyncLLM nor AsyncLLMEngine")
@@ -123,12 +123,20 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
     args_class = _find(importer, (("vllm.engine.arg_utils", "AsyncEngineArgs"), ("vllm", "AsyncEngineArgs")))
     params_class = _find(importer, (("vllm.sampling_params", "SamplingParams"), ("vllm", "SamplingParams")))
     output_kind = _find(importer, (("vllm.sampling_params", "RequestOutputKind"),))
-    missing = [name for name, value in (("AsyncEngineArgs", args_class), ("SamplingParams", params_class),
-                                        ("RequestOutputKind", output_kind)) if value is None]
+    missing = [
+        name
+        for name, value in (
+            ("AsyncEngineArgs", args_class),
+            ("SamplingParams", params_class),
+            ("RequestOutputKind", output_kind),
+        )
+        if value is None
+    ]
     if missing:
         # Without DELTA outputs every step would resend the whole answer so far.
-        raise RuntimeError(f"vLLM {version} lacks {', '.join(missing)}; Ballast needs a vLLM with "
-                           "RequestOutputKind.DELTA streaming")
+        raise RuntimeError(
+            f"vLLM {version} lacks {', '.join(missing)}; Ballast needs a vLLM with RequestOutputKind.DELTA streaming"
+        )
 
     tokens_prompt = _find(importer, (("vllm.inputs", "TokensPrompt"), ("vllm", "TokensPrompt")))
     structured_class = _find(importer, (("vllm.sampling_params", "StructuredOutputsParams"),))
@@ -137,25 +145,41 @@ def detect_vllm_api(importer: Importer = importlib.import_module) -> VllmApi:
         structured_class = _find(importer, (("vllm.sampling_params", "GuidedDecodingParams"),))
         structured_field = "guided_decoding" if structured_class is not None else ""
 
-    structured_config = _find(importer, (("vllm.config.structured_outputs", "StructuredOutputsConfig"),
-                                          ("vllm.config", "StructuredOutputsConfig")))
+    structured_config = _find(
+        importer,
+        (("vllm.config.structured_outputs", "StructuredOutputsConfig"), ("vllm.config", "StructuredOutputsConfig")),
+    )
     current = _find(importer, (("vllm.platforms", "current_platform"),))
     is_cpu = getattr(current, "is_cpu", None)
     platform = "cpu" if callable(is_cpu) and is_cpu() else "cuda"
 
-    kv_transfer = _find(importer, (("vllm.config.kv_transfer", "KVTransferConfig"),
-                                   ("vllm.config", "KVTransferConfig")))
-    cpu_isa = _find(importer, (("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa"),)) if platform == "cpu" else None
+    kv_transfer = _find(
+        importer, (("vllm.config.kv_transfer", "KVTransferConfig"), ("vllm.config", "KVTransferConfig"))
+    )
+    cpu_isa = (
+        _find(importer, (("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa"),)) if platform == "cpu" else None
+    )
     stat_logger_base = None
     if kind == "AsyncLLM":
-        stat_logger_base = _find(importer, (("vllm.v1.metrics.loggers", "StatLoggerBase"),
-                                               ("vllm.v1.metrics.base", "StatLoggerBase")))
-    dead = [cls for cls in (_find(importer, (("vllm.v1.engine.exceptions", "EngineDeadError"),)),
-                            _find(importer, (("vllm.engine.async_llm_engine", "AsyncEngineDeadError"),)))
-            if isinstance(cls, type)]
-    client = [cls for cls in (_find(importer, (("vllm.exceptions", "VLLMClientError"),)),
-                              _find(importer, (("vllm.exceptions", "VLLMValidationError"),)))
-              if isinstance(cls, type)]
+        stat_logger_base = _find(
+            importer, (("vllm.v1.metrics.loggers", "StatLoggerBase"), ("vllm.v1.metrics.base", "StatLoggerBase"))
+        )
+    dead = [
+        cls
+        for cls in (
+            _find(importer, (("vllm.v1.engine.exceptions", "EngineDeadError"),)),
+            _find(importer, (("vllm.engine.async_llm_engine", "AsyncEngineDeadError"),)),
+        )
+        if isinstance(cls, type)
+    ]
+    client = [
+        cls
+        for cls in (
+            _find(importer, (("vllm.exceptions", "VLLMClientError"),)),
+            _find(importer, (("vllm.exceptions", "VLLMValidationError"),)),
+        )
+        if isinstance(cls, type)
+    ]
     return VllmApi(
         version=version,
         engine_kind=kind,

@@ -40,9 +40,14 @@ from services.worker.model_files import max_context
 GIB = 1 << 30
 
 _DTYPE_ALIASES = {
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
 }
 WEIGHT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, **WEIGHT_DTYPE_BYTES}
@@ -156,10 +161,8 @@ def read_model_facts(model_dir: Path) -> ModelFacts:
         mla = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
     layer_types = text.get("layer_types") or []
     # Qwen2-style configs name a window but switch it off with use_sliding_window.
-    sliding = (bool(text["use_sliding_window"]) if "use_sliding_window" in text
-               else bool(text.get("sliding_window")))
-    dtype = (text.get("torch_dtype") or text.get("dtype")
-             or config.get("torch_dtype") or config.get("dtype"))
+    sliding = bool(text["use_sliding_window"]) if "use_sliding_window" in text else bool(text.get("sliding_window"))
+    dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype")
     return ModelFacts(
         max_position_embeddings=max_context(config),
         layers=int(text["num_hidden_layers"]),
@@ -201,7 +204,8 @@ def _checked_dtypes(settings: VllmSettings, facts: ModelFacts) -> tuple[str, str
     if not dtype:
         raise EngineConfigError(
             "config.json names no torch_dtype, so the weights' dtype is unknown and the KV dtype "
-            "cannot be checked against it; add torch_dtype to config.json")
+            "cannot be checked against it; add torch_dtype to config.json"
+        )
     weights_width = WEIGHT_DTYPE_BYTES[dtype]
 
     kv = settings.kv_cache_dtype
@@ -210,7 +214,8 @@ def _checked_dtypes(settings: VllmSettings, facts: ModelFacts) -> tuple[str, str
         raise EngineConfigError(
             f"worker.kv_cache_dtype is {said}: it must be explicit, because 'auto' follows whatever "
             f"dtype the engine picks and can end up wider than the weights. Set it to match the "
-            f"weights ({dtype}), or fp8 to halve KV memory")
+            f"weights ({dtype}), or fp8 to halve KV memory"
+        )
     if kv not in KV_DTYPE_BYTES:
         raise EngineConfigError(f"worker.kv_cache_dtype {kv!r} is not one of {sorted(KV_DTYPE_BYTES)}")
     kv_width = KV_DTYPE_BYTES[kv]
@@ -218,12 +223,14 @@ def _checked_dtypes(settings: VllmSettings, facts: ModelFacts) -> tuple[str, str
         raise EngineConfigError(
             f"worker.kv_cache_dtype {kv} ({kv_width} bytes) is wider than the weights ({dtype}, "
             f"{weights_width} bytes): it multiplies KV memory by {kv_width // weights_width} for no "
-            f"accuracy; set {dtype} or fp8")
+            f"accuracy; set {dtype} or fp8"
+        )
     if kv_width == weights_width == 2 and kv != dtype:
         raise EngineConfigError(
             f"worker.kv_cache_dtype {kv} does not match the weights ({dtype}): the two 16-bit "
             f"formats have different ranges, so keys and values would be rounded or overflow; "
-            f"set {dtype} or fp8")
+            f"set {dtype} or fp8"
+        )
     return dtype, kv
 
 
@@ -233,7 +240,8 @@ def _checked_max_len(settings: VllmSettings, facts: ModelFacts) -> int:
     if max_len > model_max:
         raise EngineConfigError(
             f"worker.max_model_len {max_len} exceeds the model's own maximum of {model_max} "
-            f"(config.json); set at most {model_max}, or 0 for the model's own")
+            f"(config.json); set at most {model_max}, or 0 for the model's own"
+        )
     return max_len
 
 
@@ -242,12 +250,12 @@ def _kv_bytes_per_token(facts: ModelFacts, kv: str) -> int:
     if per_token <= 0:
         raise EngineConfigError(
             f"config.json gives {facts.layers} layers, {facts.kv_heads} KV heads, head dim "
-            f"{facts.head_dim}: no KV size can be computed")
+            f"{facts.head_dim}: no KV size can be computed"
+        )
     return per_token
 
 
-def check_engine_config(settings: VllmSettings, facts: ModelFacts,
-                        gpu_memory_bytes: int | None) -> EnginePlan:
+def check_engine_config(settings: VllmSettings, facts: ModelFacts, gpu_memory_bytes: int | None) -> EnginePlan:
     """The plan vLLM starts with, or EngineConfigError explaining (with numbers) what cannot
     work. `gpu_memory_bytes` is the GPU's total memory; None skips the memory checks."""
     dtype, kv = _checked_dtypes(settings, facts)
@@ -255,8 +263,7 @@ def check_engine_config(settings: VllmSettings, facts: ModelFacts,
     weights_width = WEIGHT_DTYPE_BYTES[dtype]
 
     if not 0.0 < settings.gpu_memory_utilization <= 1.0:
-        raise EngineConfigError(
-            f"worker.gpu_memory_utilization {settings.gpu_memory_utilization} must be in (0, 1]")
+        raise EngineConfigError(f"worker.gpu_memory_utilization {settings.gpu_memory_utilization} must be in (0, 1]")
 
     max_len = _checked_max_len(settings, facts)
 
@@ -274,7 +281,8 @@ def check_engine_config(settings: VllmSettings, facts: ModelFacts,
                 f"the weights need {_gib(weights)} ({dtype}) plus a reserve of "
                 f"{_gib(settings.reserve_bytes)}, but worker.gpu_memory_utilization "
                 f"{settings.gpu_memory_utilization} of this GPU's {_gib(gpu_memory_bytes)} is "
-                f"{_gib(usable)}: nothing is left for the KV cache")
+                f"{_gib(usable)}: nothing is left for the KV cache"
+            )
         need = max_len * per_token
         if need > budget:
             fits = budget // per_token
@@ -284,7 +292,8 @@ def check_engine_config(settings: VllmSettings, facts: ModelFacts,
                 f"only {_gib(budget)} is left for KV ({_gib(gpu_memory_bytes)} x "
                 f"{settings.gpu_memory_utilization} - weights {_gib(weights)} - reserve "
                 f"{_gib(settings.reserve_bytes)}); set worker.max_model_len to at most {fits}, "
-                f"use kv_cache_dtype fp8, or raise worker.gpu_memory_utilization")
+                f"use kv_cache_dtype fp8, or raise worker.gpu_memory_utilization"
+            )
         capacity = budget // per_token
     return EnginePlan(
         dtype=dtype,
@@ -307,12 +316,14 @@ def check_cpu_engine_config(settings: VllmSettings, facts: ModelFacts) -> Engine
         # CPU attention stores KV in the weights' dtype or in fp8, nothing else.
         raise EngineConfigError(
             f"worker.kv_cache_dtype {kv} differs from the weights ({dtype}); vLLM on CPU keeps the KV "
-            f"cache in the weights' dtype or fp8: set {dtype}")
+            f"cache in the weights' dtype or fp8: set {dtype}"
+        )
     if not facts.mla_latent_dim and facts.head_dim not in CPU_ATTENTION_HEAD_DIMS:
         raise EngineConfigError(
             f"the model's head dim is {facts.head_dim} (hidden size / attention heads in config.json); "
             f"vLLM's CPU attention takes only {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))} and would "
-            f"fail at the first forward pass")
+            f"fail at the first forward pass"
+        )
     max_len = _checked_max_len(settings, facts)
     per_token = _kv_bytes_per_token(facts, kv)
     budget = settings.cpu_kv_cache_bytes
@@ -324,7 +335,8 @@ def check_cpu_engine_config(settings: VllmSettings, facts: ModelFacts) -> Engine
         raise EngineConfigError(
             f"max_model_len {max_len} needs {max_len} x {per_token} bytes per token = {_gib(need)} of KV "
             f"cache for one sequence, but worker.vllm_cpu_kv_cache_gib gives {_gib(budget)}; set "
-            f"worker.max_model_len to at most {budget // per_token} or give the KV cache more memory")
+            f"worker.max_model_len to at most {budget // per_token} or give the KV cache more memory"
+        )
     return EnginePlan(
         dtype=dtype,
         kv_cache_dtype=kv,

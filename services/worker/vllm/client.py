@@ -41,8 +41,9 @@ class VllmClient(Protocol):
 ClientFactory = Callable[[VllmApi, Path, str, VllmSettings, EnginePlan], "VllmClient | Awaitable[VllmClient]"]
 
 
-def engine_args(model_dir: Path, model_name: str, settings: VllmSettings, plan: EnginePlan,
-                api: VllmApi | None = None) -> dict[str, Any]:
+def engine_args(
+    model_dir: Path, model_name: str, settings: VllmSettings, plan: EnginePlan, api: VllmApi | None = None
+) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments: every setting that decides memory is explicit."""
     args: dict[str, Any] = {
         "model": str(model_dir),
@@ -78,13 +79,16 @@ def engine_args(model_dir: Path, model_name: str, settings: VllmSettings, plan: 
         # A page is a stored block, so a block never straddles pages of two requests.
         args["block_size"] = setup.store.block_tokens
         args["kv_transfer_config"] = api.kv_transfer_config_class(
-            kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config=setup.extra_config())
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=setup.extra_config(),
+        )
     if api is not None and api.structured_config_class is not None:
         # llguidance with compact JSON: the grammar Ballast's own guide (resumed streams, the
         # torch engine) uses, so a stream guided here and resumed elsewhere stays consistent.
-        args["structured_outputs_config"] = api.structured_config_class(
-            backend="guidance", disable_any_whitespace=True)
+        args["structured_outputs_config"] = api.structured_config_class(backend="guidance", disable_any_whitespace=True)
     return args
 
 
@@ -138,8 +142,9 @@ class AsyncLLMClient:
             shutdown()
 
 
-def open_vllm_client(api: VllmApi, model_dir: Path, model_name: str, settings: VllmSettings,
-                     plan: EnginePlan) -> AsyncLLMClient:
+def open_vllm_client(
+    api: VllmApi, model_dir: Path, model_name: str, settings: VllmSettings, plan: EnginePlan
+) -> AsyncLLMClient:
     """Starts vLLM (loads the model, profiles memory, allocates the KV cache: minutes).
     Runs on the event loop, as vLLM's own server does: AsyncLLM binds to the running loop."""
     sink = SchedulerStatsSink()

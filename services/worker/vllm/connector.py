@@ -94,8 +94,9 @@ class BallastKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.setup = ConnectorSetup.from_extra_config(extra)
-        self.keys = ConnectorKeys(self.setup.model_version, self.setup.store.block_tokens,
-                                  int(vllm_config.cache_config.block_size))
+        self.keys = ConnectorKeys(
+            self.setup.model_version, self.setup.store.block_tokens, int(vllm_config.cache_config.block_size)
+        )
         self.counters = ConnectorCounters()
         self.store = StoreLink(self.setup.store, self.counters)
         self.book = SchedulerBook(self.keys)
@@ -123,8 +124,12 @@ class BallastKVConnector(KVConnectorBase_V1):
         if tenant is None:
             return 0, False
         loadable = self.book.matched(
-            request.request_id, tenant, lambda: request.all_token_ids, num_computed_tokens,
-            lambda names: self.store.lookup(self._scope(tenant), names))
+            request.request_id,
+            tenant,
+            lambda: request.all_token_ids,
+            num_computed_tokens,
+            lambda names: self.store.lookup(self._scope(tenant), names),
+        )
         return loadable, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -132,17 +137,26 @@ class BallastKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
-        new = [ScheduledNew(r.req_id, r.block_ids[0], r.num_computed_tokens, scheduled.get(r.req_id, 0))
-               for r in scheduler_output.scheduled_new_reqs if self.book.tracks(r.req_id)]
+        new = [
+            ScheduledNew(r.req_id, r.block_ids[0], r.num_computed_tokens, scheduled.get(r.req_id, 0))
+            for r in scheduler_output.scheduled_new_reqs
+            if self.book.tracks(r.req_id)
+        ]
         cached_reqs = scheduler_output.scheduled_cached_reqs
         cached = []
         for i, req_id in enumerate(cached_reqs.req_ids):
             if not self.book.tracks(req_id):
                 continue
             pages = cached_reqs.new_block_ids[i]
-            cached.append(ScheduledCached(req_id, pages[0] if pages is not None else None,
-                                          req_id in cached_reqs.resumed_req_ids,
-                                          cached_reqs.num_computed_tokens[i], scheduled.get(req_id, 0)))
+            cached.append(
+                ScheduledCached(
+                    req_id,
+                    pages[0] if pages is not None else None,
+                    req_id in cached_reqs.resumed_req_ids,
+                    cached_reqs.num_computed_tokens[i],
+                    scheduled.get(req_id, 0),
+                )
+            )
         plan = self.book.plan(new, cached)
         return BallastConnectorMeta(plan.loads, plan.saves)
 

@@ -47,10 +47,16 @@ class StoreSettings:
         files = {}
         if tls is not None and tls.enabled:
             files = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
-        return cls(address=worker.cache_address, block_tokens=worker.kv_block_tokens,
-                   timeout_s=worker.kv_timeout_s, restore_timeout_s=worker.kv_restore_timeout_s,
-                   save_timeout_s=worker.kv_save_timeout_s, ttl_s=worker.kv_ttl_s,
-                   save_queue=worker.kv_save_queue, **files)
+        return cls(
+            address=worker.cache_address,
+            block_tokens=worker.kv_block_tokens,
+            timeout_s=worker.kv_timeout_s,
+            restore_timeout_s=worker.kv_restore_timeout_s,
+            save_timeout_s=worker.kv_save_timeout_s,
+            ttl_s=worker.kv_ttl_s,
+            save_queue=worker.kv_save_queue,
+            **files,
+        )
 
     def tls(self) -> TLSConfig | None:
         if not self.ca_file:
@@ -67,14 +73,14 @@ class ConnectorSetup:
     layout: KVLayout
 
     def extra_config(self) -> dict[str, Any]:
-        return {"store": asdict(self.store), "model_version": self.model_version,
-                "layout": self.layout.to_dict()}
+        return {"store": asdict(self.store), "model_version": self.model_version, "layout": self.layout.to_dict()}
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSetup":
         try:
-            return cls(StoreSettings(**extra["store"]), str(extra["model_version"]),
-                       KVLayout.from_dict(extra["layout"]))
+            return cls(
+                StoreSettings(**extra["store"]), str(extra["model_version"]), KVLayout.from_dict(extra["layout"])
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"kv_connector_extra_config is not Ballast's: {exc}") from None
 
@@ -98,8 +104,9 @@ def session_tenant(kv_transfer_params: Any) -> str | None:
 CPU_PAGE_MULTIPLE = 32
 
 
-def plan_connector(store: StoreSettings | None, model_version: str, facts: Any, plan: Any,
-                   platform: str, cpu_attention_isa: Any) -> tuple[ConnectorSetup | None, str]:
+def plan_connector(
+    store: StoreSettings | None, model_version: str, facts: Any, plan: Any, platform: str, cpu_attention_isa: Any
+) -> tuple[ConnectorSetup | None, str]:
     """The connector to configure, or None and why not (logged, and reported with every
     session request as the reason its prefix is recomputed). `facts`: checks.ModelFacts,
     `plan`: checks.EnginePlan, `cpu_attention_isa`: VllmApi.cpu_attention_isa."""

@@ -78,8 +78,14 @@ class SchedulerBook:
     def tracks(self, request_id: str) -> bool:
         return request_id in self._tracked
 
-    def matched(self, request_id: str, tenant: str, tokens: Callable[[], Sequence[int]],
-                computed_tokens: int, lookup: Callable[[list[bytes]], int]) -> int:
+    def matched(
+        self,
+        request_id: str,
+        tenant: str,
+        tokens: Callable[[], Sequence[int]],
+        computed_tokens: int,
+        lookup: Callable[[list[bytes]], int],
+    ) -> int:
         """Tokens the store can load beyond `computed_tokens`. The lookup runs once per
         request: vLLM asks again while it waits for pages, and the answer holds."""
         tracked = self._tracked.get(request_id)

@@ -158,30 +158,43 @@ class VllmEngine(KvAttachable, Wakeable):
             plan = check_engine_config(self._settings, self._facts, gpu)
             if gpu is None:
                 log.warning("GPU memory unknown (no NVML, no CUDA): KV memory checks skipped")
-        log.info("vLLM %s (%s): dtype %s, KV %s (%d bytes/token), max_model_len %d, estimated KV "
-                 "capacity %s tokens", api.version, api.engine_kind, plan.dtype, plan.kv_cache_dtype,
-                 plan.kv_bytes_per_token, plan.max_model_len, plan.kv_capacity_tokens)
+        log.info(
+            "vLLM %s (%s): dtype %s, KV %s (%d bytes/token), max_model_len %d, estimated KV capacity %s tokens",
+            api.version,
+            api.engine_kind,
+            plan.dtype,
+            plan.kv_cache_dtype,
+            plan.kv_bytes_per_token,
+            plan.max_model_len,
+            plan.kv_capacity_tokens,
+        )
         self._connector, self._connector_off = plan_connector(
-            self._settings.store, self._description.version, self._facts, plan, api.platform,
-            api.cpu_attention_isa)
+            self._settings.store, self._description.version, self._facts, plan, api.platform, api.cpu_attention_isa
+        )
         if self._connector is not None:
             plan = replace(plan, connector=self._connector)
-            log.info("session KV through the cache service at %s (blocks of %d tokens)",
-                     self._connector.store.address, self._connector.store.block_tokens)
+            log.info(
+                "session KV through the cache service at %s (blocks of %d tokens)",
+                self._connector.store.address,
+                self._connector.store.block_tokens,
+            )
         elif self._settings.store is not None:
-            log.warning("session KV persistence is off on vLLM here (%s): session prefixes are "
-                        "recomputed", self._connector_off)
+            log.warning(
+                "session KV persistence is off on vLLM here (%s): session prefixes are recomputed", self._connector_off
+            )
         client = self._factory(api, self._dir, self._description.name, self._settings, plan)
         if inspect.isawaitable(client):
             client = await client
         self._api, self._plan, self._client = api, plan, client
-        self._kv_capacity = (client.kv_capacity_tokens() or plan.kv_capacity_tokens
-                             or self._settings.max_concurrency * plan.max_model_len)
+        self._kv_capacity = (
+            client.kv_capacity_tokens()
+            or plan.kv_capacity_tokens
+            or self._settings.max_concurrency * plan.max_model_len
+        )
         if self._settings.sleep_on_standby and api.supports_sleep_mode:
             await self.sleep()
         elif self._settings.sleep_on_standby:
-            log.info("vLLM on %s has no sleep mode: a standby stays loaded (not routable until promoted)",
-                     api.platform)
+            log.info("vLLM on %s has no sleep mode: a standby stays loaded (not routable until promoted)", api.platform)
 
     def attach_kv(self, metrics: Any, session_kv: Any = None) -> bool:
         """Reports session KV through `metrics` (services.worker.kv.KVMetrics); with a
@@ -243,8 +256,9 @@ class VllmEngine(KvAttachable, Wakeable):
         while asleep wakes the engine."""
         client = self._require_client()
         if not self._settings.sleep_on_standby or (self._api is not None and not self._api.supports_sleep_mode):
-            raise RuntimeError("vLLM runs without sleep mode (worker.sleep_on_standby is off, or the "
-                               "platform has none)")
+            raise RuntimeError(
+                "vLLM runs without sleep mode (worker.sleep_on_standby is off, or the platform has none)"
+            )
         if self._in_flight:
             raise RuntimeError(f"{self._in_flight} requests are in flight: drain before sleeping")
         async with self._sleep_lock:
@@ -289,8 +303,7 @@ class VllmEngine(KvAttachable, Wakeable):
             guide = await asyncio.to_thread(self._request_guide, request)
         client = self._require_client()
         if self._in_flight >= self._max_in_flight:
-            raise ResourceExhausted(f"{self._in_flight} requests in the vLLM engine; queue is full",
-                                    retry_after_s=1.0)
+            raise ResourceExhausted(f"{self._in_flight} requests in the vLLM engine; queue is full", retry_after_s=1.0)
         api = self._api
         assert api is not None
         context = [*request.prompt_ids, *request.generated_ids]
@@ -323,15 +336,15 @@ class VllmEngine(KvAttachable, Wakeable):
                 if reason is not None or getattr(out, "finished", False):
                     vllm_done = True
                 if reason == "abort":
-                    raise Unavailable("vLLM aborted the request (engine asleep, paused or stopping); "
-                                      "resume it elsewhere")
+                    raise Unavailable(
+                        "vLLM aborted the request (engine asleep, paused or stopping); resume it elsewhere"
+                    )
                 if reason == "error":
                     # vLLM failed this request inside its engine (a grammar that did not compile
                     # there, a KV load that failed): another replica may still serve it.
                     raise Unavailable("vLLM ended the request with an engine-side error; resume it elsewhere")
                 ids = [int(t) for t in completion.token_ids]
-                eos_hit = (reason == "stop" and bool(ids) and ids[-1] in self._eos
-                           and not isinstance(stop_reason, str))
+                eos_hit = reason == "stop" and bool(ids) and ids[-1] in self._eos and not isinstance(stop_reason, str)
                 if eos_hit:
                     ids.pop()  # the EOS token ends the stream but is never emitted
                 ids = ids[: s.max_tokens - emitted]
@@ -346,8 +359,12 @@ class VllmEngine(KvAttachable, Wakeable):
                         except GuideMismatch as exc:
                             # vLLM's grammar is not Ballast's here (a release whose structured
                             # outputs are not llguidance's compact JSON): vLLM's own end stands.
-                            log.warning("request %s: vLLM's output left Ballast's grammar (%s); "
-                                        "the document ends where vLLM ends it", request_id, exc)
+                            log.warning(
+                                "request %s: vLLM's output left Ballast's grammar (%s); "
+                                "the document ends where vLLM ends it",
+                                request_id,
+                                exc,
+                            )
                             guide = None
                     if end is DocumentEnd.AT_EOS:  # an EOS vLLM did not stop on (EOS off)
                         document_done = True
@@ -421,8 +438,9 @@ class VllmEngine(KvAttachable, Wakeable):
             self._guided_resumes += 1
         if plan.schema:
             if not api.structured_field:
-                log.warning("vLLM %s has no guided decoding: response_format is only validated "
-                            "after generation", api.version)
+                log.warning(
+                    "vLLM %s has no guided decoding: response_format is only validated after generation", api.version
+                )
             kwargs.update(api.structured(plan.schema))
         if request.session_id:
             if self._connector is not None:
@@ -441,8 +459,7 @@ class VllmEngine(KvAttachable, Wakeable):
         if not self._model_eos:
             raise InvalidArgument("guided decoding needs an EOS token, and this model has none")
         if self._guide_compiler is None:
-            self._guide_compiler = GuideCompiler(self._description.tokenizer_json, self._vocab_size,
-                                                 self._model_eos)
+            self._guide_compiler = GuideCompiler(self._description.tokenizer_json, self._vocab_size, self._model_eos)
         guide = self._guide_compiler.for_request(request.response_format, request.generated_ids)
         api = self._api
         if not request.generated_ids and api is not None and not api.structured_field:
@@ -473,12 +490,12 @@ class VllmEngine(KvAttachable, Wakeable):
         if snapshot is not None:
             extra["kv_cache_usage"] = snapshot.kv_usage
             block = client.kv_block_tokens() if client is not None else None
-            fragmentation = kv_fragmentation(snapshot.kv_usage, self._kv_capacity, block,
-                                             sum(self._context_tokens.values()))
+            fragmentation = kv_fragmentation(
+                snapshot.kv_usage, self._kv_capacity, block, sum(self._context_tokens.values())
+            )
             if fragmentation is not None:
                 extra["kv_fragmentation"] = fragmentation
-        return engine_stats(snapshot, self._in_flight, self._settings.max_concurrency,
-                            self._kv_capacity, extra)
+        return engine_stats(snapshot, self._in_flight, self._settings.max_concurrency, self._kv_capacity, extra)
 
 
 async def _drain(stream: Any) -> None:

@@ -39,8 +39,9 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-def map_vllm_error(exc: BaseException, types: VllmErrorTypes,
-                   engine_dead: Callable[[], bool] = lambda: False) -> BallastError:
+def map_vllm_error(
+    exc: BaseException, types: VllmErrorTypes, engine_dead: Callable[[], bool] = lambda: False
+) -> BallastError:
     """The Ballast error to raise for an exception out of vLLM's generate()."""
     chain = _chain(exc)
     for error in chain:

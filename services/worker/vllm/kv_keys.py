@@ -50,7 +50,8 @@ class ConnectorKeys:
         if self.block_tokens <= 0 or self.page_tokens <= 0 or self.block_tokens % self.page_tokens:
             raise ValueError(
                 f"worker.kv_block_tokens {self.block_tokens} must be a positive multiple of vLLM's "
-                f"block_size {self.page_tokens}, so each stored block is whole vLLM pages")
+                f"block_size {self.page_tokens}, so each stored block is whole vLLM pages"
+            )
 
     @property
     def pages_per_block(self) -> int:
@@ -77,8 +78,10 @@ class ConnectorKeys:
     def pages_of(self, block_index: int, page_ids: Sequence[int]) -> list[int]:
         """The vLLM pages (of a request's page table) that hold stored block `block_index`."""
         first = block_index * self.pages_per_block
-        pages = list(page_ids[first:first + self.pages_per_block])
+        pages = list(page_ids[first : first + self.pages_per_block])
         if len(pages) != self.pages_per_block:
-            raise ValueError(f"block {block_index} needs pages {first}..{first + self.pages_per_block - 1}; "
-                             f"the request has {len(page_ids)}")
+            raise ValueError(
+                f"block {block_index} needs pages {first}..{first + self.pages_per_block - 1}; "
+                f"the request has {len(page_ids)}"
+            )
         return pages

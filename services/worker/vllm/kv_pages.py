@@ -48,8 +48,9 @@ def gather_block(layer_caches: Sequence[Any], page_ids: Sequence[int], head_dim:
     return out
 
 
-def scatter_block(block: Any, layer_caches: Sequence[Any], page_ids: Sequence[int], head_dim: int,
-                  skip_pages: int = 0) -> None:
+def scatter_block(
+    block: Any, layer_caches: Sequence[Any], page_ids: Sequence[int], head_dim: int, skip_pages: int = 0
+) -> None:
     """Writes a stored block into the pages `page_ids[skip_pages:]` of every layer."""
     import torch
 

@@ -82,14 +82,14 @@ class PositionSampler(LogitsProcessor):
         args = _args(params, SAMPLER_KEY)
         if args is None:
             return None
-        return _Seeded(int(args["seed"]), int(args["offset"]), float(args["temperature"]),
-                       float(args["top_p"]), output_ids)
+        return _Seeded(
+            int(args["seed"]), int(args["offset"]), float(args["temperature"]), float(args["top_p"]), output_ids
+        )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for row, state in self._rows.items():
             position = state.offset + len(state.output_ids)
-            token = select_token(logits[row], state.temperature, state.top_p,
-                                 position_generator(state.seed, position))
+            token = select_token(logits[row], state.temperature, state.top_p, position_generator(state.seed, position))
             logits[row].fill_(float("-inf"))
             logits[row, token] = 0.0
         return logits

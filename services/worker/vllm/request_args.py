@@ -19,8 +19,14 @@ PROCESSOR_NAMES = (
 def sampler_args(seed: int, generated_before: int, temperature: float, top_p: float) -> dict[str, Any]:
     """extra_args for a seeded sampled request whose first new token is generated position
     `generated_before` (the ids already sent by an earlier replica)."""
-    return {SAMPLER_KEY: {"seed": int(seed), "offset": int(generated_before),
-                          "temperature": float(temperature), "top_p": float(top_p)}}
+    return {
+        SAMPLER_KEY: {
+            "seed": int(seed),
+            "offset": int(generated_before),
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+        }
+    }
 
 
 def guide_args(schema: str, generated_ids: Sequence[int]) -> dict[str, Any]:

@@ -78,8 +78,13 @@ class SchedulerStatsSink:
         return BallastStatLogger
 
 
-def engine_stats(snapshot: SchedulerSnapshot | None, in_flight: int, max_concurrency: int,
-                 kv_capacity_tokens: int, extra: dict[str, float]) -> EngineStats:
+def engine_stats(
+    snapshot: SchedulerSnapshot | None,
+    in_flight: int,
+    max_concurrency: int,
+    kv_capacity_tokens: int,
+    extra: dict[str, float],
+) -> EngineStats:
     """EngineStats from the latest snapshot, bounded by the requests actually in flight."""
     capacity = max(1, kv_capacity_tokens)
     if in_flight <= 0:
@@ -92,8 +97,7 @@ def engine_stats(snapshot: SchedulerSnapshot | None, in_flight: int, max_concurr
     return EngineStats(running, waiting, round(snapshot.kv_usage * capacity), capacity, extra)
 
 
-def kv_fragmentation(kv_usage: float, capacity_tokens: int, block_tokens: int | None,
-                     held_tokens: int) -> float | None:
+def kv_fragmentation(kv_usage: float, capacity_tokens: int, block_tokens: int | None, held_tokens: int) -> float | None:
     """KV slots allocated but holding no token, over the slots allocated (the seed alerts at
     15 %): vLLM allocates whole blocks, so a request's last block is partly empty. Allocated
     slots come from vLLM's block usage, held tokens from the requests in flight. Approximate

@@ -75,8 +75,7 @@ class StoreLink:
 
     def _failed(self, what: str, error: BaseException) -> None:
         if self.up:
-            log.info("kv cache unavailable (%s: %s): recomputing for %.1fs", what, error,
-                     self.settings.retry_after_s)
+            log.info("kv cache unavailable (%s: %s): recomputing for %.1fs", what, error, self.settings.retry_after_s)
         self._down_until = time.monotonic() + self.settings.retry_after_s
 
     def lookup(self, scope: KVScope, names: Sequence[bytes]) -> int:
