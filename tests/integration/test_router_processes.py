@@ -41,8 +41,15 @@ def mesh(tmp_path_factory, tiny_model_dir):
         overrides={"router": {"processes": 2}},
     )
     running = Mesh(spec).start()
-    yield running
-    running.stop()
+    try:
+        # Mesh.start waits for the worker's lease; a router process that started before the
+        # worker registered learns of it from its watch a moment later, and a request it takes
+        # meanwhile finds no live worker and is degraded.
+        for _, metrics_port in processes(running).values():
+            asyncio.run(wait_routes(metrics_port))
+        yield running
+    finally:
+        running.stop()
 
 
 def router_service(mesh):
@@ -70,6 +77,14 @@ async def served_by_fresh_connections(mesh, count: int) -> None:
             assert_served(result)
 
     await asyncio.gather(*(one(i) for i in range(count)))
+
+
+async def wait_routes(metrics_port: int, timeout: float = 30.0) -> None:
+    """Until the router process behind `metrics_port` counts a routable worker (its own view)."""
+    deadline = time.monotonic() + timeout
+    while metric_value(await scrape(metrics_port), "ballast_router_worker_routable") < 1:
+        assert time.monotonic() < deadline, f"the router process on metrics port {metrics_port} routes to no worker"
+        await asyncio.sleep(0.1)
 
 
 def alive(pid: int) -> bool:
@@ -119,6 +134,7 @@ async def test_a_killed_process_comes_back_and_the_port_keeps_serving(mesh):
         await asyncio.sleep(0.2)
     new_pid, port = processes(mesh)[1]
     assert psutil.pid_exists(new_pid)
+    await wait_routes(port)
     before = await requests_of(port)
     await served_by_fresh_connections(mesh, 24)
     assert await requests_of(port) > before
