@@ -254,15 +254,18 @@ async def test_losing_redis_or_the_cache_mid_session_only_costs_recompute(
     try:
         assert up() == 1
         prompt = worker.engine.tokenize("The customer paid for the winter coat with Apple Pay. " * 4)
-        stopped = asyncio.Event()
+        stopped_at: list[int] = []
 
         async def stop_redis_mid_stream(count: int) -> None:
-            if count == 20 and not stopped.is_set():
-                stopped.set()
+            # At or past 20 tokens: a reader slower than the engine gets deltas merged, so the
+            # count may step over 20 itself.
+            if count >= 20 and not stopped_at:
+                stopped_at.append(count)
                 await asyncio.to_thread(redis.stop)
 
         a1 = await generate(worker, prompt, session="s-loss", max_tokens=120, on_token=stop_redis_mid_stream)
-        assert stopped.is_set() and len(a1) == 120  # the stream never noticed
+        assert stopped_at and stopped_at[0] < 120, stopped_at  # Redis went away mid-stream
+        assert len(a1) == 120  # the stream never noticed
         assert a1 == await generate(reference, prompt, max_tokens=120)
         assert await wait_for(lambda: up() == 0)
         assert await kv_health(worker) == health_pb2.HealthCheckResponse.NOT_SERVING
