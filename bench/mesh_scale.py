@@ -390,6 +390,7 @@ def run_benchmark(
                             settled = settle()
                             time.sleep(HEARTBEAT_SETTLE_S)
                             cpu_before = [cpu_seconds(r.pid) for r in chosen]
+                            worker_messages_before = _worker_messages(chosen)
                             busy_before = machine_busy()
                             routed = run_load(
                                 "router",
@@ -404,6 +405,11 @@ def run_benchmark(
                             cpu = sum(cpu_seconds(r.pid) - b for r, b in zip(chosen, cpu_before))
                             run = _row(target, streams, count, direct, routed, cpu, busy_before, busy_after, bare)
                             run["settle_s"] = settled
+                            worker_messages = _worker_messages(chosen) - worker_messages_before
+                            # Tokens per message the routers got from the workers (Relay streams).
+                            run["worker_tokens_per_message"] = (
+                                routed["tokens"] / worker_messages if worker_messages > 0 else math.nan
+                            )
                             runs.append(run)
                         row = median_row(runs)
                         rows.append(row)
@@ -412,7 +418,8 @@ def run_benchmark(
                             f"added TTFT p50 {row['added_ttft_p50_ms']:.2f} ms p99 {row['added_ttft_p99_ms']:.2f} ms "
                             f"(bare relay {row['relay_added_ttft_p50_ms']:.2f} / {row['relay_added_ttft_p99_ms']:.2f}), "
                             f"{row['tokens_per_s']:.0f} tok/s, router CPU {row['router_cpu_s_per_1k_tokens']:.3f} s/1k tok "
-                            f"at {row['tokens_per_message']:.1f} tok/msg, "
+                            f"at {row['tokens_per_message']:.1f} tok/msg to clients, "
+                            f"{row['worker_tokens_per_message']:.1f} from workers, "
                             f"machine busy {row['cpu_busy']:.0%} (settled in {settled:.1f} s)",
                             flush=True,
                         )
@@ -491,6 +498,14 @@ def _processes_point(
         "process_token_shares": shares,
         "group_runs": group_runs,
     }
+
+
+def _worker_messages(routers) -> float:
+    """Messages the routers have received on their Relay streams from workers, in all."""
+    return sum(
+        metric_sum(r.metrics_port, ['ballast_router_relay_messages_total{direction="from_workers"}']) or 0.0
+        for r in routers
+    )
 
 
 def _process_lines(log_path: Path) -> list[tuple[int, int]]:
@@ -591,6 +606,7 @@ def _report(
             "bare p99 ms",
             "CPU s/1k tok",
             "tok/msg",
+            "from workers",
             "bare CPU",
             "tok/s",
             "bare tok/s",
@@ -609,6 +625,7 @@ def _report(
                 r["relay_added_ttft_p99_ms"],
                 r["router_cpu_s_per_1k_tokens"],
                 r["tokens_per_message"],
+                r.get("worker_tokens_per_message", math.nan),
                 r["relay_cpu_s_per_1k_tokens"],
                 r["tokens_per_s"],
                 r["relay_tokens_per_s"],

@@ -9,6 +9,7 @@ a request (services.router.resilience.quarantine).
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Protocol
 
 import grpc
 
@@ -18,7 +19,13 @@ ACCEPTED_METADATA = ((ACCEPTED_KEY, "1"),)
 _READ_TIMEOUT_S = 1.0
 
 
-async def was_accepted(call: grpc.aio.Call | None) -> bool:
+class HeadedCall(Protocol):
+    """A gRPC call, or anything that carries a worker's headers like one (a Relay call)."""
+
+    async def initial_metadata(self) -> Any: ...
+
+
+async def was_accepted(call: HeadedCall | None) -> bool:
     """Whether the (ended) call's worker sent the accepted header."""
     if call is None:
         return False

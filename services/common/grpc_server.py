@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -163,6 +164,32 @@ def _wrap_client_stream(behavior: Callable[..., Awaitable[Any]], method: str):
     return wrapper
 
 
+def _wrap_bidi(behavior: Callable[..., Any], method: str):
+    """A bidirectional handler, written either way gRPC allows: yielding its answers, or
+    writing them with context.write() and returning."""
+
+    async def parsed(request_iterator):
+        async for request in request_iterator:
+            if isinstance(request, MalformedRequest):
+                raise InvalidArgument(f"a request frame does not parse as {request.type_name}")
+            yield request
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def yielding(request_iterator, context):
+            async with _statuses(context, method):
+                async for item in behavior(parsed(request_iterator), context):
+                    yield item
+
+        return yielding
+
+    async def writing(request_iterator, context):
+        async with _statuses(context, method):
+            await behavior(parsed(request_iterator), context)
+
+    return writing
+
+
 async def _drain(request_iterator, context: grpc.aio.ServicerContext) -> None:
     """Reads and drops what is left of a refused client stream, for at most DRAIN_LIMIT_S
     (less when the call's deadline is nearer) and DRAIN_MAX_FRAMES frames."""
@@ -185,8 +212,8 @@ async def _drain(request_iterator, context: grpc.aio.ServicerContext) -> None:
 
 
 class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps typed domain errors to status codes for unary, server-streaming and
-    client-streaming methods, and refuses request frames that do not parse."""
+    """Maps typed domain errors to status codes for every call shape, and refuses request
+    frames that do not parse."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -208,6 +235,12 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
                 _wrap_client_stream(handler.stream_unary, method),
+                request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_bidi(handler.stream_stream, method),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )

@@ -20,6 +20,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 from services.common.tracing import PROPAGATOR, context_from_metadata, tracer
 
 UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.")
+# Calls that carry many requests for as long as the connection lives: each request gets a span
+# of its own from the trace context it brings (services.worker.relay), not the call.
+UNTRACED_METHODS = ("ballast.v1.Worker/Relay",)
 # Server-side codes that mean the server failed (OpenTelemetry's gRPC conventions); the others
 # (bad input, not found, overload...) are the caller's outcome, not an error of this span.
 SERVER_ERROR_CODES = {
@@ -34,7 +37,8 @@ _TRACER = tracer("grpc")
 
 
 def _traced(method: str) -> bool:
-    return not method.lstrip("/").startswith(UNTRACED_SERVICES)
+    name = method.lstrip("/")
+    return not name.startswith(UNTRACED_SERVICES) and name not in UNTRACED_METHODS
 
 
 # --- client ---------------------------------------------------------------------------------

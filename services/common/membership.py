@@ -57,6 +57,9 @@ class WorkerRecord:
     # workers skip it without knowing this field.
     standby: bool = False
     max_context: int = 0
+    # The worker serves Worker/Relay (many requests over one stream); older workers publish
+    # no such field and get a Generate call per request.
+    relay: bool = False
     started_at: float = field(default_factory=time.time)
     # When the record was last written (an unchanged record is written at most every
     # record_refresh_s; the lease, refreshed every heartbeat, says the worker is alive).

@@ -64,6 +64,7 @@ from services.router.rollout.mirror import Answer, MirrorHandle
 from services.router.rollout.split import Role, Route
 from services.router.scheduling.async_gate import Grant
 from services.router.structured.repair import repair
+from services.router.relay_link import RelayCall
 from services.router.worker_call import WorkerCall
 from services.router.worker_clients import WorkerClients
 
@@ -80,9 +81,9 @@ class AttemptControl:
 
     def __init__(self) -> None:
         self.reason: str | None = None
-        self.call: grpc.aio.UnaryStreamCall | None = None
+        self.call: grpc.aio.UnaryStreamCall | RelayCall | None = None
         # The latest attempt's call, kept after it ended: did its worker take the request?
-        self.last_call: grpc.aio.UnaryStreamCall | None = None
+        self.last_call: grpc.aio.UnaryStreamCall | RelayCall | None = None
 
     def interrupt(self, reason: str) -> None:
         if self.reason is None:
@@ -420,7 +421,9 @@ class GenerationRunner:
             },
         )
         finished = False
-        with WorkerCall(self.clients, worker.address, worker_request, run.deadline, span=attempt) as worker_call:
+        with WorkerCall(
+            self.clients, worker.address, worker_request, run.deadline, span=attempt, relay=worker.relay
+        ) as worker_call:
             control.call = control.last_call = worker_call.call
             # A worker whose lease is gone is dead or cut off: do not wait for a stall.
             lease_watch = asyncio.create_task(self._watch_lease(worker.id, control))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -12,6 +12,9 @@ from services.router.context.metrics import ContextMetrics
 from services.router.scheduling.scheduler import SchedulerObserver
 from services.router.structured.metrics import StructuredMetrics
 from services.router.turns import TurnMetrics
+
+if TYPE_CHECKING:
+    from services.router.relay_link import RelayCounts
 
 BREAKER_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 # Hears each queue wait: the pool label (the scheduler's: the model) and the wait in ms.
@@ -102,6 +105,27 @@ class RouterMetrics:
             "ballast_breaker_state",
             callbacks=[observe],
             description="Circuit-breaker state per worker: 0 closed, 1 half-open, 2 open.",
+        )
+
+    def observe_relay(self, counts: "RelayCounts") -> None:
+        """Exports what the Relay streams to workers carried: messages each way, events in."""
+
+        def messages(_options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(counts.messages_in, {"direction": "from_workers"})
+            yield Observation(counts.messages_out, {"direction": "to_workers"})
+
+        def events(_options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(counts.events_in)
+
+        self.meter.create_observable_counter(
+            "ballast_router_relay_messages",
+            callbacks=[messages],
+            description="Messages on the Relay streams to workers, by direction (each carries several requests').",
+        )
+        self.meter.create_observable_counter(
+            "ballast_router_relay_events",
+            callbacks=[events],
+            description="Worker events (tokens, ends, accepts, errors) received on Relay streams.",
         )
 
     def observe_routing(self, snapshot: Callable[[], Mapping[str, object]]) -> None:

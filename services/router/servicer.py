@@ -139,6 +139,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         )
         metrics.observe_breakers(lambda: self.routing_view.current.breakers())
         metrics.observe_routing(lambda: self.routing_view.current.workers)
+        metrics.observe_relay(clients.relay_counts)
         metrics.observe_queues(lambda: self.routing_view.current.queues)
 
     def _encoder_for(self, model: str):

@@ -1,10 +1,15 @@
-"""One call to a worker's `Generate`, the only way the router asks a worker for tokens.
+"""One call to a worker for one request, the only way the router asks a worker for tokens.
 
 Served requests (the generation runner) and mirrored copies (rollout/mirror.py) both open a
 `WorkerCall`: it holds the worker's channel in use for as long as the call lives, passes the
 deadline and the trace context, and reads the worker's events back as plain values
 (`Tokens`, `WorkerFinished`), optionally under a stall timeout. What each caller does with
 the events (relay, fail over, compare) stays its own.
+
+A worker whose record says it serves Relay gets the request on the router's one Relay stream
+to it (services.router.relay_link: no call set up per request, several requests' tokens per
+message); any other worker gets a `Generate` call. Both kinds of call end, fail, cancel and say
+"accepted" the same way, so callers never tell them apart.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from opentelemetry.trace import Span
 
 from ballast.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_tracing import trace_metadata
+from services.common.tracing import PROPAGATOR
 from services.router.events import Tokens, WorkerFinished
 from services.router.events_pb import worker_event_from_pb
+from services.router.relay_link import RelayCall
 from services.router.resilience.stall import with_stall_timeout
 from services.router.worker_clients import WorkerClients
 
@@ -36,20 +43,25 @@ class WorkerCall:
         request: worker_pb2.WorkerGenerateRequest,
         deadline: float,
         span: Span | None = None,
+        relay: bool = False,
     ) -> None:
         """`deadline`: time.monotonic() by which the call must end. `span`: current while the
-        call is made, so the worker's span becomes its child."""
+        call is made, so the worker's span becomes its child. `relay`: the worker serves Relay."""
         self._clients = clients
         self._address = address
         self._request = request
         self._deadline = deadline
         self._span = span
+        self._relay = relay
         self._use: AbstractContextManager[worker_pb2_grpc.WorkerStub] | None = None
-        self.call: grpc.aio.UnaryStreamCall | None = None
+        self.call: grpc.aio.UnaryStreamCall | RelayCall | None = None
 
     def __enter__(self) -> "WorkerCall":
         self._use = self._clients.in_use(self._address)
         stub = self._use.__enter__()
+        if self._relay:
+            self.call = self._clients.link(self._address).start(self._request, self._deadline, self._trace())
+            return self
         timeout = max(0.001, self._deadline - time.monotonic())
         if self._span is None:
             self.call = stub.Generate(self._request, timeout=timeout, metadata=trace_metadata())
@@ -58,9 +70,17 @@ class WorkerCall:
                 self.call = stub.Generate(self._request, timeout=timeout, metadata=trace_metadata())
         return self
 
+    def _trace(self) -> dict[str, str]:
+        carrier: dict[str, str] = {}
+        context = None if self._span is None else trace.set_span_in_context(self._span)
+        PROPAGATOR.inject(carrier, context=context)
+        return carrier
+
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        if isinstance(self.call, RelayCall):
+            self.call.cancel()  # a no-op once the request has ended
         if self._use is not None:
             self._use.__exit__(kind, error, traceback)
             self._use = None
@@ -70,10 +90,19 @@ class WorkerCall:
     ) -> AsyncIterator[Tokens | WorkerFinished]:
         """The worker's events; with `stall_s`, StreamStalled when one takes longer (the first
         `first_timeout_s`), and the call is cancelled however the iteration ends."""
-        assert self.call is not None, "iterate inside `with WorkerCall(...)`"
-        source = (
-            self.call if stall_s is None else with_stall_timeout(self.call, stall_s, first_timeout_s=first_timeout_s)
-        )
+        call = self.call
+        assert call is not None, "iterate inside `with WorkerCall(...)`"
+        if isinstance(call, RelayCall):
+            try:
+                relayed = (
+                    call if stall_s is None else with_stall_timeout(call, stall_s, first_timeout_s=first_timeout_s)
+                )
+                async for relayed_event in relayed:
+                    yield relayed_event
+            finally:
+                call.cancel()  # a no-op once the request has ended
+            return
+        source = call if stall_s is None else with_stall_timeout(call, stall_s, first_timeout_s=first_timeout_s)
         async for message in source:
             event = worker_event_from_pb(message)
             if event is not None:

@@ -1,4 +1,5 @@
-"""One gRPC channel per worker address, opened lazily, closed once the worker has left.
+"""One gRPC channel per worker address, opened lazily, closed once the worker has left; on it,
+for a worker that serves it, one Relay stream carrying all of this router's calls to it.
 
 Generate calls on these channels pass `trace_metadata()` themselves: the channel intercepts
 unary calls only (`unary_client_interceptors`), keeping the relay's per-token path short.
@@ -19,6 +20,7 @@ from ballast.v1 import worker_pb2_grpc
 from services.common.grpc_tracing import unary_client_interceptors
 from services.common.tls.credentials import open_channel
 from services.common.tls.settings import TLSConfig
+from services.router.relay_link import RelayCounts, RelayLink
 
 
 class WorkerClients:
@@ -27,6 +29,8 @@ class WorkerClients:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._active: Counter[str] = Counter()
+        self._links: dict[str, RelayLink] = {}
+        self.relay_counts = RelayCounts()
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
@@ -35,6 +39,21 @@ class WorkerClients:
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
+
+    def link(self, address: str) -> RelayLink:
+        """The Relay stream to `address`, opened on first use and again after it broke."""
+        link = self._links.get(address)
+        if link is None or link.broken:
+            link = self._links[address] = RelayLink(self.stub(address), address, self._link_closed, self.relay_counts)
+        return link
+
+    def relay_addresses(self) -> list[str]:
+        """The workers this router has a live Relay stream to."""
+        return [address for address, link in self._links.items() if not link.broken]
+
+    def _link_closed(self, link: RelayLink) -> None:
+        if self._links.get(link.address) is link:
+            del self._links[link.address]
 
     @contextmanager
     def in_use(self, address: str) -> Iterator[worker_pb2_grpc.WorkerStub]:
@@ -49,11 +68,17 @@ class WorkerClients:
     async def retain(self, addresses: set[str]) -> None:
         """Closes idle channels to addresses no longer in the membership."""
         for address in [a for a in self._channels if a not in addresses and not self._active.get(a)]:
+            link = self._links.pop(address, None)
+            if link is not None:
+                await link.close()
             channel = self._channels.pop(address)
             self._stubs.pop(address, None)
             await channel.close(grace=None)
 
     async def close(self) -> None:
+        for link in list(self._links.values()):
+            await link.close()
+        self._links.clear()
         for channel in self._channels.values():
             await channel.close(grace=None)
         self._channels.clear()

@@ -99,6 +99,8 @@ class WorkerApp:
     standby: StandbyControl | None = None
     # A sim worker's fault knobs; None for real engines.
     sim_faults: SimFaultControl | None = None
+    # The Worker service, whose Relay streams the stop ends itself (routers keep them open).
+    servicer: WorkerServicer | None = None
     # Published in every record: fixed for the process, so an unchanged worker's record is
     # unchanged (and not written again), and the autoscaler's oldest-first order holds still.
     started_at: float = field(default_factory=time.time)
@@ -126,6 +128,7 @@ class WorkerApp:
             draining=self.state.draining,
             standby=self.is_standby,
             max_context=model.max_context,
+            relay=self.config.worker.relay,
             started_at=self.started_at,
         )
 
@@ -156,6 +159,9 @@ class WorkerApp:
         if self.sim_faults is not None:
             await _bounded("sim fault watch stop", self.sim_faults.stop(), 5.0)
         await _bounded("etcd deregistration", self.registration.stop(), 10.0)
+        if self.servicer is not None:
+            # Drained by now: ending the Relay streams here spares the stop waiting out its grace.
+            self.servicer.close_relays()
         await _bounded("gRPC server stop", self.server.stop(1.0), 5.0)
         if self.session_kv is not None:
             # The drained streams queued their sessions' KV; write it before the engine goes.
@@ -228,6 +234,7 @@ async def create_server(
         temperature=TemperatureSource(config.worker.temperature_file),
         etcd=etcd or EtcdSession(config.etcd),
         owns_etcd=etcd is None,
+        servicer=servicer,
     )
     metrics.observe_temperature(app.temperature.read)
     app.session_kv = await start_session_kv(config.worker, engine, telemetry, health, tls=config.tls)

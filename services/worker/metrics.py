@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from services.common.telemetry import Telemetry
 from services.worker.engine import EngineStats
+
+if TYPE_CHECKING:
+    from services.worker.relay import RelayCounts
 
 
 class WorkerMetrics:
@@ -43,6 +46,26 @@ class WorkerMetrics:
             callbacks=[self._observe_fragmentation],
             description="KV slots allocated but holding no token, over slots allocated (vLLM's "
             "paged KV; absent where the engine does not allocate in blocks).",
+        )
+
+    def observe_relay(self, counts: "RelayCounts") -> None:
+        """Exports what the worker's Relay streams sent: messages, and events in them."""
+
+        def messages(_options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(counts.messages)
+
+        def events(_options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(counts.events)
+
+        self._meter.create_observable_counter(
+            "ballast_worker_relay_messages",
+            callbacks=[messages],
+            description="Messages sent on Relay streams (each carries the events of several requests).",
+        )
+        self._meter.create_observable_counter(
+            "ballast_worker_relay_events",
+            callbacks=[events],
+            description="Request events (tokens, ends, accepts, errors) sent on Relay streams.",
         )
 
     def observe_temperature(self, read: Callable[[], float | None]) -> None:

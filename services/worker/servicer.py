@@ -22,6 +22,7 @@ from services.common.sampling_pb import FINISH_TO_PB, sampling_from_pb
 from services.common.streams import MAX_FLUSH_INTERVAL_MS, Coalescer
 from services.worker.engine import Engine, EngineRequest, TokenDelta
 from services.worker.metrics import WorkerMetrics
+from services.worker.relay import RelayCounts, RelayStream
 
 log = logging.getLogger(__name__)
 TRACER = tracing.tracer("worker")
@@ -145,6 +146,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.pool = pool
         self.faults = faults or FaultInjector("")
+        self.relay_counts = RelayCounts()
+        self._relays: set[RelayStream] = set()
+        metrics.observe_relay(self.relay_counts)
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfo:
         model = self.engine.model
@@ -256,6 +260,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     index - len(engine_request.generated_ids),
                     None if prefill_counted else context_tokens,
                 )
+
+    async def Relay(
+        self, request_iterator: AsyncIterator[worker_pb2.RelayActions], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Many requests over one stream (services.worker.relay), each run by `Generate`."""
+        relay = RelayStream(self, context)
+        self._relays.add(relay)
+        try:
+            await relay.serve(request_iterator)
+        finally:
+            self._relays.discard(relay)
+
+    def close_relays(self) -> None:
+        """Ends every Relay stream (called once the worker has drained, before its server stops)."""
+        for relay in list(self._relays):
+            relay.close()
 
     def _tally(self, outcome: str, started: float, generated: int, uncounted_prefill: int | None) -> None:
         """Counts one request in the worker's metrics; `uncounted_prefill`: context tokens to

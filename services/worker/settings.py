@@ -45,6 +45,12 @@ class WorkerConfig(Section):
         description="Python's thread switch interval in the worker process: how long "
         "the event loop may wait for the compute thread to yield the GIL.",
     )
+    relay: bool = Field(
+        True,
+        description="Serve Worker/Relay and say so in the etcd record: routers then carry all their "
+        "requests to this worker over one stream, several requests' tokens to a message. Off: a "
+        "Generate call per request.",
+    )
     b_tier_flush_ms: float = Field(
         50.0,
         ge=0,

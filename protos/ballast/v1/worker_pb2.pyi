@@ -72,3 +72,71 @@ class ModelInfo(_message.Message):
     worker_id: str
     pool: str
     def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., max_context: _Optional[int] = ..., tokenizer_json: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., worker_id: _Optional[str] = ..., pool: _Optional[str] = ...) -> None: ...
+
+class RelayActions(_message.Message):
+    __slots__ = ("actions",)
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    actions: _containers.RepeatedCompositeFieldContainer[RelayAction]
+    def __init__(self, actions: _Optional[_Iterable[_Union[RelayAction, _Mapping]]] = ...) -> None: ...
+
+class RelayAction(_message.Message):
+    __slots__ = ("stream_id", "start", "cancel")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    start: RelayStart
+    cancel: RelayCancel
+    def __init__(self, stream_id: _Optional[int] = ..., start: _Optional[_Union[RelayStart, _Mapping]] = ..., cancel: _Optional[_Union[RelayCancel, _Mapping]] = ...) -> None: ...
+
+class RelayStart(_message.Message):
+    __slots__ = ("request", "timeout_ms", "traceparent", "tracestate")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    request: WorkerGenerateRequest
+    timeout_ms: int
+    traceparent: str
+    tracestate: str
+    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class RelayCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RelayEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[RelayEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[RelayEvent, _Mapping]]] = ...) -> None: ...
+
+class RelayEvent(_message.Message):
+    __slots__ = ("stream_id", "accepted", "tokens", "finished", "error")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    accepted: RelayAccepted
+    tokens: _common_pb2.Tokens
+    finished: WorkerFinished
+    error: RelayError
+    def __init__(self, stream_id: _Optional[int] = ..., accepted: _Optional[_Union[RelayAccepted, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., finished: _Optional[_Union[WorkerFinished, _Mapping]] = ..., error: _Optional[_Union[RelayError, _Mapping]] = ...) -> None: ...
+
+class RelayAccepted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RelayError(_message.Message):
+    __slots__ = ("code", "message", "reason", "retry_after_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    reason: str
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=ballast_dot_v1_dot_worker__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=ballast_dot_v1_dot_worker__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/ballast.v1.Worker/Relay',
+                request_serializer=ballast_dot_v1_dot_worker__pb2.RelayActions.SerializeToString,
+                response_deserializer=ballast_dot_v1_dot_worker__pb2.RelayEvents.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -65,6 +70,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """Many requests over one stream: a router keeps one Relay open per worker, sends each
+        request's start (and cancel) as an action, and gets every request's events back in
+        batches, several requests' tokens to a message. Per request, the events and their
+        meaning are Generate's; a worker that serves it says so in its etcd record ("relay").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +92,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=ballast_dot_v1_dot_worker__pb2.ModelInfoRequest.FromString,
                     response_serializer=ballast_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=ballast_dot_v1_dot_worker__pb2.RelayActions.FromString,
+                    response_serializer=ballast_dot_v1_dot_worker__pb2.RelayEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +153,33 @@ class Worker:
             '/ballast.v1.Worker/GetModelInfo',
             ballast_dot_v1_dot_worker__pb2.ModelInfoRequest.SerializeToString,
             ballast_dot_v1_dot_worker__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ballast.v1.Worker/Relay',
+            ballast_dot_v1_dot_worker__pb2.RelayActions.SerializeToString,
+            ballast_dot_v1_dot_worker__pb2.RelayEvents.FromString,
             options,
             channel_credentials,
             insecure,

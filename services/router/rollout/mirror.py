@@ -172,7 +172,7 @@ class MirrorRunner:
             copy = dataclasses.replace(request, request_id=f"{request.request_id}:mirror", session_id="")
             # Shadow traffic: the candidate's live requests go first.
             call_request = worker_request_pb(copy, plan, Tier.B, 0)
-            with WorkerCall(self._clients, worker.address, call_request, deadline) as call:
+            with WorkerCall(self._clients, worker.address, call_request, deadline, relay=worker.relay) as call:
                 async for event in call.events():
                     if isinstance(event, Tokens):
                         if answer.ttft_ms is None:

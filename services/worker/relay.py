@@ -1,0 +1,263 @@
+"""`Worker/Relay` on the worker: one router's many requests over one stream.
+
+Each start runs in a task of its own through the very code of `Generate` (validation,
+admission, the accepted signal, the engine, the spans, the metrics, the stream interval), so a
+request behaves the same whichever call carried it. What the tasks produce goes into one outbox;
+a writer sends everything pending as one `RelayEvents` message the moment it can, so events that
+come while a write is in flight share the next message, and a busy worker sends several
+requests' tokens per message instead of a message per request.
+
+A start's `accepted` event is written before its engine sees the request (the router's poison
+containment counts a worker lost after it against the request), and an error ends one request
+with Generate's status, as an event: the other requests on the stream go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, Iterable, cast
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind, set_span_in_context
+
+from ballast.v1 import worker_pb2
+from services.common import tracing
+from services.common.errors import BallastError, DeadlineExceeded, Fault
+from services.common.faults import RETRY_AFTER_KEY, status_trailers
+from services.common.grpc_tracing import SERVER_ERROR_CODES
+
+if TYPE_CHECKING:
+    from services.worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+# How long the end of a stream waits for its last events to be written.
+FINAL_WRITE_S = 1.0
+TRACER = tracing.tracer("worker")
+# The span of one relayed request: the worker's server span of the request, named and
+# described as a Generate call's (traces and dashboards read both kinds the same), with
+# `ballast.relay` set.
+SPAN_NAME = "ballast.v1.Worker/Generate"
+SPAN_ATTRIBUTES: dict[str, str | bool] = {
+    "rpc.system": "grpc",
+    "rpc.service": "ballast.v1.Worker",
+    "rpc.method": "Generate",
+    "ballast.relay": True,
+}
+
+
+@dataclass
+class RelayCounts:
+    """What this worker's Relay streams sent: messages, and the events in them (plain counts,
+    read by the metrics; nothing on the hot path but two additions per message)."""
+
+    messages: int = 0
+    events: int = 0
+
+
+def error_event(stream_id: int, error: BallastError) -> worker_pb2.RelayEvent:
+    """A request's end with `error`: the status Generate would have answered, as an event."""
+    trailers = dict(status_trailers(error))
+    return worker_pb2.RelayEvent(
+        stream_id=stream_id,
+        error=worker_pb2.RelayError(
+            code=error.code.value[0],
+            message=error.message,
+            reason=error.fault.value,
+            retry_after_ms=int(trailers.get(RETRY_AFTER_KEY, 0)),
+        ),
+    )
+
+
+class _StreamCall:
+    """What Generate asks of its call, for one request of a Relay stream."""
+
+    def __init__(self, outbox: "Outbox", stream_id: int) -> None:
+        self._outbox = outbox
+        self._stream_id = stream_id
+
+    async def send_initial_metadata(self, _metadata: Iterable[tuple[str, str]]) -> None:
+        await self._outbox.post_and_flush(
+            worker_pb2.RelayEvent(stream_id=self._stream_id, accepted=worker_pb2.RelayAccepted())
+        )
+
+
+class Outbox:
+    """Events waiting for the stream, written as one message per write."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, counts: RelayCounts) -> None:
+        self._context = context
+        self._counts = counts
+        self._pending: list[worker_pb2.RelayEvent] = []
+        self._flushed: list[asyncio.Future[None]] = []
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self.closed = False
+
+    def post(self, event: worker_pb2.RelayEvent) -> None:
+        self._pending.append(event)
+        self._ready.set()
+
+    async def post_and_flush(self, event: worker_pb2.RelayEvent) -> None:
+        """Posts `event` and returns once it is written (raises CancelledError when the stream ends first)."""
+        flushed = asyncio.get_running_loop().create_future()
+        self._flushed.append(flushed)
+        self.post(event)
+        await flushed
+
+    async def run(self) -> None:
+        """Writes what is pending until `stop()` (then what is left) or a failed write."""
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                if self._pending:
+                    events, self._pending = self._pending, []
+                    flushed, self._flushed = self._flushed, []
+                    await self._context.write(worker_pb2.RelayEvents(events=events))
+                    self._counts.messages += 1
+                    self._counts.events += len(events)
+                    for waiter in flushed:
+                        if not waiter.done():
+                            waiter.set_result(None)
+                if self._stopping and not self._pending:
+                    return
+        finally:
+            self.closed = True
+            for waiter in self._flushed:
+                waiter.cancel()
+
+    def stop(self) -> None:
+        """Lets `run` end once everything pending is written."""
+        self._stopping = True
+        self._ready.set()
+
+
+class RelayStream:
+    """One Relay call on the worker: its requests' tasks and its outbox."""
+
+    def __init__(self, servicer: "WorkerServicer", context: grpc.aio.ServicerContext) -> None:
+        self._servicer = servicer
+        self._outbox = Outbox(context, servicer.relay_counts)
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closing = False
+
+    async def serve(self, actions: AsyncIterator[worker_pb2.RelayActions]) -> None:
+        """Runs until the router ends the stream, or `close()`; then stops what still runs."""
+        writer = asyncio.create_task(self._outbox.run())
+        reader = asyncio.create_task(self._read(actions))
+        self._reader = reader
+        try:
+            await reader
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise  # the call itself was cancelled (the router went away)
+        finally:
+            reader.cancel()
+            # The router closed the stream or went away: nobody is left to read these answers.
+            for task in list(self._tasks.values()):
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            # What the requests said last (a drained request's hand-off among them) still goes
+            # out, unless the stream is already gone or the router stopped reading.
+            self._outbox.stop()
+            try:
+                await asyncio.wait_for(writer, FINAL_WRITE_S)
+            except asyncio.CancelledError:
+                writer.cancel()
+                raise
+            except Exception:  # out of time, or a write failed: the stream is gone either way
+                writer.cancel()
+
+    def close(self) -> None:
+        """Ends the stream with OK (the worker is stopping, its requests already drained), so
+        the server's stop need not wait for the router to hang up."""
+        self._closing = True
+        if self._reader is not None:
+            self._reader.cancel()
+
+    async def _read(self, actions: AsyncIterator[worker_pb2.RelayActions]) -> None:
+        async for message in actions:
+            for action in message.actions:
+                kind = action.WhichOneof("action")
+                if kind == "start":
+                    self._start(action.stream_id, action.start)
+                elif kind == "cancel":
+                    self._cancel(action.stream_id)
+
+    def _start(self, stream_id: int, start: worker_pb2.RelayStart) -> None:
+        if stream_id in self._tasks:
+            # A router reusing a live id would mix two requests' tokens: refuse the newcomer.
+            self._outbox.post(error_event(stream_id, DuplicateStream(f"stream {stream_id} is already running")))
+            return
+        task = asyncio.create_task(self._run(stream_id, start))
+        self._tasks[stream_id] = task
+        task.add_done_callback(lambda _task: self._tasks.pop(stream_id, None))
+
+    def _cancel(self, stream_id: int) -> None:
+        task = self._tasks.get(stream_id)
+        if task is not None:
+            task.cancel()
+
+    async def _run(self, stream_id: int, start: worker_pb2.RelayStart) -> None:
+        parent = tracing.context_from_headers(
+            [(tracing.TRACEPARENT, start.traceparent), ("tracestate", start.tracestate)]
+        )
+        span = TRACER.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER, attributes=SPAN_ATTRIBUTES)
+        token = otel_context.attach(set_span_in_context(span, parent))
+        code: grpc.StatusCode = grpc.StatusCode.OK
+        failure: BaseException | None = None
+        try:
+            timeout = start.timeout_ms / 1000 if start.timeout_ms else None
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._relay(stream_id, start.request)
+            except TimeoutError:
+                raise DeadlineExceeded("deadline exceeded while generating") from None
+        except BallastError as error:
+            code, failure = error.code, error
+            self._outbox.post(error_event(stream_id, error))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as bug:
+            log.exception("bug relaying stream %d", stream_id)
+            internal = RelayBug("internal error in ballast.v1.Worker/Relay")
+            code, failure = internal.code, bug
+            self._outbox.post(error_event(stream_id, internal))
+        finally:
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            # Like a Generate call's span: only the server's own failures mark it failed.
+            tracing.end_span(span, failure if code in SERVER_ERROR_CODES else None)
+            otel_context.detach(token)
+
+    async def _relay(self, stream_id: int, request: worker_pb2.WorkerGenerateRequest) -> None:
+        events = cast(
+            AsyncGenerator[worker_pb2.WorkerGenerateEvent, None],
+            self._servicer.Generate(request, _StreamCall(self._outbox, stream_id)),  # type: ignore[arg-type]
+        )
+        try:
+            async for event in events:
+                if event.HasField("tokens"):
+                    self._outbox.post(worker_pb2.RelayEvent(stream_id=stream_id, tokens=event.tokens))
+                else:
+                    self._outbox.post(worker_pb2.RelayEvent(stream_id=stream_id, finished=event.finished))
+        finally:
+            await events.aclose()
+
+
+class DuplicateStream(BallastError):
+    """A start reused the id of a request still running on the stream."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    fault = Fault.INVALID_ARGUMENT
+
+
+class RelayBug(BallastError):
+    """Anything but a typed error escaped a relayed request: a bug, answered as INTERNAL."""
+
+    code = grpc.StatusCode.INTERNAL
