@@ -3,9 +3,12 @@
 Each start runs in a task of its own through the very code of `Generate` (validation,
 admission, the accepted signal, the engine, the spans, the metrics, the stream interval), so a
 request behaves the same whichever call carried it. What the tasks produce goes into one outbox;
-a writer sends everything pending as one `RelayEvents` message the moment it can, so events that
-come while a write is in flight share the next message, and a busy worker sends several
+a writer sends everything pending as one `RelayEvents` message, so a busy worker sends several
 requests' tokens per message instead of a message per request.
+
+Tokens after a request's first are held back for its stream interval as Generate holds them,
+but on the stream's clock: whenever anything is written, every request's held tokens go along,
+so the requests fall into step and a message carries all of their tokens (see `Outbox`).
 
 A start's `accepted` event is written before its engine sees the request (the router's poison
 containment counts a worker lost after it against the request), and an error ends one request
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, Iterable, cast
 
@@ -23,7 +27,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, set_span_in_context
 
-from ballast.v1 import worker_pb2
+from ballast.v1 import common_pb2, worker_pb2
 from services.common import tracing
 from services.common.errors import BallastError, DeadlineExceeded, Fault
 from services.common.faults import RETRY_AFTER_KEY, status_trailers
@@ -85,24 +89,58 @@ class _StreamCall:
 
 
 class Outbox:
-    """Events waiting for the stream, written as one message per write."""
+    """Events waiting for the stream, written as one message per write.
+
+    A request's tokens after its first may be held back for its stream interval (as Generate
+    holds them); held tokens of one request merge into one event. Whatever makes a write (the
+    first token of a request, an end, an accept, an error, or the earliest held tokens falling
+    due) takes everything pending along, so the requests' intervals fall into step and one
+    message carries the tokens of all of them. Nothing waits longer than its own interval.
+    """
 
     def __init__(self, context: grpc.aio.ServicerContext, counts: RelayCounts) -> None:
         self._context = context
         self._counts = counts
+        self._loop = asyncio.get_running_loop()
         self._pending: list[worker_pb2.RelayEvent] = []
+        # The pending tokens event of each request whose tokens are being held back.
+        self._held: dict[int, worker_pb2.RelayEvent] = {}
+        self._due = math.inf
+        self._timer: asyncio.TimerHandle | None = None
         self._flushed: list[asyncio.Future[None]] = []
         self._ready = asyncio.Event()
         self._stopping = False
         self.closed = False
 
     def post(self, event: worker_pb2.RelayEvent) -> None:
+        """Sends `event` now (with everything pending)."""
         self._pending.append(event)
+        self._held.pop(event.stream_id, None)  # what follows an end or error goes in order
         self._ready.set()
+
+    def post_tokens(self, stream_id: int, tokens: common_pb2.Tokens, hold_s: float) -> None:
+        """Sends `tokens` within `hold_s` (0: now), merged with the request's held tokens."""
+        held = self._held.get(stream_id)
+        if held is not None:
+            held.tokens.token_ids.extend(tokens.token_ids)
+            held.tokens.text += tokens.text
+            return
+        event = worker_pb2.RelayEvent(stream_id=stream_id, tokens=tokens)
+        self._pending.append(event)
+        if hold_s <= 0:
+            self._ready.set()
+            return
+        self._held[stream_id] = event
+        due = self._loop.time() + hold_s
+        if due < self._due:
+            self._due = due
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_at(due, self._ready.set)
 
     async def post_and_flush(self, event: worker_pb2.RelayEvent) -> None:
         """Posts `event` and returns once it is written (raises CancelledError when the stream ends first)."""
-        flushed = asyncio.get_running_loop().create_future()
+        flushed = self._loop.create_future()
         self._flushed.append(flushed)
         self.post(event)
         await flushed
@@ -116,6 +154,11 @@ class Outbox:
                 if self._pending:
                     events, self._pending = self._pending, []
                     flushed, self._flushed = self._flushed, []
+                    self._held.clear()
+                    self._due = math.inf
+                    if self._timer is not None:
+                        self._timer.cancel()
+                        self._timer = None
                     await self._context.write(worker_pb2.RelayEvents(events=events))
                     self._counts.messages += 1
                     self._counts.events += len(events)
@@ -126,6 +169,8 @@ class Outbox:
                     return
         finally:
             self.closed = True
+            if self._timer is not None:
+                self._timer.cancel()
             for waiter in self._flushed:
                 waiter.cancel()
 
@@ -236,14 +281,19 @@ class RelayStream:
             otel_context.detach(token)
 
     async def _relay(self, stream_id: int, request: worker_pb2.WorkerGenerateRequest) -> None:
+        # Generate yields tokens as they come; the outbox holds them for the request's interval.
+        hold_s = self._servicer.flush_interval_s(request)
         events = cast(
             AsyncGenerator[worker_pb2.WorkerGenerateEvent, None],
-            self._servicer.Generate(request, _StreamCall(self._outbox, stream_id)),  # type: ignore[arg-type]
+            self._servicer.Generate(request, _StreamCall(self._outbox, stream_id), hold=False),  # type: ignore[arg-type]
         )
+        first = True
         try:
             async for event in events:
                 if event.HasField("tokens"):
-                    self._outbox.post(worker_pb2.RelayEvent(stream_id=stream_id, tokens=event.tokens))
+                    # The first token never waits.
+                    self._outbox.post_tokens(stream_id, event.tokens, 0.0 if first else hold_s)
+                    first = False
                 else:
                     self._outbox.post(worker_pb2.RelayEvent(stream_id=stream_id, finished=event.finished))
         finally:

@@ -165,9 +165,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             pool=self.pool,
         )
 
+    def flush_interval_s(self, request: worker_pb2.WorkerGenerateRequest) -> float:
+        """How long the stream's tokens after the first may be held back to leave together."""
+        return max(
+            self.b_tier_flush_s if request.tier == common_pb2.TIER_B else 0.0,
+            min(request.flush_interval_ms, MAX_FLUSH_INTERVAL_MS) / 1000,
+        )
+
     async def Generate(
-        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext, *, hold: bool = True
     ) -> AsyncIterator[worker_pb2.WorkerGenerateEvent]:
+        """`hold=False`: yield tokens as they come, for a caller that holds them back itself
+        (a Relay stream, which holds all its requests' tokens to send them together)."""
         engine_request = engine_request_from_pb(request)
         self.faults.check()
         # Sent before the engine sees the request: a router that gets it and then loses this
@@ -178,10 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         outcome = "error"
         first_token_at: float | None = None
         index = len(engine_request.generated_ids)
-        flush_s = max(
-            self.b_tier_flush_s if request.tier == common_pb2.TIER_B else 0.0,
-            min(request.flush_interval_ms, MAX_FLUSH_INTERVAL_MS) / 1000,
-        )
+        flush_s = self.flush_interval_s(request) if hold else 0.0
         stream = Coalescer(self.engine.generate(engine_request), merge_deltas)
         self.state.streams.add(stream)
         # Counted as the engine reports it (restored KV is not computed), else the whole context.

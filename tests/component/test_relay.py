@@ -72,9 +72,12 @@ class Streams:
         self.indices: dict[int, list[int]] = {}
         self.errors: dict[int, worker_pb2.RelayError] = {}
         self.messages = 0
+        self._shared = 0
 
     def add(self, message: worker_pb2.RelayEvents) -> None:
         self.messages += 1
+        if len({e.stream_id for e in message.events if e.WhichOneof("event") == "tokens"}) > 1:
+            self._shared += 1
         for event in message.events:
             kind = event.WhichOneof("event")
             self.kinds.setdefault(event.stream_id, []).append(kind)
@@ -83,6 +86,9 @@ class Streams:
                 self.indices.setdefault(event.stream_id, []).append(event.tokens.first_index)
             elif kind == "error":
                 self.errors[event.stream_id] = event.error
+
+    def shared_token_messages(self) -> int:
+        return self._shared
 
     def ended(self, stream_id: int) -> bool:
         return bool(set(self.kinds.get(stream_id, ())) & {"finished", "error"})
@@ -114,6 +120,22 @@ async def test_two_requests_on_one_stream_each_equal_their_generate_call(worker_
         # Each message continues where the one before ended.
         positions = streams.indices[stream_id]
         assert positions[0] == 0 and positions == sorted(set(positions))
+
+
+async def test_held_tokens_of_several_requests_leave_in_one_message(worker_stub, worker_app):
+    first, second = _request(worker_app, 60), _request(worker_app, 60, "Please summarise the refund policy.")
+    first.flush_interval_ms = second.flush_interval_ms = 200
+    call = worker_stub.Relay()
+    await call.write(_start(1, first))
+    await call.write(_start(2, second))
+    streams = Streams()
+    await _read_until(call, streams, lambda: streams.ended(1) and streams.ended(2))
+    call.cancel()
+    # Each answer is whole and in order, as Generate gives it...
+    assert streams.ids[1] == await _generate_ids(worker_stub, first)
+    assert streams.ids[2] == await _generate_ids(worker_stub, second)
+    # ...and the tokens the two held back went out together rather than a message each.
+    assert streams.shared_token_messages() >= 1
 
 
 async def test_a_cancel_stops_its_request_on_the_worker_and_not_the_others(worker_stub, worker_app):
