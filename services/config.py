@@ -23,6 +23,7 @@ from services.common.config import (
     TelemetryConfig,
     load_sections,
 )
+from services.common.event_loop import RuntimeConfig
 from services.common.tls.settings import TLSConfig
 from services.worker.settings import WorkerConfig
 from services.router.autoscale.settings import AutoscalerSection
@@ -45,6 +46,7 @@ class BallastConfig(Section):
     backfill: BackfillSettings = Field(default_factory=BackfillSettings)
     degrade: DegradeConfig = Field(default_factory=DegradeConfig)
     autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
 
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> BallastConfig:

@@ -5,10 +5,10 @@ field), then serve."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any, Awaitable, Callable
 
+from services.common import event_loop
 from services.common.config import ConfigError
 from services.common.lifecycle import setup_logging
 from services.common.tls.backing import check_backing_tls
@@ -43,5 +43,5 @@ def run_main(
         return 2
     if launch is not None:
         return launch(config)
-    asyncio.run(serve(config))
+    event_loop.run(serve(config), config.runtime.event_loop)
     return 0

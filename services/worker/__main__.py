@@ -5,10 +5,10 @@ one dies (services/worker/keeper.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from typing import Callable
 
+from services.common import event_loop
 from services.config import BallastConfig
 from services.common.lifecycle import serve_until_signal
 from services.entrypoint import run_main
@@ -31,12 +31,12 @@ async def serve(config: BallastConfig, on_ready: Callable[[], None] | None = Non
 
 def launch(config: BallastConfig) -> int:
     if not config.worker.respawn:
-        asyncio.run(serve(config))
+        event_loop.run(serve(config), config.runtime.event_loop)
         return 0
     from services.worker.keeper import Keeper, RespawnPolicy, preload
 
     def serve_child(ready: Callable[[], None]) -> int:
-        asyncio.run(serve(config, ready))
+        event_loop.run(serve(config, ready), config.runtime.event_loop)
         return 0
 
     preload(config.worker.engine)

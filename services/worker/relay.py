@@ -7,8 +7,8 @@ a writer sends everything pending as one `RelayEvents` message, so a busy worker
 requests' tokens per message instead of a message per request.
 
 Tokens after a request's first are held back for its stream interval as Generate holds them,
-but on the stream's clock: whenever anything is written, every request's held tokens go along,
-so the requests fall into step and a message carries all of their tokens (see `Outbox`).
+and leave early with another write once they have waited half of it: the requests fall into
+step, and a message carries the tokens of many of them (see `Outbox`).
 
 A start's `accepted` event is written before its engine sees the request (the router's poison
 containment counts a worker lost after it against the request), and an error ends one request
@@ -88,55 +88,66 @@ class _StreamCall:
         )
 
 
+class _Held:
+    """A request's tokens held back, merged into one event, and when they must leave."""
+
+    __slots__ = ("event", "due", "ripe")
+
+    def __init__(self, event: worker_pb2.RelayEvent, due: float, hold_s: float) -> None:
+        self.event = event
+        self.due = due
+        # From here on they leave with any write: the last half of their interval.
+        self.ripe = due - hold_s / 2
+
+
 class Outbox:
     """Events waiting for the stream, written as one message per write.
 
-    A request's tokens after its first may be held back for its stream interval (as Generate
-    holds them); held tokens of one request merge into one event. Whatever makes a write (the
-    first token of a request, an end, an accept, an error, or the earliest held tokens falling
-    due) takes everything pending along, so the requests' intervals fall into step and one
-    message carries the tokens of all of them. Nothing waits longer than its own interval.
+    A request's first token, its end, an accept and an error leave at once. Its later tokens
+    are held back for its stream interval, as Generate holds them, merged into one event; they
+    leave when their interval is up, or with any earlier write once they have waited half of
+    it. So the requests on a stream fall into step and one message carries the tokens of many
+    of them, while each request still gets its tokens in messages its interval apart at most,
+    never held longer than its interval.
     """
 
     def __init__(self, context: grpc.aio.ServicerContext, counts: RelayCounts) -> None:
         self._context = context
         self._counts = counts
         self._loop = asyncio.get_running_loop()
-        self._pending: list[worker_pb2.RelayEvent] = []
-        # The pending tokens event of each request whose tokens are being held back.
-        self._held: dict[int, worker_pb2.RelayEvent] = {}
-        self._due = math.inf
+        self._now: list[worker_pb2.RelayEvent] = []
+        self._held: dict[int, _Held] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self._flushed: list[asyncio.Future[None]] = []
         self._ready = asyncio.Event()
         self._stopping = False
         self.closed = False
 
     def post(self, event: worker_pb2.RelayEvent) -> None:
-        """Sends `event` now (with everything pending)."""
-        self._pending.append(event)
-        self._held.pop(event.stream_id, None)  # what follows an end or error goes in order
+        """Sends `event` now, after the request's held tokens (an end follows its tokens)."""
+        held = self._held.pop(event.stream_id, None)
+        if held is not None:
+            self._now.append(held.event)
+        self._now.append(event)
         self._ready.set()
 
     def post_tokens(self, stream_id: int, tokens: common_pb2.Tokens, hold_s: float) -> None:
         """Sends `tokens` within `hold_s` (0: now), merged with the request's held tokens."""
         held = self._held.get(stream_id)
         if held is not None:
-            held.tokens.token_ids.extend(tokens.token_ids)
-            held.tokens.text += tokens.text
+            held.event.tokens.token_ids.extend(tokens.token_ids)
+            held.event.tokens.text += tokens.text
             return
         event = worker_pb2.RelayEvent(stream_id=stream_id, tokens=tokens)
-        self._pending.append(event)
         if hold_s <= 0:
+            self._now.append(event)
             self._ready.set()
             return
-        self._held[stream_id] = event
         due = self._loop.time() + hold_s
-        if due < self._due:
-            self._due = due
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._loop.call_at(due, self._ready.set)
+        self._held[stream_id] = _Held(event, due, hold_s)
+        if due < self._timer_at:
+            self._wake_at(due)
 
     async def post_and_flush(self, event: worker_pb2.RelayEvent) -> None:
         """Posts `event` and returns once it is written (raises CancelledError when the stream ends first)."""
@@ -145,27 +156,49 @@ class Outbox:
         self.post(event)
         await flushed
 
+    def _wake_at(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._ready.set)
+
+    def _take(self) -> list[worker_pb2.RelayEvent]:
+        """What leaves now: everything due now, and the held tokens that are ripe."""
+        events, self._now = self._now, []
+        if self._held:
+            now = self._loop.time()
+            ripe = [stream_id for stream_id, held in self._held.items() if held.ripe <= now]
+            for stream_id in ripe:
+                events.append(self._held.pop(stream_id).event)
+        next_due = min((held.due for held in self._held.values()), default=math.inf)
+        if next_due != self._timer_at:
+            if next_due == math.inf:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer, self._timer_at = None, math.inf
+            else:
+                self._wake_at(next_due)
+        return events
+
     async def run(self) -> None:
-        """Writes what is pending until `stop()` (then what is left) or a failed write."""
+        """Writes what is due until `stop()` (then everything left) or a failed write."""
         try:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
-                if self._pending:
-                    events, self._pending = self._pending, []
+                if self._stopping:
+                    for held in self._held.values():
+                        held.ripe = -math.inf
+                events = self._take()
+                if events:
                     flushed, self._flushed = self._flushed, []
-                    self._held.clear()
-                    self._due = math.inf
-                    if self._timer is not None:
-                        self._timer.cancel()
-                        self._timer = None
                     await self._context.write(worker_pb2.RelayEvents(events=events))
                     self._counts.messages += 1
                     self._counts.events += len(events)
                     for waiter in flushed:
                         if not waiter.done():
                             waiter.set_result(None)
-                if self._stopping and not self._pending:
+                if self._stopping and not self._now and not self._held:
                     return
         finally:
             self.closed = True

@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 
+from services.common import event_loop
 from services.common.config import ConfigError
 from services.common.etcd_session import EtcdSession
 from services.common.lifecycle import catch_stop_signals, setup_logging
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ballast-sim-host: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config, args.count, args.restart_after))
+    event_loop.run(serve(config, args.count, args.restart_after), config.runtime.event_loop)
     return 0
 
 
