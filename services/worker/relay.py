@@ -96,8 +96,8 @@ class _Held:
     def __init__(self, event: worker_pb2.RelayEvent, due: float, hold_s: float) -> None:
         self.event = event
         self.due = due
-        # From here on they leave with any write: the last half of their interval.
-        self.ripe = due - hold_s / 2
+        # From here on they leave with any write: the last quarter of their interval.
+        self.ripe = due - hold_s / 4
 
 
 class Outbox:
