@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
-# How long the end of a stream waits for its last events to be written.
-FINAL_WRITE_S = 1.0
 TRACER = tracing.tracer("worker")
 # The span of one relayed request: the worker's server span of the request, named and
 # described as a Generate call's (traces and dashboards read both kinds the same), with
@@ -111,8 +109,7 @@ class Outbox:
     never held longer than its interval.
     """
 
-    def __init__(self, context: grpc.aio.ServicerContext, counts: RelayCounts) -> None:
-        self._context = context
+    def __init__(self, counts: RelayCounts) -> None:
         self._counts = counts
         self._loop = asyncio.get_running_loop()
         self._now: list[worker_pb2.RelayEvent] = []
@@ -180,8 +177,8 @@ class Outbox:
                 self._wake_at(next_due)
         return events
 
-    async def run(self) -> None:
-        """Writes what is due until `stop()` (then everything left) or a failed write."""
+    async def messages(self) -> AsyncIterator[worker_pb2.RelayEvents]:
+        """What is due, a message at a time, until `stop()` (then everything left)."""
         try:
             while True:
                 await self._ready.wait()
@@ -192,7 +189,8 @@ class Outbox:
                 events = self._take()
                 if events:
                     flushed, self._flushed = self._flushed, []
-                    await self._context.write(worker_pb2.RelayEvents(events=events))
+                    # Resumes once gRPC took the message (as an awaited write would).
+                    yield worker_pb2.RelayEvents(events=events)
                     self._counts.messages += 1
                     self._counts.events += len(events)
                     for waiter in flushed:
@@ -208,7 +206,7 @@ class Outbox:
                 waiter.cancel()
 
     def stop(self) -> None:
-        """Lets `run` end once everything pending is written."""
+        """Lets `messages` end once everything pending is out."""
         self._stopping = True
         self._ready.set()
 
@@ -216,45 +214,47 @@ class Outbox:
 class RelayStream:
     """One Relay call on the worker: its requests' tasks and its outbox."""
 
-    def __init__(self, servicer: "WorkerServicer", context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, servicer: "WorkerServicer") -> None:
         self._servicer = servicer
-        self._outbox = Outbox(context, servicer.relay_counts)
+        self._outbox = Outbox(servicer.relay_counts)
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._closing = False
+        self._winding_down: asyncio.Future[None] | None = None
 
-    async def serve(self, actions: AsyncIterator[worker_pb2.RelayActions]) -> None:
-        """Runs until the router ends the stream, or `close()`; then stops what still runs."""
-        writer = asyncio.create_task(self._outbox.run())
+    async def serve(self, actions: AsyncIterator[worker_pb2.RelayActions]) -> AsyncIterator[worker_pb2.RelayEvents]:
+        """The stream's messages, until the router ends it or `close()`; a frame that does not
+        parse ends it with that error (as the call's status)."""
         reader = asyncio.create_task(self._read(actions))
         self._reader = reader
+        reader.add_done_callback(lambda _reader: self._wind_down_soon())
         try:
-            await reader
-        except asyncio.CancelledError:
-            if not self._closing:
-                raise  # the call itself was cancelled (the router went away)
+            async for message in self._outbox.messages():
+                yield message
+            if not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
         finally:
             reader.cancel()
-            # The router closed the stream or went away: nobody is left to read these answers.
+            # The router went away: nobody is left to read these answers.
             for task in list(self._tasks.values()):
                 task.cancel()
             if self._tasks:
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-            # What the requests said last (a drained request's hand-off among them) still goes
-            # out, unless the stream is already gone or the router stopped reading.
-            self._outbox.stop()
-            try:
-                await asyncio.wait_for(writer, FINAL_WRITE_S)
-            except asyncio.CancelledError:
-                writer.cancel()
-                raise
-            except Exception:  # out of time, or a write failed: the stream is gone either way
-                writer.cancel()
+
+    def _wind_down_soon(self) -> None:
+        self._winding_down = asyncio.ensure_future(self._wind_down())
+
+    async def _wind_down(self) -> None:
+        """The actions ended (or `close()`): stops the requests still running, then lets what
+        they said last (a drained request's hand-off among them) go out, and the stream end."""
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._outbox.stop()
 
     def close(self) -> None:
         """Ends the stream with OK (the worker is stopping, its requests already drained), so
         the server's stop need not wait for the router to hang up."""
-        self._closing = True
         if self._reader is not None:
             self._reader.cancel()
 

@@ -269,12 +269,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Relay(
         self, request_iterator: AsyncIterator[worker_pb2.RelayActions], context: grpc.aio.ServicerContext
-    ) -> None:
+    ) -> AsyncIterator[worker_pb2.RelayEvents]:
         """Many requests over one stream (services.worker.relay), each run by `Generate`."""
-        relay = RelayStream(self, context)
+        relay = RelayStream(self)
         self._relays.add(relay)
         try:
-            await relay.serve(request_iterator)
+            async for message in relay.serve(request_iterator):
+                yield message
         finally:
             self._relays.discard(relay)
 
