@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -141,18 +140,19 @@ def _wrap_stream(behavior: Callable[..., Any], method: str):
     return wrapper
 
 
+async def _parsed(request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream's requests; a frame that does not parse ends it as bad input, wherever it comes."""
+    async for request in request_iterator:
+        if isinstance(request, MalformedRequest):
+            raise InvalidArgument(f"a request frame does not parse as {request.type_name}")
+        yield request
+
+
 def _wrap_client_stream(behavior: Callable[..., Awaitable[Any]], method: str):
     async def wrapper(request_iterator, context):
-        async def parsed():
-            # A frame that does not parse ends the stream as bad input, wherever it comes.
-            async for request in request_iterator:
-                if isinstance(request, MalformedRequest):
-                    raise InvalidArgument(f"a request frame does not parse as {request.type_name}")
-                yield request
-
         async with _statuses(context, method):
             try:
-                return await behavior(parsed(), context)
+                return await behavior(_parsed(request_iterator), context)
             except BallastError:
                 # The client may still be writing (megabytes of KV blocks): answering before
                 # it finishes races its writes in gRPC's transport, and it can then see
@@ -165,29 +165,15 @@ def _wrap_client_stream(behavior: Callable[..., Awaitable[Any]], method: str):
 
 
 def _wrap_bidi(behavior: Callable[..., Any], method: str):
-    """A bidirectional handler, written either way gRPC allows: yielding its answers, or
-    writing them with context.write() and returning."""
+    """A bidirectional handler that yields its answers (as every Ballast one does: the TLS
+    peer check wraps handlers the same way)."""
 
-    async def parsed(request_iterator):
-        async for request in request_iterator:
-            if isinstance(request, MalformedRequest):
-                raise InvalidArgument(f"a request frame does not parse as {request.type_name}")
-            yield request
-
-    if inspect.isasyncgenfunction(behavior):
-
-        async def yielding(request_iterator, context):
-            async with _statuses(context, method):
-                async for item in behavior(parsed(request_iterator), context):
-                    yield item
-
-        return yielding
-
-    async def writing(request_iterator, context):
+    async def wrapper(request_iterator, context):
         async with _statuses(context, method):
-            await behavior(parsed(request_iterator), context)
+            async for item in behavior(_parsed(request_iterator), context):
+                yield item
 
-    return writing
+    return wrapper
 
 
 async def _drain(request_iterator, context: grpc.aio.ServicerContext) -> None:

@@ -194,10 +194,6 @@ class RelayLink:
     def broken(self) -> bool:
         return self._broken is not None
 
-    @property
-    def calls(self) -> int:
-        return len(self._calls)
-
     def start(self, request: worker_pb2.WorkerGenerateRequest, deadline: float, trace: dict[str, str]) -> RelayCall:
         """Starts `request` on the worker; `deadline`: time.monotonic() by which it must end."""
         stream_id = next(self._ids)

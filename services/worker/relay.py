@@ -119,7 +119,6 @@ class Outbox:
         self._flushed: list[asyncio.Future[None]] = []
         self._ready = asyncio.Event()
         self._stopping = False
-        self.closed = False
 
     def post(self, event: worker_pb2.RelayEvent) -> None:
         """Sends `event` now, after the request's held tokens (an end follows its tokens)."""
@@ -199,7 +198,6 @@ class Outbox:
                 if self._stopping and not self._now and not self._held:
                     return
         finally:
-            self.closed = True
             if self._timer is not None:
                 self._timer.cancel()
             for waiter in self._flushed:
@@ -235,10 +233,7 @@ class RelayStream:
         finally:
             reader.cancel()
             # The router went away: nobody is left to read these answers.
-            for task in list(self._tasks.values()):
-                task.cancel()
-            if self._tasks:
-                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            await self._stop_requests()
 
     def _wind_down_soon(self) -> None:
         self._winding_down = asyncio.ensure_future(self._wind_down())
@@ -246,11 +241,15 @@ class RelayStream:
     async def _wind_down(self) -> None:
         """The actions ended (or `close()`): stops the requests still running, then lets what
         they said last (a drained request's hand-off among them) go out, and the stream end."""
-        for task in list(self._tasks.values()):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await self._stop_requests()
         self._outbox.stop()
+
+    async def _stop_requests(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def close(self) -> None:
         """Ends the stream with OK (the worker is stopping, its requests already drained), so
