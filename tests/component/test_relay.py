@@ -102,14 +102,20 @@ async def _read_until(call, streams: Streams, done) -> None:
             streams.add(message)
 
 
-async def test_two_requests_on_one_stream_each_equal_their_generate_call(worker_stub, worker_app):
-    first, second = _request(worker_app, 24), _request(worker_app, 16, "Please summarise the refund policy.")
+async def _relay_two(worker_stub, first, second) -> Streams:
+    """Starts `first` and `second` on one Relay stream and reads it until both have ended."""
     call = worker_stub.Relay()
     await call.write(_start(1, first))
     await call.write(_start(2, second))
     streams = Streams()
     await _read_until(call, streams, lambda: streams.ended(1) and streams.ended(2))
     call.cancel()
+    return streams
+
+
+async def test_two_requests_on_one_stream_each_equal_their_generate_call(worker_stub, worker_app):
+    first, second = _request(worker_app, 24), _request(worker_app, 16, "Please summarise the refund policy.")
+    streams = await _relay_two(worker_stub, first, second)
     assert streams.ids[1] == await _generate_ids(worker_stub, first)
     assert streams.ids[2] == await _generate_ids(worker_stub, second)
     for stream_id in (1, 2):
@@ -125,12 +131,7 @@ async def test_two_requests_on_one_stream_each_equal_their_generate_call(worker_
 async def test_held_tokens_of_several_requests_leave_in_one_message(worker_stub, worker_app):
     first, second = _request(worker_app, 60), _request(worker_app, 60, "Please summarise the refund policy.")
     first.flush_interval_ms = second.flush_interval_ms = 200
-    call = worker_stub.Relay()
-    await call.write(_start(1, first))
-    await call.write(_start(2, second))
-    streams = Streams()
-    await _read_until(call, streams, lambda: streams.ended(1) and streams.ended(2))
-    call.cancel()
+    streams = await _relay_two(worker_stub, first, second)
     # Each answer is whole and in order, as Generate gives it...
     assert streams.ids[1] == await _generate_ids(worker_stub, first)
     assert streams.ids[2] == await _generate_ids(worker_stub, second)
