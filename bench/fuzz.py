@@ -5,7 +5,7 @@ One run starts the local mesh (router, two tiny-model workers, the cache on Redi
 backfill service on the Kafka-protocol broker, etcd), then:
   1. the canary: tenant "local" runs a greedy session turn and its next turn; the worker
      saves the session's KV to the cache (its blocks are looked up by name);
-  2. for each of the 12 RPCs (public Inference, the internal Worker, KVCache and Backfill
+  2. for each of the 13 RPCs (public Inference, the internal Worker, KVCache and Backfill
      services), `--cases` frames from `bench.fuzz_cases` (structured, mutated templates,
      raw bytes) plus one oversized frame, sent as raw bytes with a short deadline, at most
      `--concurrency` at once; the public API is called with the fuzz tenant's key, no key, or
@@ -68,7 +68,7 @@ BLOCK_TOKENS = 32  # worker.kv_block_tokens of the local mesh
 class Rpc:
     service: str  # which process serves it: router, worker, cache, backfill
     path: str  # /package.Service/Method
-    kind: str  # unary, server_stream or client_stream
+    kind: str  # unary, server_stream, client_stream or bidi_stream
     request_type: type
     template: Any
     public: bool = False
@@ -107,6 +107,28 @@ def rpcs() -> list[Rpc]:
                 tenant="fuzz",
                 prompt_ids=[5, 6, 7, 8],
                 sampling=common_pb2.SamplingParams(max_tokens=4),
+            ),
+        ),
+        Rpc(
+            "worker",
+            "/ballast.v1.Worker/Relay",
+            "bidi_stream",
+            worker_pb2.RelayActions,
+            worker_pb2.RelayActions(
+                actions=[
+                    worker_pb2.RelayAction(
+                        stream_id=1,
+                        start=worker_pb2.RelayStart(
+                            request=worker_pb2.WorkerGenerateRequest(
+                                request_id="fuzz-relay",
+                                tenant="fuzz",
+                                prompt_ids=[5, 6, 7, 8],
+                                sampling=common_pb2.SamplingParams(max_tokens=4),
+                            ),
+                            timeout_ms=2000,
+                        ),
+                    )
+                ]
             ),
         ),
         Rpc(
@@ -192,6 +214,15 @@ async def _call(channel: grpc.aio.Channel, rpc: Rpc, frames: list[bytes], metada
                 if read >= STREAM_READ_LIMIT:
                     call.cancel()
                     return "OK"
+        elif rpc.kind == "bidi_stream":
+            method = channel.stream_stream(rpc.path, request_serializer=_identity, response_deserializer=_identity)
+            call = method(iter(frames), timeout=CALL_DEADLINE_S, metadata=metadata)
+            read = 0
+            async for _reply in call:
+                read += 1
+                if read >= STREAM_READ_LIMIT:
+                    call.cancel()
+                    return "OK"
         else:
             method = channel.stream_unary(rpc.path, request_serializer=_identity, response_deserializer=_identity)
             await method(iter(frames), timeout=CALL_DEADLINE_S, metadata=metadata)
@@ -204,9 +235,9 @@ async def _call(channel: grpc.aio.Channel, rpc: Rpc, frames: list[bytes], metada
 
 def _frames(rpc: Rpc, rng: random.Random) -> tuple[str, list[bytes]]:
     kind, frame = make_case(rpc.request_type, rpc.template, rng)
-    if rpc.kind != "client_stream":
+    if rpc.kind not in ("client_stream", "bidi_stream"):
         return kind, [frame]
-    # A Put stream: the case first, then up to two more frames of any kind.
+    # A Put or Relay stream: the case first, then up to two more frames of any kind.
     more = [make_case(rpc.request_type, rpc.template, rng)[1] for _ in range(rng.choice((0, 1, 2)))]
     return kind, [frame, *more]
 

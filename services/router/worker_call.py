@@ -89,20 +89,16 @@ class WorkerCall:
         self, stall_s: float | None = None, first_timeout_s: float | None = None
     ) -> AsyncIterator[Tokens | WorkerFinished]:
         """The worker's events; with `stall_s`, StreamStalled when one takes longer (the first
-        `first_timeout_s`), and the call is cancelled however the iteration ends."""
+        `first_timeout_s`). Leaving the `with` block stops a Relay request on the worker,
+        however the iteration ended."""
         call = self.call
         assert call is not None, "iterate inside `with WorkerCall(...)`"
-        if isinstance(call, RelayCall):
-            try:
-                relayed = (
-                    call if stall_s is None else with_stall_timeout(call, stall_s, first_timeout_s=first_timeout_s)
-                )
-                async for relayed_event in relayed:
-                    yield relayed_event
-            finally:
-                call.cancel()  # a no-op once the request has ended
-            return
         source = call if stall_s is None else with_stall_timeout(call, stall_s, first_timeout_s=first_timeout_s)
+        if isinstance(call, RelayCall):
+            # The link already hands out plain events.
+            async for relayed_event in source:
+                yield relayed_event
+            return
         async for message in source:
             event = worker_event_from_pb(message)
             if event is not None:

@@ -20,7 +20,7 @@ def test_a_seeded_fuzz_run_crashes_nothing_and_leaves_the_canary_intact(tmp_path
     result = json.loads(out.read_text())
     assert result["crashes"] == 0 and result["undefined_statuses"] == 0
     assert result["canary_answers_equal"] and result["canary_blocks_after"] >= result["canary_blocks_before"] > 0
-    assert len(result["rpcs"]) == 12 and all(r["cases"] == 151 for r in result["rpcs"].values())
+    assert len(result["rpcs"]) == 13 and all(r["cases"] == 151 for r in result["rpcs"].values())
     # The cases reached the handlers' own checks, not only the frame parser.
     codes = set().union(*(r["codes"] for r in result["rpcs"].values()))
     assert {"OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED"} <= codes
