@@ -24,11 +24,13 @@ the direct clients and gateways that pass tokens on one by one do. Prints a tabl
 `--engine sim` runs it on simulated workers (the timing of bench.common.SIM_PROFILE; waiting is
 sleeping, so the resume gap is the mesh's and not a re-prefill competing for the cores) and
 writes bench/results/failover_sim.json beside the torch run's failover.json. Its defaults are
-20 streams on 4 workers, a kill every 2 s: each kill hits several streams at once, and the
-survivors have the slots to take them over (32 each: the simulated GPU batches 256), so a
+20 streams on 8 workers, a kill every 2 s: each kill hits two or three streams at once, and
+the survivors have the slots to take them over (32 each: the simulated GPU batches 256), so a
 resumed stream waits for nothing but the mesh. Every sim worker is a process of its own (a
 kill ends one), and on a small machine many of them fill the cores: the gap then measures CPU
-scheduling, not Ballast (32 workers here put the load average past 20).
+scheduling, not Ballast (32 workers here put the load average past 20). With 4 workers a kill
+every 2 s resumes some 50 streams in 10 s, past the router's retry budget (20 % of requests
+and 3 a second): the budget then refuses some, by design, and the run measures it instead.
 
     python -m bench.failover [--kills 100] [--reps 3] [--interval 2.5] [--clients 8] [--restart keeper|cold]
                              [--engine torch|sim] [--flush-interval-ms 0]
@@ -574,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("torch", "sim"), default="torch")
     parser.add_argument("--interval", type=float, default=None, help="seconds between kills (torch 2.5, sim 2)")
     parser.add_argument("--clients", type=int, default=None, help="streams at once (torch 8, sim 20)")
-    parser.add_argument("--workers", type=int, default=None, help="worker processes (4)")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (torch 4, sim 8)")
     parser.add_argument(
         "--out", type=Path, default=None, help="default bench/results/failover.json (sim: failover_sim.json)"
     )
@@ -596,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = args.engine == "sim"
     interval = args.interval or (2.0 if sim else 2.5)
     clients = args.clients or (20 if sim else 8)
-    workers = args.workers or 4
+    workers = args.workers or (8 if sim else 4)
     out = args.out or Path("bench/results/failover_sim.json" if sim else "bench/results/failover.json")
     return run_benchmark(
         args.kills, interval, clients, workers, out, args.restart, args.reps, args.engine, args.flush_interval_ms
