@@ -170,8 +170,15 @@ def _wrap_bidi(behavior: Callable[..., Any], method: str):
 
     async def wrapper(request_iterator, context):
         async with _statuses(context, method):
-            async for item in behavior(_parsed(request_iterator), context):
-                yield item
+            try:
+                async for item in behavior(_parsed(request_iterator), context):
+                    yield item
+            except BallastError:
+                # As for a client stream: a status sent while the client still writes (the
+                # frames after a malformed one) races its writes, and it can see INTERNAL
+                # "Internal error from Core" instead. Read the rest first, bounded.
+                await _drain(request_iterator, context)
+                raise
 
     return wrapper
 

@@ -205,6 +205,31 @@ async def test_a_frame_that_does_not_parse_ends_the_relay_as_invalid_argument(wo
     assert await _generate_ids(worker_stub, _request(worker_app, 4))
 
 
+async def test_frames_written_after_one_that_does_not_parse_do_not_turn_the_refusal_into_internal(
+    worker_app, worker_stub
+):
+    # The shape the fuzzer found: a malformed frame, then a start and a cancel the client is
+    # still writing when the worker refuses the stream.
+    start = worker_pb2.RelayActions(
+        actions=[
+            worker_pb2.RelayAction(stream_id=1, start=worker_pb2.RelayStart(request=_request(worker_app, 4))),
+            worker_pb2.RelayAction(stream_id=1, cancel=worker_pb2.RelayCancel()),
+        ]
+    ).SerializeToString()
+    channel = grpc.aio.insecure_channel(worker_app.address)
+    relay = channel.stream_stream("/ballast.v1.Worker/Relay")  # raw bytes either way
+    codes = []
+    for _ in range(10):
+        call = relay(iter([b"\x0a\x2d\x08\x41 not a message", start, start]), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _event in call:
+                pass
+        codes.append(refused.value.code())
+    await channel.close()
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 10
+    assert await _generate_ids(worker_stub, _request(worker_app, 4))
+
+
 async def test_the_router_carries_concurrent_requests_over_one_relay(router_app, router_stub, worker_app):
     requests = [chat_request(f"{PROMPT} ({n})", max_tokens=20, raw_prompt=True) for n in range(4)]
     alone = [await collect(router_stub, request, API_KEY) for request in requests]
