@@ -199,6 +199,16 @@ def _metadata(rpc: Rpc, rng: random.Random) -> tuple[tuple[str, str], ...]:
     return (("x-api-key", rng.choice(("", "nope", "local-dev-key ", "x" * 300))),)
 
 
+async def _read_some(call) -> None:
+    """Reads a streamed answer to its end, or cancels it after STREAM_READ_LIMIT messages."""
+    read = 0
+    async for _reply in call:
+        read += 1
+        if read >= STREAM_READ_LIMIT:
+            call.cancel()
+            return
+
+
 async def _call(channel: grpc.aio.Channel, rpc: Rpc, frames: list[bytes], metadata) -> str:
     """One call; returns the status code's name."""
     try:
@@ -207,22 +217,10 @@ async def _call(channel: grpc.aio.Channel, rpc: Rpc, frames: list[bytes], metada
             await method(frames[0], timeout=CALL_DEADLINE_S, metadata=metadata)
         elif rpc.kind == "server_stream":
             method = channel.unary_stream(rpc.path, request_serializer=_identity, response_deserializer=_identity)
-            call = method(frames[0], timeout=CALL_DEADLINE_S, metadata=metadata)
-            read = 0
-            async for _reply in call:
-                read += 1
-                if read >= STREAM_READ_LIMIT:
-                    call.cancel()
-                    return "OK"
+            await _read_some(method(frames[0], timeout=CALL_DEADLINE_S, metadata=metadata))
         elif rpc.kind == "bidi_stream":
             method = channel.stream_stream(rpc.path, request_serializer=_identity, response_deserializer=_identity)
-            call = method(iter(frames), timeout=CALL_DEADLINE_S, metadata=metadata)
-            read = 0
-            async for _reply in call:
-                read += 1
-                if read >= STREAM_READ_LIMIT:
-                    call.cancel()
-                    return "OK"
+            await _read_some(method(iter(frames), timeout=CALL_DEADLINE_S, metadata=metadata))
         else:
             method = channel.stream_unary(rpc.path, request_serializer=_identity, response_deserializer=_identity)
             await method(iter(frames), timeout=CALL_DEADLINE_S, metadata=metadata)
