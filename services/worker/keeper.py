@@ -45,6 +45,7 @@ import ctypes
 import importlib
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -149,6 +150,7 @@ class Keeper:
         self._backoff = RestartBackoff(policy.backoff)
         self._clock = clock
         self._child: int | None = None
+        self._wakeup_read = -1  # set by run()
         self._stopping = False
         # Whether any worker of this keeper became ready: until then a death is a start-up failure.
         self._served = False
@@ -159,6 +161,11 @@ class Keeper:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
+        # A signal's Python handler runs between bytecodes; one that lands just before a
+        # blocking call would wait for that call to return. The keeper waits in select() on
+        # this pipe as well, so a stop signal wakes it at once (see _wait_for_worker).
+        self._wakeup_read, wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
         while True:
             status, was_ready, cause = self._run_child()
             self._served = self._served or was_ready
@@ -234,13 +241,7 @@ class Keeper:
         # Started after the fork and stopped before the next one: a fork copies one thread.
         watch = MemoryWatch(pid, self.policy.memory_limit_mb * MB).start() if self.policy.memory_limit_mb > 0 else None
         try:
-            try:
-                # Blocks until the worker says it is ready, or EOF when it dies first.
-                was_ready = os.read(read_end, 1) == _READY
-                self._ready_at = self._clock() if was_ready else None
-            finally:
-                os.close(read_end)
-            _, status = os.waitpid(pid, 0)
+            status, was_ready = self._wait_for_worker(pid, read_end)
         finally:
             if watch is not None:
                 watch.stop()
@@ -253,8 +254,38 @@ class Keeper:
                 cause = "the kernel's OOM killer"
         return status, was_ready, cause
 
+    def _wait_for_worker(self, pid: int, ready_fd: int) -> tuple[int, bool]:
+        """Waits until the worker has ended: (its wait status, whether it said it was ready).
+
+        Not in a blocking read or waitpid: a SIGTERM that landed just before such a call
+        would have its handler (which passes it on to the worker) run only once the call
+        returned, that is once the worker ended, which without the signal it never does.
+        select() also wakes for the signal wakeup pipe, so the handler runs at once."""
+        worker = os.pidfd_open(pid)
+        watched = [worker, ready_fd, self._wakeup_read]
+        was_ready = False
+        try:
+            while True:
+                readable, _, _ = select.select(watched, [], [])
+                if self._wakeup_read in readable:
+                    _drain(self._wakeup_read)  # the handler itself runs as select returns
+                if ready_fd in readable:
+                    # One byte when the worker is ready; EOF when it died before.
+                    was_ready = os.read(ready_fd, 1) == _READY
+                    self._ready_at = self._clock() if was_ready else None
+                    watched.remove(ready_fd)
+                if worker in readable:
+                    _, status = os.waitpid(pid, 0)  # it has ended: does not block
+                    return status, was_ready
+        finally:
+            os.close(ready_fd)
+            os.close(worker)
+
     def _child_main(self, keeper: int, ready_fd: int, stop_signals: set[signal.Signals]) -> int:
         try:
+            # The keeper's wakeup pipe is not the worker's, which sets up its own signals.
+            os.close(signal.set_wakeup_fd(-1))
+            os.close(self._wakeup_read)
             for sig in stop_signals:
                 signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)  # blocked across the fork
@@ -276,6 +307,14 @@ class Keeper:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass  # empty
 
 
 def _end_group(worker_pid: int) -> None:

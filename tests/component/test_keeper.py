@@ -68,7 +68,11 @@ SCRIPT = textwrap.dedent("""
         if mode in ("wait-for-term", "with-engine"):
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             print("serving", flush=True)
-            time.sleep(60)
+            # Short sleeps: a handler runs between bytecodes, so a SIGTERM that lands just
+            # before one long sleep would wait out the sleep (a worker serves from an event
+            # loop, whose signal handlers wake it at once).
+            for _ in range(600):
+                time.sleep(0.1)
             return 5
         return 0
 
