@@ -58,6 +58,7 @@ BENCHMARKS = (
     Benchmark("engines", quick=("--rounds", "1", "--trials", "20")),
     Benchmark("fuzz", quick=("--cases", "500")),
     Benchmark("hostile"),
+    Benchmark("worker_front", quick=("--rounds", "1", "--requests", "2")),
     # Last: the longest (two 10-minute phases on vLLM) and the README's opening table.
     Benchmark("soak", quick=("--minutes", "2", "--unloaded-s", "15")),
 )
