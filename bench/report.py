@@ -14,10 +14,11 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from bench.common import RESULTS_DIR, commit
 
@@ -26,6 +27,20 @@ from bench.common import RESULTS_DIR, commit
 # than in bench/common.py because that module is itself measured code: changing it would mark every
 # result as older.
 MEASURED_CODE = ("services", "bench", "protos", ":!bench/results", ":!bench/report.py")
+# What every benchmark runs besides its own modules: a result is older code when any of it, or
+# any bench module the benchmark runs (`benchmark_code`), changed since its commit.
+SHARED_CODE = (
+    "services",
+    "protos",
+    "deploy/sim",  # the simulated engine's timing profiles
+    "bench/__init__.py",
+    "bench/common.py",
+    "bench/goals.py",
+    "bench/fixtures",
+)
+BENCH = Path(__file__).resolve().parent
+# A bench module started by name (`python -m bench.plain_server`) rather than imported.
+_STARTED_BY_NAME = re.compile(r"^bench(\.[A-Za-z_]\w*)+$")
 
 
 def _git(*args: str) -> str | None:
@@ -69,8 +84,82 @@ def _same_python(sha: str, top: str, path: str) -> bool:
     return old_meaning is not None and old_meaning == _python_meaning(new)
 
 
-def measured_code_changed_since(sha: str) -> bool | None:
-    """Whether the checkout's measured code differs from commit `sha` (None: unknown).
+def _module_files(module: str, whole_package: bool = False) -> list[Path]:
+    """The files of bench module `module` ("bench.soak.run"): a package's `__init__` and
+    `__main__` (what importing or running it executes; what they import is followed apart),
+    or with `whole_package` all of it; [] when there is no such module."""
+    path = BENCH.parent.joinpath(*module.split("."))
+    if path.is_dir():
+        if whole_package:
+            return sorted(path.rglob("*.py"))
+        return [file for file in (path / "__init__.py", path / "__main__.py") if file.is_file()]
+    file = path.with_suffix(".py")
+    return [file] if file.is_file() else []
+
+
+def _bench_modules_named_in(file: Path) -> set[str]:
+    """The bench modules `file` imports (absolute or relative) or starts by name."""
+    tree = ast.parse(file.read_text())
+    package = ".".join(file.relative_to(BENCH.parent).with_suffix("").parts[:-1])
+    named: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            named.add(base)
+            # `from bench import overhead` names a module, `from bench.x import f` a function.
+            named.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _STARTED_BY_NAME.match(node.value):
+            named.add(node.value)
+    # Importing bench.soak.run runs bench.soak's (and bench's) __init__ first.
+    parents = {".".join(name.split(".")[:end]) for name in named for end in range(1, name.count(".") + 1)}
+    return {name for name in named | parents if name == "bench" or name.startswith("bench.")}
+
+
+def benchmark_code(module: str) -> list[str] | None:
+    """The files under bench/ that benchmark module `module` ("overhead") runs: its own and,
+    transitively, every bench module they import or start by name. None when one of them does
+    not parse (then every bench file counts)."""
+    todo = _module_files(f"bench.{module}", whole_package=True)
+    seen: set[Path] = set()
+    while todo:
+        file = todo.pop()
+        if file in seen:
+            continue
+        seen.add(file)
+        try:
+            named = _bench_modules_named_in(file)
+        except (OSError, SyntaxError, ValueError):
+            return None
+        for name in named:
+            todo.extend(_module_files(name))
+    return sorted(str(file.relative_to(BENCH.parent)) for file in seen) or None
+
+
+def measured_paths(name: str) -> Sequence[str]:
+    """The code result `name` measured, as git paths: the shared code and the files of the
+    benchmark that writes it (bench.all's table; else the bench module of that name, else the
+    benchmark whose name starts it: mesh_scale_128 is mesh_scale's). Every bench file where
+    the benchmark is not known."""
+    from bench.all import BENCHMARKS
+
+    modules = {benchmark.name: benchmark.module or benchmark.name for benchmark in BENCHMARKS}
+    module = modules.get(name)
+    if module is None and _module_files(f"bench.{name}"):
+        module = name
+    if module is None:
+        prefixes = [known for known in modules if name.startswith(known + "_")]
+        module = modules[max(prefixes, key=len)] if prefixes else None
+    files = benchmark_code(module) if module is not None else None
+    return MEASURED_CODE if files is None else (*SHARED_CODE, *files)
+
+
+def measured_code_changed_since(sha: str, paths: Sequence[str] = MEASURED_CODE) -> bool | None:
+    """Whether the checkout's measured code (`paths`) differs from commit `sha` (None: unknown).
 
     A later commit that only adds results or docs leaves a result current, and so does one that
     only reformats Python (same parsed code); one that changes what services/, protos/ or a
@@ -78,7 +167,7 @@ def measured_code_changed_since(sha: str) -> bool | None:
     if not sha or sha == "unknown":
         return None
     # An unknown commit makes git fail, which reads as unknown too.
-    changed = _git("diff", "--name-only", sha, "--", *MEASURED_CODE)
+    changed = _git("diff", "--name-only", sha, "--", *paths)
     if changed is None:
         return None
     # Paths from git are relative to the top of the work tree.
@@ -114,14 +203,17 @@ def _number(value: float, unit: str = "") -> str:
     return f"{value:.4g}{unit}"
 
 
-def _code(result: dict, changed_since: Callable[[str], bool | None]) -> str:
-    """Whether the result measured the code checked out now."""
+ChangedSince = Callable[[str, Sequence[str]], bool | None]
+
+
+def _code(name: str, result: dict, changed_since: ChangedSince) -> str:
+    """Whether result `name` measured the code checked out now."""
     stamp = result.get("commit")
     if not isinstance(stamp, dict) or not stamp.get("sha"):
         return "unknown"
     if stamp.get("dirty"):
         return "uncommitted"
-    changed = changed_since(stamp["sha"])
+    changed = changed_since(stamp["sha"], measured_paths(name))
     return "unknown" if changed is None else ("**older code**" if changed else "current")
 
 
@@ -177,9 +269,7 @@ def _have_matplotlib() -> bool:
     return True
 
 
-def render(
-    results: dict[str, dict], out_dir: Path, changed_since: Callable[[str], bool | None] = measured_code_changed_since
-) -> str:
+def render(results: dict[str, dict], out_dir: Path, changed_since: ChangedSince = measured_code_changed_since) -> str:
     head = commit()
     lines = [
         "# Benchmark report",
@@ -188,7 +278,7 @@ def render(
         f"Checked-out code when generated: {head['sha'][:10]}{'+dirty' if head['dirty'] else ''}. "
         "The code column says whether a result measured the code checked out now (`current`: its "
         "commit differs from it at most in results, docs and the layout of its Python) or **older "
-        "code** (what services/, protos/ or the benchmark run changed since).",
+        "code** (services/, protos/, the shared bench modules or the benchmark's own changed since).",
         "",
         "| benchmark | goal | value | target | verdict | commit | code | written |",
         "|---|---|---|---|---|---|---|---|",
@@ -199,14 +289,14 @@ def render(
         if not isinstance(goals, list) or not goals:
             unjudged.append(name)
             continue
-        code = _code(result, changed_since)
+        code = _code(name, result, changed_since)
         lines.extend(_goal_row(name, result, goal, code) for goal in goals)
     if unjudged:
         lines += [
             "",
             "Results without goals judged in code (older format, or a benchmark that "
             "measures without a goal): "
-            + ", ".join(f"`{n}` ({_stamp(results[n])}, {_code(results[n], changed_since)})" for n in unjudged)
+            + ", ".join(f"`{n}` ({_stamp(results[n])}, {_code(n, results[n], changed_since)})" for n in unjudged)
             + ".",
         ]
     charts = []

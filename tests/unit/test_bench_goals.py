@@ -36,7 +36,7 @@ def test_the_report_lists_every_goal_with_its_verdict_and_commit(tmp_path):
         "tiers": {**judged, "commit": {"sha": "feedfacecafe", "dirty": False}, "written_at": "2026-12-02T00:00:00Z"},
     }
     older = {"0123456789ab"}
-    text = render(results, tmp_path, changed_since=lambda sha: sha in older)
+    text = render(results, tmp_path, changed_since=lambda sha, _paths: sha in older)
     assert (
         "| overhead | added TTFT p99 | 4 ms (2..5, 3 runs) | <= 3 ms | **missed** | abc123def4+dirty | uncommitted |"
         in text
