@@ -12,6 +12,10 @@ settings and the same requests:
   is the front), reached through the router as production reaches it (`Worker/Relay`); only
   the worker's process is measured, not the router's.
 
+Each front's CPU seconds at start-up (from its start to serving, before any request) are
+recorded beside: a front started again after a crash pays them again, which weighs on a
+soak with faults far more than the per-token cost does.
+
 Each phase warms up, then runs `--rounds` rounds of `--streams` concurrent streams, each
 sending `--requests` greedy completions of `--max-tokens` tokens one after another, and
 reads the front's CPU seconds (its own, not the engine process's) before and after each
@@ -156,7 +160,8 @@ async def _vllm_phase(base_url: str, pid: int, args: argparse.Namespace) -> list
         return await _rounds(send, pid, args.streams, args.requests, args.rounds)
 
 
-def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> list[dict]:
+def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> tuple[float, list[dict]]:
+    """(the server's CPU seconds to start, its measured rounds)"""
     port = free_ports(1)[0]
     env = {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = ManagedProcess("vllm-server", _vllm_server_argv(model_dir, port), log_path=state / "vllm.log", env=env)
@@ -165,7 +170,8 @@ def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> l
         base_url = f"http://127.0.0.1:{port}"
         wait_until_ready(server, lambda: _healthy(f"{base_url}/health"), READY_TIMEOUT_S, interval=0.5, what="healthy")
         assert server.pid is not None
-        return asyncio.run(_vllm_phase(base_url, server.pid, args))
+        start_cpu_s = cpu_seconds(server.pid)
+        return start_cpu_s, asyncio.run(_vllm_phase(base_url, server.pid, args))
     finally:
         server.stop(timeout=20)
 
@@ -191,7 +197,8 @@ async def _ballast_phase(mesh: Mesh, pid: int, args: argparse.Namespace) -> list
         return await _rounds(send, pid, args.streams, args.requests, args.rounds)
 
 
-def run_ballast_worker(model_dir: Path, state: Path, args: argparse.Namespace) -> list[dict]:
+def run_ballast_worker(model_dir: Path, state: Path, args: argparse.Namespace) -> tuple[float, list[dict]]:
+    """(the worker's CPU seconds to start, its measured rounds)"""
     spec = MeshSpec(
         state_dir=state,
         model_dir=model_dir,
@@ -206,7 +213,8 @@ def run_ballast_worker(model_dir: Path, state: Path, args: argparse.Namespace) -
     try:
         pid = mesh.workers()[0].pid
         assert pid is not None
-        return asyncio.run(_ballast_phase(mesh, pid, args))
+        start_cpu_s = cpu_seconds(pid)
+        return start_cpu_s, asyncio.run(_ballast_phase(mesh, pid, args))
     finally:
         mesh.stop()
 
@@ -228,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_dir_for(args.preset)
     with tempfile.TemporaryDirectory(prefix="ballast-worker-front-") as state:
         print("[vllm] vLLM's own OpenAI server", flush=True)
-        vllm_rounds = run_vllm_server(model_dir, Path(state), args)
+        vllm_start_cpu_s, vllm_rounds = run_vllm_server(model_dir, Path(state), args)
         print("[ballast] a local mesh with one vLLM worker", flush=True)
-        ballast_rounds = run_ballast_worker(model_dir, Path(state) / "mesh", args)
+        ballast_start_cpu_s, ballast_rounds = run_ballast_worker(model_dir, Path(state) / "mesh", args)
     vllm, ballast = _median_round(vllm_rounds), _median_round(ballast_rounds)
     ratio = ballast["front_cpu_ms_per_token"] / vllm["front_cpu_ms_per_token"]
     result = {
@@ -240,17 +248,20 @@ def main(argv: list[str] | None = None) -> int:
         "requests_per_stream": args.requests,
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
-        "vllm_server": {"median_round": vllm, "rounds": vllm_rounds},
-        "ballast_worker": {"median_round": ballast, "rounds": ballast_rounds},
+        "vllm_server": {"median_round": vllm, "rounds": vllm_rounds, "start_cpu_s": vllm_start_cpu_s},
+        "ballast_worker": {"median_round": ballast, "rounds": ballast_rounds, "start_cpu_s": ballast_start_cpu_s},
         "front_cpu_ratio": ratio,
         **judge(GOALS, {"front_cpu_ratio": ratio}),
     }
     print(f"\nthe front's CPU per token, {args.streams} streams, {args.max_tokens} tokens a request (median round)")
     print_table(
-        ["front", "CPU ms/token", "tokens", "tokens/s", "front CPU s"],
+        ["front", "CPU ms/token", "tokens", "tokens/s", "front CPU s", "start-up CPU s"],
         [
-            [name, r["front_cpu_ms_per_token"], r["tokens"], r["tokens_per_s"], r["front_cpu_s"]]
-            for name, r in (("vLLM's server", vllm), ("Ballast's worker", ballast))
+            [name, r["front_cpu_ms_per_token"], r["tokens"], r["tokens_per_s"], r["front_cpu_s"], start]
+            for name, r, start in (
+                ("vLLM's server", vllm, vllm_start_cpu_s),
+                ("Ballast's worker", ballast, ballast_start_cpu_s),
+            )
         ],
     )
     print_goals(result)

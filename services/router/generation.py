@@ -66,7 +66,7 @@ from services.router.scheduling.async_gate import Grant
 from services.router.structured.repair import repair
 from services.router.relay_link import RelayCall
 from services.router.worker_call import WorkerCall
-from services.router.worker_clients import WorkerClients
+from services.router.worker_clients import WorkerChannels
 
 log = logging.getLogger(__name__)
 TRACER = tracing.tracer("router")
@@ -112,7 +112,7 @@ class GenerationRunner:
         self,
         config: RouterConfig,
         membership: MembershipWatcher,
-        clients: WorkerClients,
+        clients: WorkerChannels,
         models: ModelRegistry,
         health: WorkerHealthView,
         retry_budget: RetryBudget,

@@ -8,13 +8,13 @@ from ballast.v1 import worker_pb2
 from services.common.errors import Unavailable
 from services.common.membership import WorkerRecord
 from services.router.tokenization import ModelTokenizer
-from services.router.worker_clients import WorkerClients
+from services.router.worker_clients import WorkerChannels
 
 import grpc
 
 
 class ModelRegistry:
-    def __init__(self, clients: WorkerClients, timeout_s: float, on_new_version=None) -> None:
+    def __init__(self, clients: WorkerChannels, timeout_s: float, on_new_version=None) -> None:
         self._clients = clients
         # Called with each newly learnt ModelTokenizer (e.g. to evaluate it for metrics).
         self._on_new_version = on_new_version

@@ -30,7 +30,7 @@ from services.router.events import Tokens, WorkerFinished
 from services.router.events_pb import worker_event_from_pb
 from services.router.relay_link import RelayCall
 from services.router.resilience.stall import with_stall_timeout
-from services.router.worker_clients import WorkerClients
+from services.router.worker_clients import WorkerChannels
 
 
 class WorkerCall:
@@ -38,7 +38,7 @@ class WorkerCall:
 
     def __init__(
         self,
-        clients: WorkerClients,
+        clients: WorkerChannels,
         address: str,
         request: worker_pb2.WorkerGenerateRequest,
         deadline: float,

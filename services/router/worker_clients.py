@@ -6,13 +6,17 @@ unary calls only (`unary_client_interceptors`), keeping the relay's per-token pa
 
 A channel that still carries streams is kept even when its worker left the membership
 (etcd may flap while the worker is fine); it is closed at a later sweep once idle.
+
+`WorkerChannels` is what a worker call asks of them (a stub, the Relay stream, the channel
+held in use): the generation runner, the model registry and rollouts' mirrored calls depend
+on it alone, so unit tests run them against fake workers (tests/unit/test_failover_run.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Iterator, Protocol
 
 import grpc
 
@@ -21,6 +25,22 @@ from services.common.grpc_tracing import unary_client_interceptors
 from services.common.tls.credentials import open_channel
 from services.common.tls.settings import TLSConfig
 from services.router.relay_link import RelayCounts, RelayLink
+
+
+class WorkerChannels(Protocol):
+    """What a call to a worker needs of the router's connections to the workers."""
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        """The worker's stub (for unary calls and Generate)."""
+        ...
+
+    def link(self, address: str) -> RelayLink:
+        """The router's one Relay stream to the worker."""
+        ...
+
+    def in_use(self, address: str) -> AbstractContextManager[worker_pb2_grpc.WorkerStub]:
+        """Holds the worker's channel open while a call lives."""
+        ...
 
 
 class WorkerClients:

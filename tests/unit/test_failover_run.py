@@ -1,6 +1,6 @@
 """Failover through the generation runner, with fake workers instead of servers.
 
-`FakeWorkers` stands in for `WorkerClients`, the one way the runner reaches a worker: each
+`FakeWorkers` implements `WorkerChannels`, the one way the runner reaches a worker: each
 call plays the next step of a script (stream every token owed, die after n tokens as a
 SIGKILLed worker's stream does, refuse before taking the request on, answer as a draining
 worker). A fake worker numbers its tokens from `len(generated_ids)` and derives each id from
@@ -147,7 +147,7 @@ class FakeStub:
 
 
 class FakeWorkers:
-    """Stands in for WorkerClients: every call, to whichever worker, plays the next step of
+    """`WorkerChannels` without servers: every call, to whichever worker, plays the next step of
     `script`, and `Serve` once the script is played out."""
 
     def __init__(self, script: list, model_info: worker_pb2.ModelInfo) -> None:
@@ -161,6 +161,9 @@ class FakeWorkers:
 
     def stub(self, address: str) -> FakeStub:
         return FakeStub(self, address)
+
+    def link(self, address: str):
+        raise AssertionError("the fake workers publish relay=false: every call is a Generate call")
 
     @contextmanager
     def in_use(self, address: str) -> Iterator[FakeStub]:
@@ -216,7 +219,7 @@ def runner(workers: FakeWorkers, watcher: MembershipWatcher) -> GenerationRunner
     return GenerationRunner(
         config,
         watcher,
-        workers,  # stands in for WorkerClients
+        workers,
         ModelRegistry(workers, config.worker_connect_timeout_s),
         health,
         RetryBudget(config.retry),

@@ -36,7 +36,7 @@ from services.router.rollout.split import Route, choose
 from services.router.rollout.state import Phase, Rollout, RolloutError, load_rollout
 from services.router.rollout.store import RolloutStore, store_over
 from services.router.rollout.watch import RolloutWatch
-from services.router.worker_clients import WorkerClients
+from services.router.worker_clients import WorkerChannels
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class RolloutController:
     def __init__(
         self,
         etcd: EtcdConfig | None,
-        clients: WorkerClients,
+        clients: WorkerChannels,
         models: ModelRegistry,
         meter: Meter | None = None,
         business_score: BusinessScore | None = None,

@@ -30,7 +30,7 @@ from services.router.requests import InferenceRequest
 from services.router.resilience.breaker import Outcome, outcome_of
 from services.router.resilience.resume import plan_resume
 from services.router.worker_call import WorkerCall
-from services.router.worker_clients import WorkerClients
+from services.router.worker_clients import WorkerChannels
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class MirrorHandle:
 class MirrorRunner:
     def __init__(
         self,
-        clients: WorkerClients,
+        clients: WorkerChannels,
         models: ModelRegistry,
         on_comparison: Callable[[Comparison], None],
         on_outcome: Callable[[str, str], None],
