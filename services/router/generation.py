@@ -56,7 +56,7 @@ from services.router.resilience.failover import (
     worker_died,
 )
 from services.router.resilience.health_view import WorkerHealthView
-from services.router.resilience.quarantine import RouterQuarantine
+from services.router.resilience.quarantine import Implication, RouterQuarantine
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import RetryBudget
 from services.router.rollout.controller import RolloutController
@@ -306,10 +306,11 @@ class GenerationRunner:
             self.health.mark_unreachable(worker)
         if decision.rollout_fault:
             self.rollouts.observe(request.model, worker.model_version, False)
-        if decision.suspect:
+        taken_on = decision.implication is Implication.TAKEN_ON
+        if decision.implication is not Implication.NONE:
             # Counts against the request: it costs a bounded number of workers (this raises
             # Quarantined at the limit).
-            self.quarantine.worker_lost(request, decision.reason, worker.id)
+            self.quarantine.worker_lost(request, decision.reason, worker.id, taken_on=taken_on)
         if decision.action is Action.FAIL:
             assert decision.error is not None
             raise decision.error from None
@@ -330,7 +331,7 @@ class GenerationRunner:
         try:
             await self._another_slot(grant, request, self._pinned(version, state))
         except NoLiveWorker as gone:
-            if decision.suspect:
+            if taken_on:
                 # Not "the pool is down" but "the pool went down under this request".
                 raise WorkerLost(f"{gone.message}; worker {worker.id} died taking this request on") from None
             raise
@@ -422,7 +423,13 @@ class GenerationRunner:
         )
         finished = False
         with WorkerCall(
-            self.clients, worker.address, worker_request, run.deadline, span=attempt, relay=worker.relay
+            self.clients,
+            worker.address,
+            worker_request,
+            run.deadline,
+            span=attempt,
+            relay=worker.relay,
+            confirm_accepted=self.quarantine.wants_confirmation(request),
         ) as worker_call:
             control.call = control.last_call = worker_call.call
             # A worker whose lease is gone is dead or cut off: do not wait for a stall.

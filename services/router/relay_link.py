@@ -10,7 +10,10 @@ the same way:
   call on it (UNAVAILABLE without a reason: the worker is unreachable, as a broken channel is);
 - `cancel()` stops the request on the worker, and a reader waiting on the call gets
   asyncio.CancelledError, as from a cancelled gRPC call;
-- `initial_metadata()` carries the accepted header once the worker took the request on;
+- `initial_metadata()` carries the accepted header once the worker took the request on; a call
+  started with `confirm_accepted` answers the worker's accepted event with a confirm, and the
+  worker lets its engine see the request only then, so a worker that dies taking it on cannot
+  take the accepted event down with it unread;
 - past its deadline the call ends with DEADLINE_EXCEEDED, whatever the worker does.
 
 Writes are batched the same way the worker batches its events: actions posted while a write
@@ -76,11 +79,12 @@ _CANCELLED = _Cancelled()
 class RelayCall:
     """One request on a link; see the module docstring for how it behaves."""
 
-    __slots__ = ("_link", "stream_id", "_events", "_waiter", "_end", "_accepted", "_deadline_timer")
+    __slots__ = ("_link", "stream_id", "_events", "_waiter", "_end", "_accepted", "_confirm", "_deadline_timer")
 
-    def __init__(self, link: "RelayLink", stream_id: int, deadline: float) -> None:
+    def __init__(self, link: "RelayLink", stream_id: int, deadline: float, confirm: bool = False) -> None:
         self._link = link
         self.stream_id = stream_id
+        self._confirm = confirm
         self._events: deque[Tokens | WorkerFinished] = deque()
         self._waiter: asyncio.Future[None] | None = None
         # None while the call runs; then StopAsyncIteration (finished), an AioRpcError or _CANCELLED.
@@ -102,6 +106,8 @@ class RelayCall:
             self._close(StopAsyncIteration())
         elif kind == "accepted":
             self._accepted = True
+            if self._confirm and self._end is None:
+                self._link.confirm(self.stream_id)
             return
         elif kind == "error":
             self._close(error_from_event(event.error))
@@ -194,10 +200,17 @@ class RelayLink:
     def broken(self) -> bool:
         return self._broken is not None
 
-    def start(self, request: worker_pb2.WorkerGenerateRequest, deadline: float, trace: dict[str, str]) -> RelayCall:
-        """Starts `request` on the worker; `deadline`: time.monotonic() by which it must end."""
+    def start(
+        self,
+        request: worker_pb2.WorkerGenerateRequest,
+        deadline: float,
+        trace: dict[str, str],
+        confirm_accepted: bool = False,
+    ) -> RelayCall:
+        """Starts `request` on the worker; `deadline`: time.monotonic() by which it must end.
+        `confirm_accepted`: the worker waits for this router to have read its accepted event."""
         stream_id = next(self._ids)
-        call = RelayCall(self, stream_id, deadline)
+        call = RelayCall(self, stream_id, deadline, confirm_accepted)
         if self._broken is not None:
             call.fail(self._broken)
             return call
@@ -211,6 +224,7 @@ class RelayLink:
                     timeout_ms=min(timeout_ms, 0xFFFFFFFF),
                     traceparent=trace.get("traceparent", ""),
                     tracestate=trace.get("tracestate", ""),
+                    confirm_accepted=confirm_accepted,
                 ),
             )
         )
@@ -219,6 +233,10 @@ class RelayLink:
     def cancel(self, stream_id: int) -> None:
         if self._broken is None:
             self._post(worker_pb2.RelayAction(stream_id=stream_id, cancel=worker_pb2.RelayCancel()))
+
+    def confirm(self, stream_id: int) -> None:
+        if self._broken is None:
+            self._post(worker_pb2.RelayAction(stream_id=stream_id, confirm=worker_pb2.RelayConfirm()))
 
     def forget(self, stream_id: int) -> None:
         self._calls.pop(stream_id, None)

@@ -44,15 +44,19 @@ class WorkerCall:
         deadline: float,
         span: Span | None = None,
         relay: bool = False,
+        confirm_accepted: bool = False,
     ) -> None:
         """`deadline`: time.monotonic() by which the call must end. `span`: current while the
-        call is made, so the worker's span becomes its child. `relay`: the worker serves Relay."""
+        call is made, so the worker's span becomes its child. `relay`: the worker serves Relay.
+        `confirm_accepted`: on Relay, the worker's engine sees the request only once this router
+        read its accepted event (relay_link.py); a Generate call has no way to confirm."""
         self._clients = clients
         self._address = address
         self._request = request
         self._deadline = deadline
         self._span = span
         self._relay = relay
+        self._confirm_accepted = confirm_accepted
         self._use: AbstractContextManager[worker_pb2_grpc.WorkerStub] | None = None
         self.call: grpc.aio.UnaryStreamCall | RelayCall | None = None
 
@@ -60,7 +64,9 @@ class WorkerCall:
         self._use = self._clients.in_use(self._address)
         stub = self._use.__enter__()
         if self._relay:
-            self.call = self._clients.link(self._address).start(self._request, self._deadline, self._trace())
+            self.call = self._clients.link(self._address).start(
+                self._request, self._deadline, self._trace(), self._confirm_accepted
+            )
             return self
         timeout = max(0.001, self._deadline - time.monotonic())
         if self._span is None:

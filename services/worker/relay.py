@@ -12,7 +12,11 @@ step, and a message carries the tokens of many of them (see `Outbox`).
 
 A start's `accepted` event is written before its engine sees the request (the router's poison
 containment counts a worker lost after it against the request), and an error ends one request
-with Generate's status, as an event: the other requests on the stream go on.
+with Generate's status, as an event: the other requests on the stream go on. A start that asks
+for it (`confirm_accepted`) waits, after its accepted event, for the router's `confirm`: a
+worker that dies at once can take an accepted event the router had not read yet down with its
+connection, and the router asks for the confirmation when it must know (a request that already
+cost a worker).
 """
 
 from __future__ import annotations
@@ -76,14 +80,18 @@ def error_event(stream_id: int, error: BallastError) -> worker_pb2.RelayEvent:
 class _StreamCall:
     """What Generate asks of its call, for one request of a Relay stream."""
 
-    def __init__(self, outbox: "Outbox", stream_id: int) -> None:
+    def __init__(self, outbox: "Outbox", stream_id: int, confirmed: asyncio.Future[None] | None) -> None:
         self._outbox = outbox
         self._stream_id = stream_id
+        self._confirmed = confirmed
 
     async def send_initial_metadata(self, _metadata: Iterable[tuple[str, str]]) -> None:
         await self._outbox.post_and_flush(
             worker_pb2.RelayEvent(stream_id=self._stream_id, accepted=worker_pb2.RelayAccepted())
         )
+        if self._confirmed is not None:
+            # Bounded by the request's deadline and ended by its cancel, as the request is.
+            await self._confirmed
 
 
 class _Held:
@@ -216,6 +224,8 @@ class RelayStream:
         self._servicer = servicer
         self._outbox = Outbox(servicer.relay_counts)
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        # Starts waiting for the router's confirm of their accepted event, by stream id.
+        self._confirms: dict[int, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._winding_down: asyncio.Future[None] | None = None
 
@@ -265,22 +275,38 @@ class RelayStream:
                     self._start(action.stream_id, action.start)
                 elif kind == "cancel":
                     self._cancel(action.stream_id)
+                elif kind == "confirm":
+                    self._confirm(action.stream_id)
 
     def _start(self, stream_id: int, start: worker_pb2.RelayStart) -> None:
         if stream_id in self._tasks:
             # A router reusing a live id would mix two requests' tokens: refuse the newcomer.
             self._outbox.post(error_event(stream_id, DuplicateStream(f"stream {stream_id} is already running")))
             return
-        task = asyncio.create_task(self._run(stream_id, start))
+        confirmed: asyncio.Future[None] | None = None
+        if start.confirm_accepted:
+            confirmed = asyncio.get_running_loop().create_future()
+            self._confirms[stream_id] = confirmed
+        task = asyncio.create_task(self._run(stream_id, start, confirmed))
         self._tasks[stream_id] = task
-        task.add_done_callback(lambda _task: self._tasks.pop(stream_id, None))
+        task.add_done_callback(lambda _task: self._ended(stream_id))
+
+    def _ended(self, stream_id: int) -> None:
+        self._tasks.pop(stream_id, None)
+        self._confirms.pop(stream_id, None)
 
     def _cancel(self, stream_id: int) -> None:
         task = self._tasks.get(stream_id)
         if task is not None:
             task.cancel()
 
-    async def _run(self, stream_id: int, start: worker_pb2.RelayStart) -> None:
+    def _confirm(self, stream_id: int) -> None:
+        # None: a confirm for a request that did not ask for one, or has ended: nothing to do.
+        confirmed = self._confirms.pop(stream_id, None)
+        if confirmed is not None and not confirmed.done():
+            confirmed.set_result(None)
+
+    async def _run(self, stream_id: int, start: worker_pb2.RelayStart, confirmed: asyncio.Future[None] | None) -> None:
         parent = tracing.context_from_headers(
             [(tracing.TRACEPARENT, start.traceparent), ("tracestate", start.tracestate)]
         )
@@ -292,7 +318,7 @@ class RelayStream:
             timeout = start.timeout_ms / 1000 if start.timeout_ms else None
             try:
                 async with asyncio.timeout(timeout):
-                    await self._relay(stream_id, start.request)
+                    await self._relay(stream_id, start.request, confirmed)
             except TimeoutError:
                 raise DeadlineExceeded("deadline exceeded while generating") from None
         except BallastError as error:
@@ -312,12 +338,14 @@ class RelayStream:
             tracing.end_span(span, failure if code in SERVER_ERROR_CODES else None)
             otel_context.detach(token)
 
-    async def _relay(self, stream_id: int, request: worker_pb2.WorkerGenerateRequest) -> None:
+    async def _relay(
+        self, stream_id: int, request: worker_pb2.WorkerGenerateRequest, confirmed: asyncio.Future[None] | None
+    ) -> None:
         # Generate yields tokens as they come; the outbox holds them for the request's interval.
         hold_s = self._servicer.flush_interval_s(request)
         events = cast(
             AsyncGenerator[worker_pb2.WorkerGenerateEvent, None],
-            self._servicer.Generate(request, _StreamCall(self._outbox, stream_id), hold=False),  # type: ignore[arg-type]
+            self._servicer.Generate(request, _StreamCall(self._outbox, stream_id, confirmed), hold=False),  # type: ignore[arg-type]
         )
         first = True
         try:

@@ -32,14 +32,9 @@ def _request(worker_app, max_tokens: int, prompt: str = PROMPT) -> worker_pb2.Wo
     )
 
 
-def _start(stream_id: int, request, timeout_ms: int = 60_000) -> worker_pb2.RelayActions:
-    return worker_pb2.RelayActions(
-        actions=[
-            worker_pb2.RelayAction(
-                stream_id=stream_id, start=worker_pb2.RelayStart(request=request, timeout_ms=timeout_ms)
-            )
-        ]
-    )
+def _start(stream_id: int, request, timeout_ms: int = 60_000, confirm: bool = False) -> worker_pb2.RelayActions:
+    start = worker_pb2.RelayStart(request=request, timeout_ms=timeout_ms, confirm_accepted=confirm)
+    return worker_pb2.RelayActions(actions=[worker_pb2.RelayAction(stream_id=stream_id, start=start)])
 
 
 def _cancel(stream_id: int) -> worker_pb2.RelayActions:
@@ -158,6 +153,27 @@ async def test_a_cancel_stops_its_request_on_the_worker_and_not_the_others(worke
     assert not streams.ended(1)
     assert len(streams.ids[1]) < 400
     call.cancel()
+
+
+async def test_a_start_that_asks_for_it_waits_for_the_confirm_before_the_engine_sees_it(worker_stub, worker_app):
+    """Poison containment: the engine sees the request only once the router confirmed it read
+    the accepted event, so a worker that dies on the request cannot leave that unknown."""
+    waiting, other = _request(worker_app, 12), _request(worker_app, 24, "Please summarise the refund policy.")
+    call = worker_stub.Relay()
+    await call.write(_start(1, waiting, confirm=True))
+    streams = Streams()
+    await _read_until(call, streams, lambda: "accepted" in streams.kinds.get(1, ()))
+    # A whole other request runs and ends on the stream meanwhile: not one token for the first.
+    await call.write(_start(2, other))
+    await _read_until(call, streams, lambda: streams.ended(2))
+    assert streams.kinds[1] == ["accepted"] and "finished" in streams.kinds[2]
+    # Confirms for a stream that has ended and for one never started change nothing.
+    confirms = [worker_pb2.RelayAction(stream_id=i, confirm=worker_pb2.RelayConfirm()) for i in (2, 9, 1)]
+    await call.write(worker_pb2.RelayActions(actions=confirms))
+    await _read_until(call, streams, lambda: streams.ended(1))
+    call.cancel()
+    assert streams.ids[1] == await _generate_ids(worker_stub, waiting)
+    assert "error" not in streams.kinds[1] + streams.kinds[2] and 9 not in streams.kinds
 
 
 async def test_a_bad_start_fails_that_request_alone_with_its_status(worker_stub, worker_app):

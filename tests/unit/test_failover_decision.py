@@ -28,6 +28,7 @@ from services.router.resilience.failover import (
     decide,
 )
 from tests.unit.fake_clock import FakeClock
+from services.router.resilience.quarantine import Implication
 from services.router.resilience.retry_budget import Refusal
 from services.router.resilience.stall import StreamStalled
 
@@ -73,7 +74,8 @@ def test_preemption_pauses_without_judging_the_worker_or_spending_the_budget():
     budget = Budget()
     decision = decide(failure(Preempted(), sent=5, this_attempt=5), budget)
     assert (decision.action, decision.reason, decision.breaker) == (Action.PAUSE, "preempted", Outcome.IGNORE)
-    assert not (decision.mark_unreachable or decision.suspect or decision.rollout_fault)
+    assert not (decision.mark_unreachable or decision.rollout_fault)
+    assert decision.implication is Implication.NONE
     assert budget.asked == 0
 
 
@@ -82,7 +84,7 @@ def test_bad_input_fails_with_its_own_error_and_says_nothing_about_the_worker():
     error = InvalidArgument("response_format does not match")
     decision = decide(failure(error), budget)
     assert decision.action is Action.FAIL and decision.error is error
-    assert decision.breaker is Outcome.IGNORE and not decision.suspect
+    assert decision.breaker is Outcome.IGNORE and decision.implication is Implication.NONE
     assert budget.asked == 0
 
 
@@ -97,10 +99,14 @@ def test_a_lost_worker_is_marked_unreachable_and_spared_its_breaker(sent, action
 
 @pytest.mark.parametrize("error", [CONNECTION_LOST, StreamStalled(2.0, 0), WorkerLeaseLost("gone")])
 def test_a_worker_lost_taking_the_request_on_implicates_the_request(error):
-    assert decide(failure(error, sent=4, this_attempt=0, accepted=True), Budget()).suspect
-    # Not before it took the call on, nor once it relayed tokens of this attempt.
-    assert not decide(failure(error, sent=4, this_attempt=0, accepted=False), Budget()).suspect
-    assert not decide(failure(error, sent=4, this_attempt=3, accepted=True), Budget()).suspect
+    taken_on = decide(failure(error, sent=4, this_attempt=0, accepted=True), Budget())
+    assert taken_on.implication is Implication.TAKEN_ON
+    # Before the router read that it took the call on: unconfirmed (it counts, but never
+    # quarantines alone); once it relayed tokens of this attempt: not at all.
+    unread = decide(failure(error, sent=4, this_attempt=0, accepted=False), Budget())
+    assert unread.implication is Implication.UNCONFIRMED
+    streaming = decide(failure(error, sent=4, this_attempt=3, accepted=True), Budget())
+    assert streaming.implication is Implication.NONE
 
 
 def test_a_stalled_worker_counts_against_its_breaker_but_stays_reachable():
@@ -165,8 +171,9 @@ def test_a_stall_on_a_worker_that_kept_streaming_to_others_does_not_implicate_th
     stalled = StreamStalled(10.0, 0)
     busy = dataclasses.replace(failure(stalled, sent=0, this_attempt=0, accepted=True), worker_silent=False)
     decision = decide(busy, Budget())
-    assert decision.action is Action.RETRY and not decision.suspect
-    assert decide(failure(stalled, sent=0, this_attempt=0, accepted=True), Budget()).suspect
+    assert decision.action is Action.RETRY and decision.implication is Implication.NONE
+    silent = decide(failure(stalled, sent=0, this_attempt=0, accepted=True), Budget())
+    assert silent.implication is Implication.TAKEN_ON
 
 
 def test_worker_progress_tells_a_silent_worker_from_a_busy_one():

@@ -27,7 +27,14 @@ from services.router.degrade.ladder import RULES_RUNG, decide
 from services.router.openai.errors import error_reply
 from services.router.requests import InferenceRequest, Message
 from services.router.resilience.breaker import Outcome, outcome_of
-from services.router.resilience.quarantine import LossTally, QuarantineConfig, RouterQuarantine, implicated
+from services.router.resilience.quarantine import (
+    Implication,
+    Losses,
+    LossTally,
+    QuarantineConfig,
+    RouterQuarantine,
+    implication,
+)
 from services.common.generation import Sampling
 
 
@@ -140,28 +147,32 @@ def test_merging_a_snapshot_keeps_entries_held_only_here():
 @pytest.mark.parametrize(
     "lost, tokens, accepted, counts",
     [
-        (True, 0, True, True),  # died taking the request on: the request may be why
-        (True, 5, True, False),  # died while streaming: the worker's fault, not each stream's
-        (True, 0, False, False),  # never took the call (already gone, connection refused)
-        (False, 0, True, False),  # a live worker's error
+        (True, 0, True, Implication.TAKEN_ON),  # died taking the request on: the request may be why
+        (True, 5, True, Implication.NONE),  # died while streaming: the worker's fault, not each stream's
+        # Lost before its accepted event was read: never had the call, or died faster than that.
+        (True, 0, False, Implication.UNCONFIRMED),
+        (True, 5, False, Implication.NONE),
+        (False, 0, True, Implication.NONE),  # a live worker's error
     ],
 )
-def test_a_worker_lost_counts_against_a_request_only_when_it_died_taking_it_on(lost, tokens, accepted, counts):
-    assert implicated(lost, tokens, accepted) is counts
+def test_a_worker_lost_counts_against_a_request_only_when_it_died_before_a_token(lost, tokens, accepted, counts):
+    assert implication(lost, tokens, accepted) is counts
 
 
 def test_the_tally_forgets_losses_older_than_its_window_and_is_bounded():
     clock = Clock(0.0)
     tally = LossTally(window_s=10.0, max_entries=2, clock=clock)
-    assert tally.add("x") == 1
+    assert tally.add("x") == Losses(taken_on=1)
     clock.now = 5.0
-    assert tally.add("x") == 2
+    assert tally.add("x", taken_on=False) == Losses(taken_on=1, unconfirmed=1)
+    assert tally.has_lost_workers("x") and not tally.has_lost_workers("y")
     clock.now = 16.0
-    assert tally.add("x") == 1
+    assert not tally.has_lost_workers("x")
+    assert tally.add("x").total == 1
     tally.add("y")
     tally.add("z")
     assert len(tally) == 2
-    assert tally.add("x") == 1  # the stalest fingerprint was dropped
+    assert tally.add("x").total == 1  # the stalest fingerprint was dropped
 
 
 class Counter:
@@ -190,6 +201,30 @@ def test_a_request_is_quarantined_on_its_second_worker_lost_and_refused_under_a_
     assert counter.events == ["quarantined", "refused"]
     clock.now += 600
     quarantine.check(request("after-the-ttl"))
+
+
+def test_unconfirmed_losses_need_one_taken_on_to_quarantine():
+    """A worker lost before its accepted event was read counts, but never quarantines alone: a
+    cut network swallows every attempt unconfirmed. After any loss, the request's attempts ask
+    their workers to confirm, so the next loss is known for sure."""
+    clock = Clock(1000.0)
+    quarantine = RouterQuarantine(QuarantineConfig(ttl_s=600), clock=clock, monotonic=clock)
+    poison = request("first")
+    assert not quarantine.wants_confirmation(poison)
+    quarantine.worker_lost(poison, "worker_lost", "w1", taken_on=False)
+    assert quarantine.wants_confirmation(request("retry-with-a-new-id"))
+    assert not quarantine.wants_confirmation(request("other", messages=(("user", "hello"),)))
+    quarantine.worker_lost(poison, "worker_lost", "w2", taken_on=False)
+    quarantine.check(poison)  # two unconfirmed losses: not quarantined
+    with pytest.raises(Quarantined):
+        quarantine.worker_lost(poison, "worker_lost", "w3", taken_on=True)
+    # An unconfirmed loss and then one taken on: two workers, quarantined.
+    other = request("other", messages=(("user", "crash please"),))
+    quarantine.worker_lost(other, "worker_lost", "w1", taken_on=False)
+    with pytest.raises(Quarantined):
+        quarantine.worker_lost(other, "worker_lost", "w2", taken_on=True)
+    clock.now += 601
+    assert not quarantine.wants_confirmation(poison)
 
 
 def test_a_disabled_quarantine_never_refuses():

@@ -21,6 +21,10 @@ class FakeLink:
     def __init__(self) -> None:
         self.cancelled: list[int] = []
         self.forgotten: list[int] = []
+        self.confirmed: list[int] = []
+
+    def confirm(self, stream_id: int) -> None:
+        self.confirmed.append(stream_id)
 
     def cancel(self, stream_id: int) -> None:
         self.cancelled.append(stream_id)
@@ -51,8 +55,8 @@ def error(code: grpc.StatusCode, reason: str = "", retry_after_ms: int = 0) -> w
     )
 
 
-def new_call(link: FakeLink, deadline_s: float = 60.0) -> RelayCall:
-    return RelayCall(link, 1, time.monotonic() + deadline_s)  # type: ignore[arg-type]
+def new_call(link: FakeLink, deadline_s: float = 60.0, confirm: bool = False) -> RelayCall:
+    return RelayCall(link, 1, time.monotonic() + deadline_s, confirm)  # type: ignore[arg-type]
 
 
 async def drain(call: RelayCall) -> list:
@@ -136,3 +140,26 @@ async def test_accepted_reads_as_the_accepted_header():
     assert await was_accepted(call) is False
     call.deliver(worker_pb2.RelayEvent(stream_id=1, accepted=worker_pb2.RelayAccepted()))
     assert await was_accepted(call) is True
+
+
+ACCEPTED = worker_pb2.RelayEvent(stream_id=1, accepted=worker_pb2.RelayAccepted())
+
+
+async def test_a_call_that_asks_for_it_confirms_the_accepted_event_it_read():
+    link = FakeLink()
+    call = new_call(link, confirm=True)
+    assert link.confirmed == []
+    call.deliver(ACCEPTED)
+    # Read and recorded before the worker hears back: a loss after it is one taken on.
+    assert link.confirmed == [1] and await was_accepted(call) is True
+
+
+async def test_no_confirm_unasked_nor_for_a_call_already_ended():
+    plain = FakeLink()
+    new_call(plain).deliver(ACCEPTED)
+    assert plain.confirmed == []
+    ended = FakeLink()
+    call = new_call(ended, confirm=True)
+    call.cancel()
+    call.deliver(ACCEPTED)
+    assert ended.confirmed == []

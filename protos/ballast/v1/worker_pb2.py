@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ballast.v1 import common_pb2 as ballast_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61llast/v1/worker.proto\x12\nballast.v1\x1a\x17\x62\x61llast/v1/common.proto\"\xfc\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x15\n\rgenerated_ids\x18\x05 \x03(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.ballast.v1.SamplingParams\x12\x17\n\x0fresponse_format\x18\x07 \x01(\t\x12\x1e\n\x04tier\x18\x08 \x01(\x0e\x32\x10.ballast.v1.Tier\x12\x19\n\x11\x66lush_interval_ms\x18\t \x01(\r\"\\\n\x0eWorkerFinished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.ballast.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.ballast.v1.Usage\"t\n\x13WorkerGenerateEvent\x12$\n\x06tokens\x18\x01 \x01(\x0b\x32\x12.ballast.v1.TokensH\x00\x12.\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1a.ballast.v1.WorkerFinishedH\x00\x42\x07\n\x05\x65vent\"\x12\n\x10ModelInfoRequest\"\xd3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x04 \x01(\x0c\x12\x15\n\rchat_template\x18\x05 \x01(\t\x12\x11\n\tbos_token\x18\x06 \x01(\t\x12\x11\n\teos_token\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x0c\n\x04pool\x18\n \x01(\t\"8\n\x0cRelayActions\x12(\n\x07\x61\x63tions\x18\x01 \x03(\x0b\x32\x17.ballast.v1.RelayAction\"~\n\x0bRelayAction\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\'\n\x05start\x18\x02 \x01(\x0b\x32\x16.ballast.v1.RelayStartH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.ballast.v1.RelayCancelH\x00\x42\x08\n\x06\x61\x63tion\"}\n\nRelayStart\x12\x32\n\x07request\x18\x01 \x01(\x0b\x32!.ballast.v1.WorkerGenerateRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\"\r\n\x0bRelayCancel\"5\n\x0bRelayEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.ballast.v1.RelayEvent\"\xd6\x01\n\nRelayEvent\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12-\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x19.ballast.v1.RelayAcceptedH\x00\x12$\n\x06tokens\x18\x03 \x01(\x0b\x32\x12.ballast.v1.TokensH\x00\x12.\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1a.ballast.v1.WorkerFinishedH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.ballast.v1.RelayErrorH\x00\x42\x07\n\x05\x65vent\"\x0f\n\rRelayAccepted\"S\n\nRelayError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r2\xdf\x01\n\x06Worker\x12P\n\x08Generate\x12!.ballast.v1.WorkerGenerateRequest\x1a\x1f.ballast.v1.WorkerGenerateEvent0\x01\x12\x43\n\x0cGetModelInfo\x12\x1c.ballast.v1.ModelInfoRequest\x1a\x15.ballast.v1.ModelInfo\x12>\n\x05Relay\x12\x18.ballast.v1.RelayActions\x1a\x17.ballast.v1.RelayEvents(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61llast/v1/worker.proto\x12\nballast.v1\x1a\x17\x62\x61llast/v1/common.proto\"\xfc\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x15\n\rgenerated_ids\x18\x05 \x03(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.ballast.v1.SamplingParams\x12\x17\n\x0fresponse_format\x18\x07 \x01(\t\x12\x1e\n\x04tier\x18\x08 \x01(\x0e\x32\x10.ballast.v1.Tier\x12\x19\n\x11\x66lush_interval_ms\x18\t \x01(\r\"\\\n\x0eWorkerFinished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.ballast.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.ballast.v1.Usage\"t\n\x13WorkerGenerateEvent\x12$\n\x06tokens\x18\x01 \x01(\x0b\x32\x12.ballast.v1.TokensH\x00\x12.\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1a.ballast.v1.WorkerFinishedH\x00\x42\x07\n\x05\x65vent\"\x12\n\x10ModelInfoRequest\"\xd3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x04 \x01(\x0c\x12\x15\n\rchat_template\x18\x05 \x01(\t\x12\x11\n\tbos_token\x18\x06 \x01(\t\x12\x11\n\teos_token\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x0c\n\x04pool\x18\n \x01(\t\"8\n\x0cRelayActions\x12(\n\x07\x61\x63tions\x18\x01 \x03(\x0b\x32\x17.ballast.v1.RelayAction\"\xab\x01\n\x0bRelayAction\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\'\n\x05start\x18\x02 \x01(\x0b\x32\x16.ballast.v1.RelayStartH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.ballast.v1.RelayCancelH\x00\x12+\n\x07\x63onfirm\x18\x04 \x01(\x0b\x32\x18.ballast.v1.RelayConfirmH\x00\x42\x08\n\x06\x61\x63tion\"\x97\x01\n\nRelayStart\x12\x32\n\x07request\x18\x01 \x01(\x0b\x32!.ballast.v1.WorkerGenerateRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\x12\x18\n\x10\x63onfirm_accepted\x18\x05 \x01(\x08\"\r\n\x0bRelayCancel\"\x0e\n\x0cRelayConfirm\"5\n\x0bRelayEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.ballast.v1.RelayEvent\"\xd6\x01\n\nRelayEvent\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12-\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x19.ballast.v1.RelayAcceptedH\x00\x12$\n\x06tokens\x18\x03 \x01(\x0b\x32\x12.ballast.v1.TokensH\x00\x12.\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1a.ballast.v1.WorkerFinishedH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.ballast.v1.RelayErrorH\x00\x42\x07\n\x05\x65vent\"\x0f\n\rRelayAccepted\"S\n\nRelayError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r2\xdf\x01\n\x06Worker\x12P\n\x08Generate\x12!.ballast.v1.WorkerGenerateRequest\x1a\x1f.ballast.v1.WorkerGenerateEvent0\x01\x12\x43\n\x0cGetModelInfo\x12\x1c.ballast.v1.ModelInfoRequest\x1a\x15.ballast.v1.ModelInfo\x12>\n\x05Relay\x12\x18.ballast.v1.RelayActions\x1a\x17.ballast.v1.RelayEvents(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,20 +44,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO']._serialized_end=763
   _globals['_RELAYACTIONS']._serialized_start=765
   _globals['_RELAYACTIONS']._serialized_end=821
-  _globals['_RELAYACTION']._serialized_start=823
-  _globals['_RELAYACTION']._serialized_end=949
-  _globals['_RELAYSTART']._serialized_start=951
-  _globals['_RELAYSTART']._serialized_end=1076
-  _globals['_RELAYCANCEL']._serialized_start=1078
-  _globals['_RELAYCANCEL']._serialized_end=1091
-  _globals['_RELAYEVENTS']._serialized_start=1093
-  _globals['_RELAYEVENTS']._serialized_end=1146
-  _globals['_RELAYEVENT']._serialized_start=1149
-  _globals['_RELAYEVENT']._serialized_end=1363
-  _globals['_RELAYACCEPTED']._serialized_start=1365
-  _globals['_RELAYACCEPTED']._serialized_end=1380
-  _globals['_RELAYERROR']._serialized_start=1382
-  _globals['_RELAYERROR']._serialized_end=1465
-  _globals['_WORKER']._serialized_start=1468
-  _globals['_WORKER']._serialized_end=1691
+  _globals['_RELAYACTION']._serialized_start=824
+  _globals['_RELAYACTION']._serialized_end=995
+  _globals['_RELAYSTART']._serialized_start=998
+  _globals['_RELAYSTART']._serialized_end=1149
+  _globals['_RELAYCANCEL']._serialized_start=1151
+  _globals['_RELAYCANCEL']._serialized_end=1164
+  _globals['_RELAYCONFIRM']._serialized_start=1166
+  _globals['_RELAYCONFIRM']._serialized_end=1180
+  _globals['_RELAYEVENTS']._serialized_start=1182
+  _globals['_RELAYEVENTS']._serialized_end=1235
+  _globals['_RELAYEVENT']._serialized_start=1238
+  _globals['_RELAYEVENT']._serialized_end=1452
+  _globals['_RELAYACCEPTED']._serialized_start=1454
+  _globals['_RELAYACCEPTED']._serialized_end=1469
+  _globals['_RELAYERROR']._serialized_start=1471
+  _globals['_RELAYERROR']._serialized_end=1554
+  _globals['_WORKER']._serialized_start=1557
+  _globals['_WORKER']._serialized_end=1780
 # @@protoc_insertion_point(module_scope)

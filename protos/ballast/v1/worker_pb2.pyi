@@ -80,28 +80,36 @@ class RelayActions(_message.Message):
     def __init__(self, actions: _Optional[_Iterable[_Union[RelayAction, _Mapping]]] = ...) -> None: ...
 
 class RelayAction(_message.Message):
-    __slots__ = ("stream_id", "start", "cancel")
+    __slots__ = ("stream_id", "start", "cancel", "confirm")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     start: RelayStart
     cancel: RelayCancel
-    def __init__(self, stream_id: _Optional[int] = ..., start: _Optional[_Union[RelayStart, _Mapping]] = ..., cancel: _Optional[_Union[RelayCancel, _Mapping]] = ...) -> None: ...
+    confirm: RelayConfirm
+    def __init__(self, stream_id: _Optional[int] = ..., start: _Optional[_Union[RelayStart, _Mapping]] = ..., cancel: _Optional[_Union[RelayCancel, _Mapping]] = ..., confirm: _Optional[_Union[RelayConfirm, _Mapping]] = ...) -> None: ...
 
 class RelayStart(_message.Message):
-    __slots__ = ("request", "timeout_ms", "traceparent", "tracestate")
+    __slots__ = ("request", "timeout_ms", "traceparent", "tracestate", "confirm_accepted")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     request: WorkerGenerateRequest
     timeout_ms: int
     traceparent: str
     tracestate: str
-    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+    confirm_accepted: bool
+    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., confirm_accepted: _Optional[bool] = ...) -> None: ...
 
 class RelayCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RelayConfirm(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

@@ -32,7 +32,7 @@ from services.common.errors import (
 )
 from services.common.faults import classify
 from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
-from services.router.resilience.quarantine import implicated
+from services.router.resilience.quarantine import Implication, implication
 from services.router.resilience.retry_budget import Refusal
 from services.router.resilience.stall import StreamStalled
 
@@ -107,8 +107,8 @@ class FailoverDecision:
     # The worker is gone for every request, not just this one: no new work for it until etcd
     # replaces or drops it.
     mark_unreachable: bool = False
-    # The worker died taking this request on: the loss counts against the request.
-    suspect: bool = False
+    # Whether the loss counts against the request (quarantine), and how sure it is.
+    implication: Implication = Implication.NONE
     # The attempt is a fault of the worker's model version (rollout judgement).
     rollout_fault: bool = False
     # For FAIL: what the client gets.
@@ -203,7 +203,9 @@ def decide(failure: AttemptFailure, ask_budget: BudgetAsk) -> FailoverDecision:
         # keeper) out for a whole cool-down. The dead incarnation is marked unreachable instead.
         breaker=Outcome.IGNORE if lost else outcome,
         mark_unreachable=lost,
-        suspect=implicated(worker_died(error, failure.worker_silent), failure.tokens_this_attempt, failure.accepted),
+        implication=implication(
+            worker_died(error, failure.worker_silent), failure.tokens_this_attempt, failure.accepted
+        ),
         rollout_fault=outcome is Outcome.FAULT,
     )
     refused = _refusal(failure)

@@ -1,12 +1,22 @@
 """Poison containment on the router: a request that kills the workers it runs on is tried on
 at most one more, then quarantined by fingerprint (see services.common.quarantine).
 
-A worker loss counts against a request only when the request is the likely cause
-(`implicated`): the worker had taken the call (it sent its accepted header) and died, stalled
-or lost its lease before this attempt relayed a single token. That is where a query of death
-strikes (a schema that blows up the grammar compiler, a prompt that crashes prefill or runs
-the engine out of memory). A worker killed while it streams answers is the worker's fault,
-not each of its streams': those resume as before and are never quarantined.
+A worker loss counts against a request only when the request may be the cause (`implication`):
+the worker died, stalled or lost its lease before this attempt relayed a single token. That is
+where a query of death strikes (a schema that blows up the grammar compiler, a prompt that
+crashes prefill or runs the engine out of memory). A worker killed while it streams answers is
+the worker's fault, not each of its streams': those resume as before and are never quarantined.
+
+A loss is *taken on* when the router had read the worker's accepted event (the worker took the
+call, then died), *unconfirmed* when it had not: the worker may have died before the request
+reached it (a worker already gone, a network cut), or taken it and died so fast that its
+accepted event went down unread with the connection (a router slow to read, a crash within
+microseconds). A request is quarantined once its losses reach `max_workers_lost` with at least
+one of them taken on, so unconfirmed losses alone (a partition that swallows every attempt)
+never quarantine a request. And every attempt of a request that already cost a worker asks the
+worker to wait for this router's confirm of its accepted event before the engine sees it
+(`wants_confirmation`, Relay's `confirm_accepted`): that attempt's loss is never unconfirmed,
+so a query of death costs `max_workers_lost` workers, however slowly this router reads.
 
 Losses are tallied per fingerprint for the quarantine's time to live, so the count holds
 across a request's resumes and across its retries under new request ids (a backfill replay
@@ -18,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+import enum
+from typing import Any, NamedTuple
 
 from pydantic import Field
 
@@ -38,7 +49,8 @@ class QuarantineConfig(Section):
         ge=1,
         le=10,
         description="Workers a request may cost (died, stalled or ran out of memory taking it on) "
-        "before it is quarantined; it is tried on one more worker after each loss below it.",
+        "before it is quarantined; it is tried on one more worker after each loss below it. At "
+        "least one of the losses must be a worker that confirmed taking the request on.",
     )
     ttl_s: float = Field(
         600.0,
@@ -51,10 +63,34 @@ class QuarantineConfig(Section):
     )
 
 
-def implicated(lost: bool, tokens_this_attempt: int, accepted: bool) -> bool:
-    """Whether a failed attempt counts against its request: the worker took the call, then
-    died, stalled or lost its lease before relaying any token of this attempt."""
-    return lost and accepted and tokens_this_attempt == 0
+class Implication(enum.Enum):
+    """What a failed attempt says against its request."""
+
+    NONE = "none"
+    # The worker took the call on (the router read its accepted event), then was lost.
+    TAKEN_ON = "taken_on"
+    # The worker was lost before the router read an accepted event: it may never have had the
+    # request, or died taking it on faster than the router read.
+    UNCONFIRMED = "unconfirmed"
+
+
+def implication(lost: bool, tokens_this_attempt: int, accepted: bool) -> Implication:
+    """Whether a failed attempt counts against its request: the worker died, stalled or lost
+    its lease before relaying any token of this attempt (taken on or unconfirmed)."""
+    if not lost or tokens_this_attempt > 0:
+        return Implication.NONE
+    return Implication.TAKEN_ON if accepted else Implication.UNCONFIRMED
+
+
+class Losses(NamedTuple):
+    """A fingerprint's workers lost in the tally's window, by implication."""
+
+    taken_on: int = 0
+    unconfirmed: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.taken_on + self.unconfirmed
 
 
 class LossTally:
@@ -66,17 +102,27 @@ class LossTally:
         self.max_entries = max_entries
         self._clock = clock
         # fingerprint -> (losses, time of the last one); insertion order is staleness order.
-        self._losses: dict[str, tuple[int, float]] = {}
+        self._losses: dict[str, tuple[Losses, float]] = {}
 
-    def add(self, fp: str) -> int:
+    def add(self, fp: str, taken_on: bool = True) -> Losses:
         """Counts one more worker lost to `fp`; returns its losses in the window."""
         now = self._clock()
-        count, last = self._losses.pop(fp, (0, now))
-        count = 1 if now - last > self.window_s else count + 1
-        self._losses[fp] = (count, now)
+        losses, last = self._losses.pop(fp, (Losses(), now))
+        if now - last > self.window_s:
+            losses = Losses()
+        if taken_on:
+            losses = losses._replace(taken_on=losses.taken_on + 1)
+        else:
+            losses = losses._replace(unconfirmed=losses.unconfirmed + 1)
+        self._losses[fp] = (losses, now)
         while len(self._losses) > self.max_entries:
             del self._losses[next(iter(self._losses))]
-        return count
+        return losses
+
+    def has_lost_workers(self, fp: str) -> bool:
+        """Whether `fp` cost a worker within the window."""
+        held = self._losses.get(fp)
+        return held is not None and self._clock() - held[1] <= self.window_s
 
     def forget(self, fp: str) -> None:
         self._losses.pop(fp, None)
@@ -134,20 +180,29 @@ class RouterQuarantine:
         self._count("refused")
         raise self._error(fp, entry, request.request_id)
 
-    def worker_lost(self, request: Any, reason: str, worker_id: str) -> None:
-        """Counts a worker lost to `request` (see `implicated`); raises Quarantined when that
+    def wants_confirmation(self, request: Any) -> bool:
+        """Whether an attempt of `request` should have its worker wait for this router's
+        confirm of the accepted event: the request already cost a worker."""
+        if not self.config.enabled or not len(self.tally):
+            return False  # no loss tallied: no fingerprint to compute
+        return self.tally.has_lost_workers(request_fingerprint(request))
+
+    def worker_lost(self, request: Any, reason: str, worker_id: str, taken_on: bool = True) -> None:
+        """Counts a worker lost to `request` (see `implication`); raises Quarantined when that
         was one too many."""
         if not self.config.enabled:
             return
         fp = request_fingerprint(request)
-        lost = self.tally.add(fp)
-        if lost < self.config.max_workers_lost:
+        losses = self.tally.add(fp, taken_on)
+        lost = losses.total
+        if lost < self.config.max_workers_lost or losses.taken_on == 0:
             log.warning(
-                "request %s (fingerprint %s) lost worker %s (%s) taking it on: %d of %d before quarantine",
+                "request %s (fingerprint %s) lost worker %s (%s, %s): %d of %d before quarantine",
                 request.request_id,
                 fp[:16],
                 worker_id,
                 reason,
+                "taking it on" if taken_on else "before it confirmed taking it on",
                 lost,
                 self.config.max_workers_lost,
             )
