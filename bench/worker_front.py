@@ -39,6 +39,7 @@ from pathlib import Path
 from bench.common import model_dir_for, print_table, stop_on_sigterm, write_result
 from bench.goals import LOWER, Goal, judge, print_goals
 from bench.mesh_scale import cpu_seconds
+from bench.soak.baseline import vllm_server_argv
 from ballast.v1 import common_pb2, inference_pb2_grpc
 from services.cli.client import chat_request, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
@@ -100,28 +101,6 @@ async def _rounds(send, front_pid: int, streams: int, requests: int, rounds: int
 # -- vLLM's own server --------------------------------------------------------------------------
 
 
-def _vllm_server_argv(model_dir: Path, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        MODEL_NAME,
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--enable-prefix-caching",
-        "--max-num-seqs",
-        str(MAX_NUM_SEQS),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-
-
 def _healthy(url: str) -> bool:
     import urllib.request
 
@@ -164,7 +143,9 @@ def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> t
     """(the server's CPU seconds to start, its measured rounds)"""
     port = free_ports(1)[0]
     env = {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = ManagedProcess("vllm-server", _vllm_server_argv(model_dir, port), log_path=state / "vllm.log", env=env)
+    server = ManagedProcess(
+        "vllm-server", vllm_server_argv(model_dir, MODEL_NAME, port, MAX_NUM_SEQS), log_path=state / "vllm.log", env=env
+    )
     server.start()
     try:
         base_url = f"http://127.0.0.1:{port}"

@@ -118,7 +118,7 @@ class BallastSide:
     def _worker_under_fault(self) -> ContextManager[ServiceProcess]:
         """The busiest serving worker not under another fault, for the block's length."""
         alive = [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
-        return self._victims.busiest(alive, lambda w: w.name, lambda w: _in_flight(self.mesh.refresh_ready(w)) or 0.0)
+        return self._victims.busiest(alive, lambda w: w.name, lambda w: _in_flight(self.mesh.refresh_ready(w)))
 
     def _answers(self, worker: ServiceProcess) -> float | None:
         """When the worker answers on its metrics port again (it serves), or None. The port is

@@ -68,9 +68,35 @@ def _get(url: str, timeout: float = 1.0) -> str | None:
         return None
 
 
-def running_requests(port: int) -> float:
-    """Requests the server is running now, from its /metrics (vLLM's or the stand-in's)."""
-    return metric_sum(port, ("vllm:num_requests_running", "plain_requests_running")) or 0.0
+def vllm_server_argv(model_dir: Path, model_name: str, port: int, max_num_seqs: int = MAX_NUM_SEQS) -> list[str]:
+    """vLLM's own OpenAI server on 127.0.0.1:`port`, with the engine settings Ballast's vLLM
+    workers use (float32, eager, prefix caching, `max_num_seqs` running): the plain baseline
+    of the soak and of bench.worker_front."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        model_name,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+
+
+def running_requests(port: int) -> float | None:
+    """Requests the server is running now, from its /metrics (vLLM's or the stand-in's); None
+    when it does not answer (still starting)."""
+    return metric_sum(port, ("vllm:num_requests_running", "plain_requests_running"))
 
 
 def kv_fragmentation(port: int) -> float | None:
@@ -104,25 +130,7 @@ class PlainFleet:
 
     def _argv(self, port: int) -> list[str]:
         if self.engine == "vllm":
-            return [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(self.model_dir),
-                "--served-model-name",
-                self.model_name,
-                "--dtype",
-                "float32",
-                "--enforce-eager",
-                "--enable-prefix-caching",
-                "--max-num-seqs",
-                str(MAX_NUM_SEQS),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ]
+            return vllm_server_argv(self.model_dir, self.model_name, port)
         argv = [
             sys.executable,
             "-m",

@@ -115,19 +115,27 @@ def settled_at(
 
 
 class Victims:
-    """Which worker a fault strikes: the busiest one not under another fault (any, when every
-    one is), so it hits work in flight and two overlapping faults hit two workers."""
+    """Which worker a fault strikes: the busiest one that serves (answers its metrics) and is
+    not under another fault, so it hits work in flight and two overlapping faults hit two
+    workers. A worker still starting again after an earlier fault does not answer: striking it
+    would measure that fault's recovery twice. When none serves, or every one is under a
+    fault, any of them."""
 
     def __init__(self) -> None:
         self._under: set[str] = set()
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def busiest(self, candidates: Sequence[T], name: Callable[[T], str], load: Callable[[T], float]) -> Iterator[T]:
-        """The victim, counted as under a fault until the block ends."""
+    def busiest(
+        self, candidates: Sequence[T], name: Callable[[T], str], load: Callable[[T], float | None]
+    ) -> Iterator[T]:
+        """The victim, counted as under a fault until the block ends. `load`: the candidate's
+        requests in flight, None when it does not answer."""
+        loads = {name(c): load(c) for c in candidates}
+        serving = [c for c in candidates if loads[name(c)] is not None] or list(candidates)
         with self._lock:
-            free = [c for c in candidates if name(c) not in self._under] or list(candidates)
-            victim = max(free, key=load)
+            free = [c for c in serving if name(c) not in self._under] or serving
+            victim = max(free, key=lambda c: loads[name(c)] or 0.0)
             self._under.add(name(victim))
         try:
             yield victim

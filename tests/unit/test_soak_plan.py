@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak.faults import (
+    Victims,
     KAFKA_DOWN,
     MESH_FAULTS,
     ROUTER_KILL,
@@ -184,3 +185,16 @@ def test_an_orphan_a_child_left_behind_is_found_and_stopped():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["1", "True", "0"]
+
+
+def test_a_fault_strikes_the_busiest_serving_worker_not_one_still_starting():
+    """A worker its keeper is starting again (its metrics do not answer) is never the victim
+    while another serves, however idle; two overlapping faults strike two workers."""
+    loads = {"w1": None, "w2": 0.0, "w3": 3.0}
+    victims = Victims()
+    with victims.busiest(list(loads), str, loads.get) as first:
+        assert first == "w3"
+        with victims.busiest(list(loads), str, loads.get) as second:
+            assert second == "w2"
+    with victims.busiest(["w1"], str, loads.get) as only:
+        assert only == "w1"  # nothing serves: any of them
