@@ -35,6 +35,7 @@ import grpc
 
 from bench.common import metric_total
 
+_PF_EXITING = 0x4  # linux/sched.h: the task is getting shut down
 GOALS = {"workers_lost": 2, "backfill_replays": 0, "served_again_s": 10.0}
 RESULT = Path("bench/results/hostile_poison.json")
 
@@ -56,9 +57,12 @@ def _running(pid: int | None) -> bool:
     """A live process: a worker that just died is a zombie until its keeper reaps it."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            fields = stat.read().rsplit(")", 1)[1].split()
     except (OSError, TypeError):
         return False
+    # A process that began exiting (PF_EXITING in its flags) is dead already: it closes its
+    # sockets on the way out, so a router can see it gone while it is not yet a zombie.
+    return fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
 
 
 def _lost(before: dict[str, int | None], after: dict[str, int | None]) -> int:

@@ -30,6 +30,7 @@ from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(400)]
 
+_PF_EXITING = 0x4  # linux/sched.h: the task is getting shut down
 MARKER = "QUERY-OF-DEATH-4711"
 POISON = f"Summarise the attached contract. {MARKER}"
 WORKERS = 3
@@ -55,9 +56,12 @@ def running(pid: int | None) -> bool:
     """A live process: a worker that just died is a zombie until its keeper reaps it."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            fields = stat.read().rsplit(")", 1)[1].split()
     except (OSError, TypeError):
         return False
+    # A process that began exiting (PF_EXITING in its flags) is dead already: it closes its
+    # sockets on the way out, so a router can see it gone while it is not yet a zombie.
+    return fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
 
 
 def serving_pids(mesh) -> dict[str, int | None]:
