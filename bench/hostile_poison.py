@@ -49,12 +49,13 @@ def _serving_pids(mesh) -> dict[str, int | None]:
         alive = worker.process.alive()
         child = serving_pid(worker.pid) if alive and worker.pid else None
         pid = child or (worker.pid if alive else None)
-        pids[worker.name] = pid if _running(pid) else None
+        pids[worker.name] = pid if process_running(pid) else None
     return pids
 
 
-def _running(pid: int | None) -> bool:
-    """A live process: a worker that just died is a zombie until its keeper reaps it."""
+def process_running(pid: int | None) -> bool:
+    """A live process: not gone, not a zombie (a worker that just died is one until its keeper
+    reaps it) and not on its way out (the poison tests read workers with it too)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()

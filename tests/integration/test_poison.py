@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from ballast.v1 import inference_pb2_grpc
+from bench.hostile_poison import process_running
 from services.cli.client import chat_request, collect, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.cli.poison_view import parked, quarantined
@@ -30,7 +31,6 @@ from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(400)]
 
-_PF_EXITING = 0x4  # linux/sched.h: the task is getting shut down
 MARKER = "QUERY-OF-DEATH-4711"
 POISON = f"Summarise the attached contract. {MARKER}"
 WORKERS = 3
@@ -52,22 +52,10 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running.stop()
 
 
-def running(pid: int | None) -> bool:
-    """A live process: a worker that just died is a zombie until its keeper reaps it."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except (OSError, TypeError):
-        return False
-    # A process that began exiting (PF_EXITING in its flags) is dead already: it closes its
-    # sockets on the way out, so a router can see it gone while it is not yet a zombie.
-    return fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
-
-
 def serving_pids(mesh) -> dict[str, int | None]:
     """The pid each keeper's worker runs under now (None between a death and the restart)."""
     pids = {worker.name: serving_pid(worker.pid) for worker in mesh.workers()}
-    return {name: pid if running(pid) else None for name, pid in pids.items()}
+    return {name: pid if process_running(pid) else None for name, pid in pids.items()}
 
 
 def lost(before: dict, after: dict) -> int:
