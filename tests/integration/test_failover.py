@@ -20,7 +20,7 @@ from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.worker.keeper import serving_pid
 from tests.integration.test_mesh import etcd_config, metric_value, registered_ids, scrape
-from tests.integration.victims import Answering, all_begun, answering, token_counter, worker_answering
+from tests.integration.victims import Answering, token_counter, worker_answering
 from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
@@ -319,16 +319,21 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
     await asyncio.gather(
         *[collect(router, chat_request(f"warm {i}", max_tokens=2, raw_prompt=True), LOCAL_API_KEY) for i in range(48)]
     )
-    # Kill it while it is in the middle of answering: a stream that has had its first token
-    # from it and not yet finished (its own counters, not the router's choice of placement,
-    # which may give a newcomer few streams or none). A batch it took no stream of, or whose
-    # streams it had all finished when the kill landed, tests nothing: run another, up to three.
-    for _attempt in range(3):
-        before = await answering(kept)
-        progress = Progress(len(PROMPTS), STREAM_TOKENS)
-        streams = start_streams(router, PROMPTS, progress)
-        if not await until_answering(kept, before, progress, streams):
+    # Kill it while it is in the middle of answering a stream of the batch (its own counters,
+    # not the router's choice of placement, which may give a newcomer few streams or none),
+    # and count the kill as one that hit work in flight only when the router moved a stream
+    # off it because it was lost (its own counter; resumed, or retried from the start when
+    # the router had relayed none of its tokens yet): a batch it took no stream of, or whose
+    # streams it had all finished when the kill landed, tests nothing. Another batch runs
+    # then, up to FAULT_BATCHES; each one's outcome is kept for the failure message.
+    outcomes: list[str] = []
+    for _attempt in range(FAULT_BATCHES):
+        baseline = await Answering.read([kept])
+        moved_before = await moved_off_lost_workers(mesh)
+        streams = start_streams(router, PROMPTS, Progress(len(PROMPTS), STREAM_TOKENS))
+        if await worker_answering([kept], baseline, streams, random.Random(0), received=None) is None:
             assert_streams_match(await asyncio.gather(*streams), references)
+            outcomes.append("the batch ended before the worker was read answering a stream of it")
             continue
         log_offset = kept.process.log_path.stat().st_size
         killed_at = time.monotonic()
@@ -342,11 +347,17 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
             await asyncio.sleep(0.1)
         # Its READY line: its metrics are served (read again by the next batch) and its ports known.
         await asyncio.to_thread(mesh.await_ready_after, kept, log_offset, 60)
-        if sum(r.finished.resumes for r in results) >= 1:  # the kill broke streams
+        moved = await moved_off_lost_workers(mesh) - moved_before
+        if moved >= 1:  # the kill broke streams in flight
             break
+        outcomes.append(f"killed; the router moved no stream ({sum(r.finished.resumes for r in results)} resumed)")
         first, lease_before = serving_pid(kept.pid), await worker_lease(mesh, kept.name)
+        # The router counts a worker back under its id as new (slow start): the next batch
+        # waits until it takes a full share.
+        await until_routable(mesh, kept.name)
+        await asyncio.sleep(SLOW_START_S)
     else:
-        pytest.fail("in three batches the respawning worker was never killed in the middle of an answer")
+        pytest.fail(f"the respawning worker was never killed in the middle of an answer: {outcomes}")
     second = serving_pid(kept.pid)
     assert second not in (None, first) and kept.process.alive()
     # Its streams broke because it died, not because it answered with errors: its breaker
@@ -359,17 +370,21 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
     assert not Path(f"/proc/{second}").exists()
 
 
-async def until_answering(worker, before: float, progress: Progress, streams: list[asyncio.Task]) -> bool:
-    """Waits until `worker` is in the middle of answering a stream of the batch whose first
-    token reached the client; False if the batch ended first. Only a stream the router has
-    relayed tokens of resumes when its worker dies (one it has none of is retried from the
-    start), and on a busy machine the router may relay a worker's first token late: so the
-    kill waits until every stream of the batch has had a token at the client."""
-    while not all(s.done() for s in streams):
-        if all_begun(progress.received, streams) and await answering(worker) - before >= 1:
-            return True
-        await asyncio.sleep(0.01)
-    return False
+async def moved_off_lost_workers(mesh) -> float:
+    """Requests the router moved to another worker because theirs was lost (resumed or retried
+    from the start), counted since it started."""
+    text = await scrape(router_metrics_port(mesh))
+    return metric_value(text, "ballast_router_worker_retries_total", reason="worker_lost")
+
+
+async def until_routable(mesh, worker_name: str, timeout: float = 30.0) -> None:
+    """Until the router routes new requests to `worker_name` (its routing gauge reads 1)."""
+    deadline = time.monotonic() + timeout
+    while (
+        metric_value(await scrape(router_metrics_port(mesh)), "ballast_router_worker_routable", worker=worker_name) < 1
+    ):
+        assert time.monotonic() < deadline, f"the router never routed to {worker_name}"
+        await asyncio.sleep(0.05)
 
 
 async def breaker_state(mesh, worker_name: str) -> float:

@@ -78,20 +78,22 @@ async def worker_answering(
     answering: Answering,
     streams: list[asyncio.Task],
     rng: random.Random,
-    received: list[int],
+    received: list[int] | None,
     timeout: float = 120.0,
 ):
     """A worker among `candidates` in the middle of answering a stream of the batch now (its
     first token out, not finished, its in-flight gauge > 0) while a stream of the batch is
     still unfinished at the client and every stream has begun there (`all_begun`); returned
     as soon as it is read so, for the caller to fault at once. `received[i]`: tokens stream i
-    has had at the client (see `token_counter`). The candidates are read in a fresh random
-    order each round, so which of the answering workers is hit is the seed's choice. None if
-    every stream ended first."""
+    has had at the client (see `token_counter`); None for a caller that counts a stream moved
+    from the start as hit too, which then does not wait for every stream to begin (on a busy
+    machine the router may start the last streams of a batch after a worker finished the
+    first). The candidates are read in a fresh random order each round, so which of the
+    answering workers is hit is the seed's choice. None if every stream ended first."""
     candidates = list(candidates)
     deadline = time.monotonic() + timeout
     while not all(s.done() for s in streams):
-        if all_begun(received, streams):
+        if received is None or all_begun(received, streams):
             rng.shuffle(candidates)
             for worker in candidates:
                 started_not_finished, in_flight = await answering.now(worker)
