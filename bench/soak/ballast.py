@@ -33,6 +33,7 @@ from bench.soak.faults import (
     WORKER_STALL,
     ScheduledFault,
     Throttle,
+    Struck,
     Victims,
     signal_tree,
 )
@@ -116,8 +117,12 @@ class BallastSide:
         return WORKER_FAULTS + MESH_FAULTS
 
     def _worker_under_fault(self) -> ContextManager[ServiceProcess]:
-        """The busiest serving worker not under another fault, for the block's length."""
-        alive = [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
+        """The busiest serving worker not under another fault, for the block's length (waits
+        for one, see `Victims`)."""
+
+        def alive() -> list[ServiceProcess]:
+            return [w for w in self.mesh.workers() if w.process.alive() and serving_pid(w.pid) is not None]
+
         return self._victims.busiest(alive, lambda w: w.name, lambda w: _in_flight(self.mesh.refresh_ready(w)))
 
     def _answers(self, worker: ServiceProcess) -> float | None:
@@ -130,7 +135,7 @@ class BallastSide:
             time.sleep(0.1)
         return None
 
-    def apply(self, fault: ScheduledFault) -> tuple[str, float | None]:
+    def apply(self, fault: ScheduledFault) -> Struck:
         handlers = {
             WORKER_KILL: self._kill_worker,
             WORKER_STALL: self._stall_worker,
@@ -142,27 +147,30 @@ class BallastSide:
         }
         return handlers[fault.kind](fault)
 
-    def _kill_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
+    def _kill_worker(self, fault: ScheduledFault) -> Struck:
         with self._worker_under_fault() as worker:
             offset = worker.process.log_path.stat().st_size
+            struck_at = time.monotonic()
             # The serving process and its engine process (vLLM's runs apart): a dead GPU host.
             signal_tree(serving_pid(worker.pid), signal.SIGKILL)
             try:
                 self.mesh.await_ready_after(worker, offset, timeout=RECOVERY_LIMIT_S)
             except ProcessStartError:
-                return worker.name, None
-            return worker.name, time.monotonic()
+                return Struck(worker.name, struck_at, None)
+            return Struck(worker.name, struck_at, time.monotonic())
 
-    def _stall_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
+    def _stall_worker(self, fault: ScheduledFault) -> Struck:
         with self._worker_under_fault() as worker:
             pid = serving_pid(worker.pid)
+            struck_at = time.monotonic()
             signal_tree(pid, signal.SIGSTOP)
             time.sleep(fault.hold_s)
             signal_tree(pid, signal.SIGCONT)
-            return worker.name, self._answers(worker)
+            return Struck(worker.name, struck_at, self._answers(worker))
 
-    def _heat_worker(self, fault: ScheduledFault) -> tuple[str, float | None]:
+    def _heat_worker(self, fault: ScheduledFault) -> Struck:
         with self._worker_under_fault() as worker:
+            struck_at = time.monotonic()
             temperature = self.mesh.temperature_file(worker.name)
             temperature.write_text(f"{HOT_C}\n")
             throttle = Throttle(serving_pid(worker.pid)).start()
@@ -171,42 +179,46 @@ class BallastSide:
             finally:
                 throttle.stop()
                 temperature.write_text(f"{COOL_C}\n")
-            return worker.name, self._answers(worker)
+            return Struck(worker.name, struck_at, self._answers(worker))
 
     def _autoscaler_holder(self) -> str:
         config = load_config(self.mesh.config_path, environ={})
         lock = LeaderLock(config.etcd, AUTOSCALER_LEADER, "bench-soak")
         return asyncio.run(lock.holder()) or ""
 
-    def _kill_router(self, fault: ScheduledFault) -> tuple[str, float | None]:
+    def _kill_router(self, fault: ScheduledFault) -> Struck:
         # Not the autoscaler's leader: workers its executor started would outlive it, nobody's
         # to stop at the end. Its leadership moving is tests/integration/test_routers.py's.
         holder = self._autoscaler_holder()
         router = next(r for r in self.mesh.routers() if not holder.endswith(f"-{r.pid}"))
+        struck_at = time.monotonic()
         os.kill(router.pid, signal.SIGKILL)
         router.process.wait()
         # Restarted as its orchestrator would; meanwhile the other router takes every call.
         fresh = self.mesh.restart_service(router, timeout=RECOVERY_LIMIT_S)
-        return fresh.name, time.monotonic()
+        return Struck(fresh.name, struck_at, time.monotonic())
 
-    def _restart_redis(self, fault: ScheduledFault) -> tuple[str, float | None]:
+    def _restart_redis(self, fault: ScheduledFault) -> Struck:
+        struck_at = time.monotonic()
         self.mesh.redis.restart()
-        return "redis", time.monotonic()
+        return Struck("redis", struck_at, time.monotonic())
 
-    def _broker_down(self, fault: ScheduledFault) -> tuple[str, float | None]:
+    def _broker_down(self, fault: ScheduledFault) -> Struck:
+        struck_at = time.monotonic()
         self.mesh.kafka.stop()
         time.sleep(fault.hold_s)
         self.mesh.kafka.start()
-        return "kafka", time.monotonic()
+        return Struck("kafka", struck_at, time.monotonic())
 
-    def _restart_etcd(self, fault: ScheduledFault) -> tuple[str, float | None]:
+    def _restart_etcd(self, fault: ScheduledFault) -> Struck:
+        struck_at = time.monotonic()
         self.mesh.etcd.restart()
         # Served again once every worker holds its registration again.
         try:
             self.mesh.wait_for_workers(len(self.mesh.workers()), RECOVERY_LIMIT_S)
         except ProcessStartError:
-            return "etcd", None
-        return "etcd", time.monotonic()
+            return Struck("etcd", struck_at, None)
+        return Struck("etcd", struck_at, time.monotonic())
 
     def fragmentation(self) -> list[float]:
         values = [

@@ -35,6 +35,7 @@ from bench.soak.faults import (
     WORKER_STALL,
     ScheduledFault,
     Throttle,
+    Struck,
     Victims,
     signal_tree,
 )
@@ -219,12 +220,15 @@ class PlainFleet:
     def kinds(self) -> tuple[str, ...]:
         return WORKER_FAULTS
 
-    def apply(self, fault: ScheduledFault) -> tuple[str, float | None]:
-        alive = [s for s in self.servers if s.alive()]
+    def apply(self, fault: ScheduledFault) -> Struck:
+        def alive() -> list[PlainServer]:
+            return [s for s in self.servers if s.alive()]
+
         with self._victims.busiest(alive, lambda s: s.name, lambda s: running_requests(s.port)) as server:
             return self._apply_to(server, fault)
 
-    def _apply_to(self, server: PlainServer, fault: ScheduledFault) -> tuple[str, float | None]:
+    def _apply_to(self, server: PlainServer, fault: ScheduledFault) -> Struck:
+        struck_at = time.monotonic()
         if fault.kind == WORKER_KILL:
             server.process.kill()  # the server and its engine process
             # The restart policy: the same server started again, from cold.
@@ -241,9 +245,9 @@ class PlainFleet:
         else:
             raise ValueError(f"the baseline has no part for fault {fault.kind!r}")
         try:
-            return server.name, self._wait_healthy(server)
+            return Struck(server.name, struck_at, self._wait_healthy(server))
         except ProcessStartError:
-            return server.name, None
+            return Struck(server.name, struck_at, None)
 
     def fragmentation(self) -> list[float]:
         values = [kv_fragmentation(s.port) for s in self.servers if s.alive()]

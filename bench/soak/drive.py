@@ -122,14 +122,13 @@ async def _chaos(
         delay = fault.at_s - clock()
         if delay > 0:
             await asyncio.sleep(delay)
-        injected = clock()
-        print(f"  [{injected:6.1f}s] {fault.kind}" + (f" for {fault.hold_s:g}s" if fault.hold_s else ""), flush=True)
-        name, recovered = await asyncio.to_thread(target.apply, fault)
-        records.append(
-            FaultRecord(fault.kind, name, injected, None if recovered is None else recovered - origin, fault.hold_s)
-        )
+        print(f"  [{clock():6.1f}s] {fault.kind}" + (f" for {fault.hold_s:g}s" if fault.hold_s else ""), flush=True)
+        struck = await asyncio.to_thread(target.apply, fault)
+        injected = struck.struck_at - origin
+        recovered = None if struck.recovered_at is None else struck.recovered_at - origin
+        records.append(FaultRecord(fault.kind, struck.target, injected, recovered, fault.hold_s))
         print(
-            f"  [{clock():6.1f}s] {fault.kind} on {name}: "
+            f"  [{clock():6.1f}s] {fault.kind} on {struck.target}, struck at {injected:.1f}s: "
             + ("served again" if recovered is not None else "NOT observed to serve again"),
             flush=True,
         )

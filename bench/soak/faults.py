@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence, TypeVar
 
 from bench.common import percentile
 from bench.soak.table import RequestSample
@@ -114,44 +114,83 @@ def settled_at(
     return None
 
 
+# The longest a worker fault waits for a worker that serves and is not under another fault
+# (one killed earlier may take a minute or two to load its model again) before it strikes
+# any: a fault on a worker that is down measures nothing.
+VICTIM_WAIT_S = 90.0
+VICTIM_POLL_S = 0.5
+
+
 class Victims:
     """Which worker a fault strikes: the busiest one that serves (answers its metrics) and is
     not under another fault, so it hits work in flight and two overlapping faults hit two
     workers. A worker still starting again after an earlier fault does not answer: striking it
-    would measure that fault's recovery twice. When none serves, or every one is under a
-    fault, any of them."""
+    would measure that fault's recovery twice. While no worker serves free of a fault the
+    fault waits for one, up to `wait_s`; then it strikes any (a free one first)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        wait_s: float = VICTIM_WAIT_S,
+        poll_s: float = VICTIM_POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._under: set[str] = set()
         self._lock = threading.Lock()
+        self._wait_s, self._poll_s = wait_s, poll_s
+        self._clock, self._sleep = clock, sleep
 
     @contextlib.contextmanager
     def busiest(
-        self, candidates: Sequence[T], name: Callable[[T], str], load: Callable[[T], float | None]
+        self, candidates: Callable[[], Sequence[T]], name: Callable[[T], str], load: Callable[[T], float | None]
     ) -> Iterator[T]:
-        """The victim, counted as under a fault until the block ends. `load`: the candidate's
-        requests in flight, None when it does not answer."""
-        loads = {name(c): load(c) for c in candidates}
-        serving = [c for c in candidates if loads[name(c)] is not None] or list(candidates)
-        with self._lock:
-            free = [c for c in serving if name(c) not in self._under] or serving
-            victim = max(free, key=lambda c: loads[name(c)] or 0.0)
-            self._under.add(name(victim))
+        """The victim, counted as under a fault until the block ends. `candidates`: the
+        workers alive now (read again while waiting); `load`: a candidate's requests in
+        flight, None when it does not answer. LookupError when none is alive at the end of
+        the wait."""
+        victim = self._choose(candidates, name, load)
         try:
             yield victim
         finally:
             with self._lock:
                 self._under.discard(name(victim))
 
+    def _choose(
+        self, candidates: Callable[[], Sequence[T]], name: Callable[[T], str], load: Callable[[T], float | None]
+    ) -> T:
+        deadline = self._clock() + self._wait_s
+        while True:
+            found = list(candidates())
+            loads = {name(c): load(c) for c in found}
+            with self._lock:
+                free = [c for c in found if name(c) not in self._under]
+                ready = [c for c in free if loads[name(c)] is not None]
+                waited_out = self._clock() >= deadline
+                if ready or (waited_out and found):
+                    victim = max(ready or free or found, key=lambda c: loads[name(c)] or 0.0)
+                    self._under.add(name(victim))
+                    return victim
+            if waited_out:
+                raise LookupError("no worker alive to strike")
+            self._sleep(self._poll_s)
+
+
+class Struck(NamedTuple):
+    """A fault as applied: the part it hit, when it struck (monotonic; a worker fault may
+    wait for a worker that serves) and when the part served again (None: not observed)."""
+
+    target: str
+    struck_at: float
+    recovered_at: float | None
+
 
 class FaultTarget(Protocol):
     """A phase's parts, as the chaos driver sees them. `apply` blocks until the fault is
-    over and the part it hit serves again (or gives up); it returns the part's name and the
-    monotonic time it served again (None: not observed)."""
+    over and the part it hit serves again (or gives up)."""
 
     def kinds(self) -> tuple[str, ...]: ...
 
-    def apply(self, fault: ScheduledFault) -> tuple[str, float | None]: ...
+    def apply(self, fault: ScheduledFault) -> Struck: ...
 
 
 # -- processes ---------------------------------------------------------------------------------

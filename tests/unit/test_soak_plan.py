@@ -191,10 +191,54 @@ def test_a_fault_strikes_the_busiest_serving_worker_not_one_still_starting():
     """A worker its keeper is starting again (its metrics do not answer) is never the victim
     while another serves, however idle; two overlapping faults strike two workers."""
     loads = {"w1": None, "w2": 0.0, "w3": 3.0}
-    victims = Victims()
-    with victims.busiest(list(loads), str, loads.get) as first:
+    victims = Victims(wait_s=0.0)
+    with victims.busiest(lambda: list(loads), str, loads.get) as first:
         assert first == "w3"
-        with victims.busiest(list(loads), str, loads.get) as second:
+        with victims.busiest(lambda: list(loads), str, loads.get) as second:
             assert second == "w2"
-    with victims.busiest(["w1"], str, loads.get) as only:
-        assert only == "w1"  # nothing serves: any of them
+    with victims.busiest(lambda: ["w1"], str, loads.get) as only:
+        assert only == "w1"  # nothing serves, and no wait: any of them
+
+
+class FakeTime:
+    """A clock that moves only when slept on, calling `on_sleep` each time."""
+
+    def __init__(self, on_sleep) -> None:
+        self.now = 0.0
+        self.on_sleep = on_sleep
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.on_sleep(self.now)
+
+
+def test_a_fault_waits_for_a_worker_that_serves_free_of_other_faults_then_strikes_any():
+    """While every worker is starting again or under another fault, the fault waits for one
+    that serves (a worker coming back, one whose fault ended), up to its wait; then any."""
+    loads: dict[str, float | None] = {"w1": None, "w2": 2.0}
+
+    def back(now: float) -> None:
+        if now >= 3.0:
+            loads["w1"] = 0.0  # w1 serves again after three seconds
+
+    time_ = FakeTime(back)
+    victims = Victims(wait_s=10.0, poll_s=0.5, clock=time_.clock, sleep=time_.sleep)
+    with victims.busiest(lambda: list(loads), str, loads.get) as first:
+        assert first == "w2" and time_.now == 0.0
+        with victims.busiest(lambda: list(loads), str, loads.get) as second:
+            assert second == "w1" and time_.now == 3.0  # waited until it served
+            with victims.busiest(lambda: list(loads), str, loads.get) as third:
+                # Both under a fault for the whole wait: it strikes one of them at its end.
+                assert third in ("w1", "w2") and time_.now == 13.0
+
+
+def test_a_fault_with_no_worker_alive_at_the_end_of_its_wait_says_so():
+    time_ = FakeTime(lambda now: None)
+    victims = Victims(wait_s=2.0, poll_s=0.5, clock=time_.clock, sleep=time_.sleep)
+    with pytest.raises(LookupError):
+        with victims.busiest(lambda: [], str, lambda name: 1.0):
+            pass
+    assert time_.now == 2.0
