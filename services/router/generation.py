@@ -84,6 +84,8 @@ class AttemptControl:
         self.call: grpc.aio.UnaryStreamCall | RelayCall | None = None
         # The latest attempt's call, kept after it ended: did its worker take the request?
         self.last_call: grpc.aio.UnaryStreamCall | RelayCall | None = None
+        # Whether that call asked its worker to confirm taking the request on (quarantine).
+        self.confirm_asked = False
 
     def interrupt(self, reason: str) -> None:
         if self.reason is None:
@@ -260,7 +262,7 @@ class GenerationRunner:
                     await self._another_slot(grant, request, self._pinned(version, state))
                     continue
                 sent_before = len(state.sent_ids)
-                control.last_call = None
+                control.last_call, control.confirm_asked = None, False
                 try:
                     if not state.model_version:
                         yield await self._start(run, worker)
@@ -281,6 +283,7 @@ class GenerationRunner:
                             accepted=worker_died(error, silent) and await was_accepted(control.last_call),
                             deadline_passed=time.monotonic() >= run.deadline,
                             worker_silent=silent,
+                            confirm_asked=control.confirm_asked,
                         ),
                         run.attempts.ask,
                     )
@@ -422,6 +425,11 @@ class GenerationRunner:
             },
         )
         finished = False
+        # The request already cost a worker: this attempt's worker confirms taking it on (on
+        # Relay; a Generate call cannot), and its first token forgives the loss (see
+        # resilience/quarantine.py).
+        suspect = self.quarantine.wants_confirmation(request)
+        control.confirm_asked = suspect and worker.relay
         with WorkerCall(
             self.clients,
             worker.address,
@@ -429,7 +437,7 @@ class GenerationRunner:
             run.deadline,
             span=attempt,
             relay=worker.relay,
-            confirm_accepted=self.quarantine.wants_confirmation(request),
+            confirm_accepted=suspect,
         ) as worker_call:
             control.call = control.last_call = worker_call.call
             # A worker whose lease is gone is dead or cut off: do not wait for a stall.
@@ -445,6 +453,8 @@ class GenerationRunner:
                             self.metrics.ttft.record(run.ttft_ms(), {"tier": tier})
                         if relayed == 0:
                             grant.first_token()
+                            if suspect:
+                                self.quarantine.passed(request)
                         # Counted once per attempt (below), not per message: this loop is the hot path.
                         relayed += len(ids)
                         state.sent_ids.extend(ids)

@@ -107,6 +107,12 @@ def test_a_worker_lost_taking_the_request_on_implicates_the_request(error):
     assert unread.implication is Implication.UNCONFIRMED
     streaming = decide(failure(error, sent=4, this_attempt=3, accepted=True), Budget())
     assert streaming.implication is Implication.NONE
+    # An attempt that asked its worker to confirm and was lost before the accepted event was
+    # read never reached the engine: not the request's doing (workers lost together).
+    unconfirmed = dataclasses.replace(failure(error, sent=4, this_attempt=0, accepted=False), confirm_asked=True)
+    assert decide(unconfirmed, Budget()).implication is Implication.NONE
+    confirmed = dataclasses.replace(failure(error, sent=4, this_attempt=0, accepted=True), confirm_asked=True)
+    assert decide(confirmed, Budget()).implication is Implication.TAKEN_ON
 
 
 def test_a_stalled_worker_counts_against_its_breaker_but_stays_reachable():

@@ -27,7 +27,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from ballast.v1 import common_pb2, worker_pb2
 from services.common.accepted import ACCEPTED_METADATA
 from services.common.config import EtcdConfig
-from services.common.errors import Draining, NoLiveWorker
+from services.common.errors import Draining, NoLiveWorker, Quarantined
 from services.common.faults import status_trailers
 from services.common.generation import Sampling
 from services.common.membership import MembershipWatcher, WorkerRecord
@@ -315,3 +315,23 @@ async def test_when_every_worker_refuses_the_client_gets_no_live_worker_after_on
 async def test_every_call_leaves_its_worker_channel_free(model_info):
     _, workers, _ = await play([DieAfter(2), Refuse()], model_info, worker_ids=("w1", "w2", "w3"))
     assert set(workers.active.values()) == {0}
+
+
+async def test_a_request_lost_in_prefill_twice_across_calls_is_served_when_it_streamed_in_between(model_info):
+    """Two workers each die with a copy of the same request taken on and no token out (a worker
+    killed with several requests in prefill implicates them all). Its retry streamed after the
+    first loss, so the second copy is not quarantined: it is retried and served."""
+    workers = FakeWorkers([DieAfter(0), Serve(), DieAfter(0), Serve()], model_info)
+    shared = runner(workers, membership("w1", "w2", "w3"))
+    for request_id in ("first-copy", "second-copy"):
+        events = [event async for event in shared.run(request_run(request_id))]
+        assert streamed(events) == [token_at(i) for i in range(MAX_TOKENS)]
+    assert len(workers.calls) == 4
+
+
+async def test_a_request_that_kills_two_workers_in_a_row_is_quarantined(model_info):
+    workers = FakeWorkers([DieAfter(0), DieAfter(0)], model_info)
+    with pytest.raises(Quarantined):
+        async for _event in runner(workers, membership("w1", "w2", "w3")).run(request_run()):
+            pass
+    assert len(workers.calls) == 2

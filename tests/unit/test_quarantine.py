@@ -145,18 +145,24 @@ def test_merging_a_snapshot_keeps_entries_held_only_here():
 
 
 @pytest.mark.parametrize(
-    "lost, tokens, accepted, counts",
+    "lost, tokens, accepted, confirm_asked, counts",
     [
-        (True, 0, True, Implication.TAKEN_ON),  # died taking the request on: the request may be why
-        (True, 5, True, Implication.NONE),  # died while streaming: the worker's fault, not each stream's
+        (True, 0, True, False, Implication.TAKEN_ON),  # died taking the request on: the request may be why
+        (True, 5, True, False, Implication.NONE),  # died while streaming: the worker's fault, not each stream's
         # Lost before its accepted event was read: never had the call, or died faster than that.
-        (True, 0, False, Implication.UNCONFIRMED),
-        (True, 5, False, Implication.NONE),
-        (False, 0, True, Implication.NONE),  # a live worker's error
+        (True, 0, False, False, Implication.UNCONFIRMED),
+        (True, 5, False, False, Implication.NONE),
+        (False, 0, True, False, Implication.NONE),  # a live worker's error
+        # Asked to confirm: its engine sees the request only after the router read the
+        # accepted event, so lost before that the request cannot be why.
+        (True, 0, False, True, Implication.NONE),
+        (True, 0, True, True, Implication.TAKEN_ON),
     ],
 )
-def test_a_worker_lost_counts_against_a_request_only_when_it_died_before_a_token(lost, tokens, accepted, counts):
-    assert implication(lost, tokens, accepted) is counts
+def test_a_worker_lost_counts_against_a_request_only_when_it_died_before_a_token(
+    lost, tokens, accepted, confirm_asked, counts
+):
+    assert implication(lost, tokens, accepted, confirm_asked) is counts
 
 
 def test_the_tally_forgets_losses_older_than_its_window_and_is_bounded():
@@ -225,6 +231,27 @@ def test_unconfirmed_losses_need_one_taken_on_to_quarantine():
         quarantine.worker_lost(other, "worker_lost", "w2", taken_on=True)
     clock.now += 601
     assert not quarantine.wants_confirmation(poison)
+
+
+def test_a_request_that_streams_after_a_loss_is_forgiven_and_a_poison_is_not():
+    """A worker killed with several requests in prefill implicates each of them: when one of
+    them (or a copy under a new id) then relays a token, its loss is forgiven, so a popular
+    request is not quarantined after two such deaths. A poison relays no token in between."""
+    clock = Clock(1000.0)
+    quarantine = RouterQuarantine(QuarantineConfig(ttl_s=600), clock=clock, monotonic=clock)
+    popular = request("first")
+    quarantine.worker_lost(popular, "worker_lost", "w1")
+    assert quarantine.wants_confirmation(popular)
+    quarantine.passed(request("first"))  # its retry streamed on another worker
+    assert not quarantine.wants_confirmation(popular)
+    quarantine.worker_lost(request("later-copy"), "worker_lost", "w2")  # a copy, minutes later
+    quarantine.check(request("yet-another-copy"))  # one loss in the tally: not quarantined
+    # Forgiving one fingerprint forgives no other.
+    poison = request("p", messages=(("user", "crash please"),))
+    quarantine.worker_lost(poison, "worker_lost", "w3")
+    quarantine.passed(request("x", messages=(("user", "hello"),)))
+    with pytest.raises(Quarantined):
+        quarantine.worker_lost(poison, "worker_lost", "w4")
 
 
 def test_a_disabled_quarantine_never_refuses():

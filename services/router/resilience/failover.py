@@ -94,6 +94,9 @@ class AttemptFailure:
     # that kept streaming to others while this stream waited is slow (overloaded, a long queue),
     # not wedged: its stall says nothing against the request.
     worker_silent: bool = True
+    # The attempt asked its worker to wait for this router's confirm of its accepted event
+    # before the engine saw the request (a Relay call of a request that already cost a worker).
+    confirm_asked: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,10 @@ def decide(failure: AttemptFailure, ask_budget: BudgetAsk) -> FailoverDecision:
         breaker=Outcome.IGNORE if lost else outcome,
         mark_unreachable=lost,
         implication=implication(
-            worker_died(error, failure.worker_silent), failure.tokens_this_attempt, failure.accepted
+            worker_died(error, failure.worker_silent),
+            failure.tokens_this_attempt,
+            failure.accepted,
+            failure.confirm_asked,
         ),
         rollout_fault=outcome is Outcome.FAULT,
     )

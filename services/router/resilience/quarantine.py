@@ -15,13 +15,23 @@ microseconds). A request is quarantined once its losses reach `max_workers_lost`
 one of them taken on, so unconfirmed losses alone (a partition that swallows every attempt)
 never quarantine a request. And every attempt of a request that already cost a worker asks the
 worker to wait for this router's confirm of its accepted event before the engine sees it
-(`wants_confirmation`, Relay's `confirm_accepted`): that attempt's loss is never unconfirmed,
-so a query of death costs `max_workers_lost` workers, however slowly this router reads.
+(`wants_confirmation`, Relay's `confirm_accepted`): such an attempt lost before its accepted
+event was read never reached the engine and counts for nothing (a worker killed at the same
+moment as the one before, or already dead), and one lost after it is taken on for sure, so a
+query of death costs `max_workers_lost` workers, however slowly this router reads.
 
 Losses are tallied per fingerprint for the quarantine's time to live, so the count holds
 across a request's resumes and across its retries under new request ids (a backfill replay
 too). At `max_workers_lost` the fingerprint is quarantined: held here at once, written to
 etcd for the other routers and the backfill, and refused with `Quarantined` until it lapses.
+
+A fingerprint's losses are forgiven (`passed`) when an attempt that asked for a confirm, one
+made after it cost a worker, relays its first token: it got past where a query of death
+strikes, so the worker lost before was lost with it, not to it (a worker killed with several
+requests in prefill implicates each of them). Without that, a popular request (the same
+prompt from many users, a health probe) would be quarantined for everyone once two workers
+died in ten minutes with a copy of it in prefill each time, and a poison still is: it never
+relays a token between the workers it kills.
 """
 
 from __future__ import annotations
@@ -74,12 +84,17 @@ class Implication(enum.Enum):
     UNCONFIRMED = "unconfirmed"
 
 
-def implication(lost: bool, tokens_this_attempt: int, accepted: bool) -> Implication:
+def implication(lost: bool, tokens_this_attempt: int, accepted: bool, confirm_asked: bool = False) -> Implication:
     """Whether a failed attempt counts against its request: the worker died, stalled or lost
-    its lease before relaying any token of this attempt (taken on or unconfirmed)."""
+    its lease before relaying any token of this attempt (taken on or unconfirmed). An attempt
+    that asked its worker to confirm (`confirm_asked`) and was lost before its accepted event
+    was read never reached the engine: the worker died of something else (several workers
+    lost at once, one already dead when the request was sent), so it counts for nothing."""
     if not lost or tokens_this_attempt > 0:
         return Implication.NONE
-    return Implication.TAKEN_ON if accepted else Implication.UNCONFIRMED
+    if accepted:
+        return Implication.TAKEN_ON
+    return Implication.NONE if confirm_asked else Implication.UNCONFIRMED
 
 
 class Losses(NamedTuple):
@@ -186,6 +201,20 @@ class RouterQuarantine:
         if not self.config.enabled or not len(self.tally):
             return False  # no loss tallied: no fingerprint to compute
         return self.tally.has_lost_workers(request_fingerprint(request))
+
+    def passed(self, request: Any) -> None:
+        """An attempt of `request` that asked for a confirm (see `wants_confirmation`) relayed
+        its first token: forgets its fingerprint's losses."""
+        if not self.config.enabled:
+            return
+        fp = request_fingerprint(request)
+        if self.tally.has_lost_workers(fp):
+            self.tally.forget(fp)
+            log.info(
+                "request %s (fingerprint %s) streamed after costing a worker: its losses are forgiven",
+                request.request_id,
+                fp[:16],
+            )
 
     def worker_lost(self, request: Any, reason: str, worker_id: str, taken_on: bool = True) -> None:
         """Counts a worker lost to `request` (see `implication`); raises Quarantined when that
