@@ -19,7 +19,7 @@ from services.cli.client import chat_request, collect, open_channel
 from services.cli.etcd_view import list_workers
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.worker.keeper import serving_pid
-from tests.integration.test_mesh import etcd_config, metric_value, registered_ids, scrape
+from tests.integration.test_mesh import etcd_config, metric_value, registered_ids, router_routes_to, scrape
 from tests.integration.victims import Answering, token_counter, worker_answering
 from tests.served import assert_served
 
@@ -354,7 +354,7 @@ async def test_a_respawning_worker_killed_mid_stream_is_back_under_its_id_at_onc
         first, lease_before = serving_pid(kept.pid), await worker_lease(mesh, kept.name)
         # The router counts a worker back under its id as new (slow start): the next batch
         # waits until it takes a full share.
-        await until_routable(mesh, kept.name)
+        await router_routes_to(mesh, {kept.name}, timeout=30)
         await asyncio.sleep(SLOW_START_S)
     else:
         pytest.fail(f"the respawning worker was never killed in the middle of an answer: {outcomes}")
@@ -375,16 +375,6 @@ async def moved_off_lost_workers(mesh) -> float:
     from the start), counted since it started."""
     text = await scrape(router_metrics_port(mesh))
     return metric_value(text, "ballast_router_worker_retries_total", reason="worker_lost")
-
-
-async def until_routable(mesh, worker_name: str, timeout: float = 30.0) -> None:
-    """Until the router routes new requests to `worker_name` (its routing gauge reads 1)."""
-    deadline = time.monotonic() + timeout
-    while (
-        metric_value(await scrape(router_metrics_port(mesh)), "ballast_router_worker_routable", worker=worker_name) < 1
-    ):
-        assert time.monotonic() < deadline, f"the router never routed to {worker_name}"
-        await asyncio.sleep(0.05)
 
 
 async def breaker_state(mesh, worker_name: str) -> float:

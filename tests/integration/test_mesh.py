@@ -78,6 +78,19 @@ async def wait_router_forgets(mesh, worker_name: str, timeout: float = 20.0) -> 
         await asyncio.sleep(0.05)
 
 
+async def router_routes_to(mesh, names: set[str], timeout: float = 60.0) -> None:
+    """Until the router's own routing gauge counts every worker in `names` as routable."""
+    port = next(s for s in mesh.services if s.name == "router").metrics_port
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        text = await scrape(port)
+        if all(metric_value(text, "ballast_router_worker_routable", worker=name) >= 1 for name in names):
+            return
+        assert loop.time() < deadline, f"the router does not route to all of {sorted(names)}"
+        await asyncio.sleep(0.2)
+
+
 async def direct_greedy(address: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
     async with open_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)

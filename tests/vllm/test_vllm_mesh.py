@@ -31,7 +31,13 @@ from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec  # noqa: E402
 from services.cli.etcd_view import list_workers  # noqa: E402
 from services.common.membership import make_client  # noqa: E402
 from services.common.worker_roles import SERVING, request_role  # noqa: E402
-from tests.integration.test_mesh import etcd_config, metric_value, registered_ids, scrape  # noqa: E402
+from tests.integration.test_mesh import (  # noqa: E402
+    etcd_config,
+    metric_value,
+    registered_ids,
+    router_routes_to,
+    scrape,
+)
 from tests.served import assert_served  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
@@ -172,19 +178,6 @@ async def test_a_session_whose_vllm_worker_died_continues_on_the_other_from_the_
     deadline = loop.time() + 60
     while victim.name not in await registered_ids(mesh):
         assert loop.time() < deadline, "the restarted worker did not register"
-        await asyncio.sleep(0.2)
-
-
-async def router_routes_to(mesh, names: set[str], timeout: float = 60.0) -> None:
-    """Until the router's own routing gauge counts every worker in `names` as routable."""
-    port = next(s for s in mesh.services if s.name == "router").metrics_port
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        text = await scrape(port)
-        if all(metric_value(text, "ballast_router_worker_routable", worker=name) >= 1 for name in names):
-            return
-        assert loop.time() < deadline, f"the router does not route to all of {sorted(names)}"
         await asyncio.sleep(0.2)
 
 
