@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -92,6 +94,10 @@ async def test_streams_survive_sim_workers_killed_mid_stream(mesh, router):
                 if victim is None:
                     break
                 victims.append(victim)
+            # Every victim is signalled before any is reaped (a reap waits for the process to
+            # end, which on a busy machine takes a while each): they die together.
+            for victim in victims:
+                os.killpg(victim.pid, signal.SIGKILL)
             for victim in victims:
                 victim.process.kill()
         finally:
