@@ -94,13 +94,12 @@ async def wait_until(predicate, what: str, timeout_s: float = 30.0):
         await asyncio.sleep(0.2)
 
 
-async def reference_answer(router, request):
-    """`request` streamed whole through `router`: a served answer long enough to cut."""
+async def answer_through(router, request):
+    """`request` streamed whole through `router`, served (not a degraded answer)."""
     async with grpc.aio.insecure_channel(router.address, options=CHANNEL_OPTIONS) as channel:
-        reference = await collect(inference_pb2_grpc.InferenceStub(channel), request, LOCAL_API_KEY, timeout=120)
-    assert_served(reference)
-    assert len(reference.token_ids) > 2 * CUT_AFTER_TOKENS
-    return reference
+        answer = await collect(inference_pb2_grpc.InferenceStub(channel), request, LOCAL_API_KEY, timeout=120)
+    assert_served(answer)
+    return answer
 
 
 async def stream_killing_router(router, request) -> tuple[list[int], grpc.aio.AioRpcError | None]:
@@ -148,7 +147,8 @@ async def test_a_client_balances_over_the_routers_and_a_retried_request_id_gives
             request = chat_request(
                 PROMPT, max_tokens=400, temperature=0.9, raw_prompt=True, request_id=uuid.uuid4().hex
             )
-            reference = await reference_answer(second, request)
+            reference = await answer_through(second, request)
+            assert len(reference.token_ids) > 2 * CUT_AFTER_TOKENS  # long enough to cut
             seen, cut = await stream_killing_router(first, request)
             await asyncio.to_thread(first.process.wait, 10)
             if cut is not None:
@@ -162,9 +162,7 @@ async def test_a_client_balances_over_the_routers_and_a_retried_request_id_gives
         assert seen == reference.token_ids[: len(seen)]
 
         # Retried with the same request_id on the router left: the very same answer.
-        async with grpc.aio.insecure_channel(second.address, options=CHANNEL_OPTIONS) as channel:
-            retried = await collect(inference_pb2_grpc.InferenceStub(channel), request, LOCAL_API_KEY, timeout=120)
-        assert_served(retried)
+        retried = await answer_through(second, request)
         assert retried.token_ids == reference.token_ids
         assert retried.text == reference.text
 
