@@ -86,6 +86,8 @@ class AttemptControl:
         self.last_call: grpc.aio.UnaryStreamCall | RelayCall | None = None
         # Whether that call asked its worker to confirm taking the request on (quarantine).
         self.confirm_asked = False
+        # Attempts of this request that ended without its answer so far.
+        self.failed_attempts = 0
 
     def interrupt(self, reason: str) -> None:
         if self.reason is None:
@@ -273,6 +275,7 @@ class GenerationRunner:
                     self.affinity.served(request.tenant, request.session_id, worker.id)
                     return
                 except DECIDED_ERRORS as error:
+                    control.failed_attempts += 1
                     silent = self.progress.silent(worker.id, error)
                     decision = decide(
                         AttemptFailure(
@@ -425,10 +428,11 @@ class GenerationRunner:
             },
         )
         finished = False
-        # The request already cost a worker: this attempt's worker confirms taking it on (on
-        # Relay; a Generate call cannot), and its first token forgives the loss (see
-        # resilience/quarantine.py).
-        suspect = self.quarantine.wants_confirmation(request)
+        # After a failed attempt, or for a request that already cost a worker, this attempt's
+        # worker confirms taking it on (on Relay; a Generate call cannot): lost before that, it
+        # never reached the engine and counts for nothing. Its first token forgives the
+        # request's losses (see resilience/quarantine.py).
+        suspect = self.quarantine.wants_confirmation(request, follows_failure=control.failed_attempts > 0)
         control.confirm_asked = suspect and worker.relay
         with WorkerCall(
             self.clients,

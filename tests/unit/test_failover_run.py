@@ -335,3 +335,22 @@ async def test_a_request_that_kills_two_workers_in_a_row_is_quarantined(model_in
         async for _event in runner(workers, membership("w1", "w2", "w3")).run(request_run()):
             pass
     assert len(workers.calls) == 2
+
+
+async def test_every_attempt_after_a_failed_one_asks_its_worker_to_confirm(model_info):
+    """A stream lost mid-answer counts nothing against its request, yet its next worker may be
+    dying in the same event: every attempt after a failed one asks for a confirm, the first
+    does not (resilience/quarantine.py)."""
+    workers = FakeWorkers([DieAfter(3), Refuse()], model_info)
+    shared = runner(workers, membership("w1", "w2", "w3"))
+    asked: list[bool] = []
+    wants = shared.quarantine.wants_confirmation
+
+    def recording(request, follows_failure=False):
+        asked.append(follows_failure)
+        return wants(request, follows_failure=follows_failure)
+
+    shared.quarantine.wants_confirmation = recording
+    events = [event async for event in shared.run(request_run())]
+    assert streamed(events) == [token_at(i) for i in range(MAX_TOKENS)]
+    assert asked == [False, True, True]

@@ -233,6 +233,20 @@ def test_unconfirmed_losses_need_one_taken_on_to_quarantine():
     assert not quarantine.wants_confirmation(poison)
 
 
+def test_an_attempt_after_a_failed_one_asks_for_a_confirm_even_when_nothing_was_counted():
+    """A stream lost mid-answer (its loss counts for nothing) and resumed may land on a worker
+    dying in the same event: that attempt asks its worker to confirm, so losing it before the
+    confirm counts for nothing either. A first attempt of a fresh request asks nothing."""
+    clock = Clock(1000.0)
+    quarantine = RouterQuarantine(QuarantineConfig(ttl_s=600), clock=clock, monotonic=clock)
+    fresh = request("fresh")
+    assert not quarantine.wants_confirmation(fresh)
+    assert quarantine.wants_confirmation(fresh, follows_failure=True)
+    assert len(quarantine.tally) == 0  # asking counts nothing against it
+    disabled = RouterQuarantine(QuarantineConfig(enabled=False))
+    assert not disabled.wants_confirmation(fresh, follows_failure=True)
+
+
 def test_a_request_that_streams_after_a_loss_is_forgiven_and_a_poison_is_not():
     """A worker killed with several requests in prefill implicates each of them: when one of
     them (or a copy under a new id) then relays a token, its loss is forgiven, so a popular

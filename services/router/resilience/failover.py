@@ -95,7 +95,8 @@ class AttemptFailure:
     # not wedged: its stall says nothing against the request.
     worker_silent: bool = True
     # The attempt asked its worker to wait for this router's confirm of its accepted event
-    # before the engine saw the request (a Relay call of a request that already cost a worker).
+    # before the engine saw the request (a Relay call after a failed attempt, or of a request
+    # that already cost a worker).
     confirm_asked: bool = False
 
 

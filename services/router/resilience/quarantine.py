@@ -13,12 +13,14 @@ reached it (a worker already gone, a network cut), or taken it and died so fast 
 accepted event went down unread with the connection (a router slow to read, a crash within
 microseconds). A request is quarantined once its losses reach `max_workers_lost` with at least
 one of them taken on, so unconfirmed losses alone (a partition that swallows every attempt)
-never quarantine a request. And every attempt of a request that already cost a worker asks the
-worker to wait for this router's confirm of its accepted event before the engine sees it
-(`wants_confirmation`, Relay's `confirm_accepted`): such an attempt lost before its accepted
-event was read never reached the engine and counts for nothing (a worker killed at the same
-moment as the one before, or already dead), and one lost after it is taken on for sure, so a
-query of death costs `max_workers_lost` workers, however slowly this router reads.
+never quarantine a request. And every attempt that follows a failed attempt of the same
+request, or of a request that already cost a worker, asks the worker to wait for this router's
+confirm of its accepted event before the engine sees it (`wants_confirmation`, Relay's
+`confirm_accepted`): such an attempt lost before its accepted event was read never reached the
+engine and counts for nothing (a worker killed at the same moment as the one before, or already
+dead: a stream lost mid-answer with its machine and resumed onto another dying with it), and
+one lost after it is taken on for sure, so a query of death costs `max_workers_lost` workers,
+however slowly this router reads.
 
 Losses are tallied per fingerprint for the quarantine's time to live, so the count holds
 across a request's resumes and across its retries under new request ids (a backfill replay
@@ -195,10 +197,17 @@ class RouterQuarantine:
         self._count("refused")
         raise self._error(fp, entry, request.request_id)
 
-    def wants_confirmation(self, request: Any) -> bool:
+    def wants_confirmation(self, request: Any, follows_failure: bool = False) -> bool:
         """Whether an attempt of `request` should have its worker wait for this router's
-        confirm of the accepted event: the request already cost a worker."""
-        if not self.config.enabled or not len(self.tally):
+        confirm of the accepted event: the attempt follows a failed one of the same request
+        (`follows_failure`: the worker before may have died in the same event as this one,
+        a machine or a rack lost, so this one may be dying too), or the request already cost
+        a worker."""
+        if not self.config.enabled:
+            return False
+        if follows_failure:
+            return True
+        if not len(self.tally):
             return False  # no loss tallied: no fingerprint to compute
         return self.tally.has_lost_workers(request_fingerprint(request))
 
