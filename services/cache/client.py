@@ -108,6 +108,18 @@ class KVCacheClient:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    async def watch_health(self) -> AsyncIterator[bool]:
+        """Whether the service is SERVING: now, then at each change (it serves only while its
+        Redis is up). Ends when the stream does: the service stopped or cannot be reached."""
+        call = self._health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        try:
+            async for reply in call:
+                yield reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            return
+        finally:
+            call.cancel()
+
     async def lookup(self, scope: KVScope, hashes: Sequence[bytes], timeout_s: float) -> int:
         try:
             reply = await self._stub.Lookup(

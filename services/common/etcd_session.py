@@ -11,7 +11,8 @@ On top of it:
   prefix again and reports what changed meanwhile (keys written and keys gone), so a consumer
   never misses a change and keeps its last view while etcd is away.
 - `KeptLease`: a lease kept alive by its owner's refreshes, granted again when etcd lost it (the
-  owner is told), revoked once on a clean stop.
+  owner is told), revoked once on a clean stop. Refreshes go over one LeaseKeepAlive stream per
+  client (`etcd_keepalive`), not a stream each.
 
 One session per process: a service's app builds it and hands it to every part that reaches etcd
 (its watches, leases and calls share the one client), and the app alone closes it, after those
@@ -40,6 +41,7 @@ import aetcd.exceptions
 from services.common.backoff import BackoffPolicy, RestartBackoff
 from services.common.config import EtcdConfig
 from services.common.etcd_client import MEMBER_CONNECT_TIMEOUT_S, make_client
+from services.common.etcd_keepalive import KeepAliveStream
 from services.common.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -133,6 +135,8 @@ class EtcdSession:
         self._client: aetcd.Client | None = None
         self._connect_lock = asyncio.Lock()
         self._watches: set[PrefixWatch] = set()
+        # Every lease of the session is refreshed on one stream of the current client.
+        self.keepalive = KeepAliveStream()
         self.connects = 0
         """How many clients this session has connected (the first, then one per reconnect)."""
         # A call may first have to find a live member: give it time for that as well.
@@ -169,6 +173,7 @@ class EtcdSession:
             client = self._client
         if client is not None and client is self._client:
             self._client = None
+        self.keepalive.drop(client)
         await close_client(client)
 
     async def _run(self, operation: Callable[[aetcd.Client], Awaitable[Any]]) -> Any:
@@ -228,8 +233,7 @@ class EtcdSession:
 
     async def refresh(self, lease_id: int) -> int:
         """Refreshes a lease; its remaining seconds (<= 0: etcd no longer holds it)."""
-        reply = await self._run(lambda c: c.refresh_lease(lease_id))
-        return 0 if reply is None else reply.TTL
+        return await self._run(lambda c: self.keepalive.refresh(c, lease_id))
 
     async def revoke(self, lease_id: int) -> bool:
         """Revokes a lease, so its keys go at once; False (logged) when etcd cannot be reached:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -134,7 +135,13 @@ def _wrap_stream(behavior: Callable[..., Any], method: str):
         if isinstance(request, MalformedRequest):
             await _refuse_malformed(request, context)
         async with _statuses(context, method):
-            async for item in behavior(request, context):
+            replies = behavior(request, context)
+            if inspect.isawaitable(replies):
+                # A handler that writes its replies itself (context.write), as gRPC's health
+                # Watch does, rather than yielding them.
+                await replies
+                return
+            async for item in replies:
                 yield item
 
     return wrapper

@@ -119,7 +119,9 @@ class WorkerRegistration:
         self.registered = asyncio.Event()
         # What was last written, under which lease, and when (monotonic): an unchanged record
         # under the same lease is not written again before record_refresh_s.
-        self._written: tuple[int, bytes] | None = None
+        # (Compared as records, not as their JSON: encoding it at every heartbeat was most of
+        # an idle worker's Python work.)
+        self._written: tuple[int, WorkerRecord] | None = None
         self._written_at = 0.0
 
     async def start(self) -> None:
@@ -132,7 +134,7 @@ class WorkerRegistration:
     async def _publish(self) -> None:
         lease_id = await self._lease.ensure()
         record = self._snapshot()
-        content = (lease_id, replace(record, updated_at=0.0).to_json())
+        content = (lease_id, replace(record, updated_at=0.0))
         if content == self._written and time.monotonic() - self._written_at < self.config.record_refresh_s:
             return  # the lease is refreshed; the record in etcd already says all this
         record.updated_at = time.time()

@@ -86,8 +86,6 @@ class AttemptControl:
         self.last_call: grpc.aio.UnaryStreamCall | RelayCall | None = None
         # Whether that call asked its worker to confirm taking the request on (quarantine).
         self.confirm_asked = False
-        # Attempts of this request that ended without its answer so far.
-        self.failed_attempts = 0
 
     def interrupt(self, reason: str) -> None:
         if self.reason is None:
@@ -275,7 +273,6 @@ class GenerationRunner:
                     self.affinity.served(request.tenant, request.session_id, worker.id)
                     return
                 except DECIDED_ERRORS as error:
-                    control.failed_attempts += 1
                     silent = self.progress.silent(worker.id, error)
                     decision = decide(
                         AttemptFailure(
@@ -428,11 +425,12 @@ class GenerationRunner:
             },
         )
         finished = False
-        # After a failed attempt, or for a request that already cost a worker, this attempt's
-        # worker confirms taking it on (on Relay; a Generate call cannot): lost before that, it
+        # After a failed attempt (every retry and resume is granted through run.attempts; a
+        # pause for an S request is not a failure), or for a request that already cost a
+        # worker, this attempt's worker confirms taking it on (on Relay; a Generate call cannot): lost before that, it
         # never reached the engine and counts for nothing. Its first token forgives the
         # request's losses (see resilience/quarantine.py).
-        suspect = self.quarantine.wants_confirmation(request, follows_failure=control.failed_attempts > 0)
+        suspect = self.quarantine.wants_confirmation(request, follows_failure=run.attempts.attempts > 1)
         control.confirm_asked = suspect and worker.relay
         with WorkerCall(
             self.clients,

@@ -294,6 +294,14 @@ async def test_redis_loss_is_unavailable_not_a_crash_and_recovers(tmp_path):
     redis = RedisServer(tmp_path).start()
     app = await create_server(make_config(redis.url, "loss:"))
     client = KVCacheClient(app.address, chunk_bytes=CHUNK)
+    # A health Watch (what workers follow) hears each change as it happens, and ends with the service.
+    watched: list[bool] = []
+
+    async def follow() -> None:
+        async for serving in client.watch_health():
+            watched.append(serving)
+
+    follower = asyncio.create_task(follow())
     try:
         hashes, blocks = blocks_for(SCOPE, 2, seed=10)
         await client.put(SCOPE, LAYOUT, blocks, 0, 5)
@@ -312,10 +320,19 @@ async def test_redis_loss_is_unavailable_not_a_crash_and_recovers(tmp_path):
         assert await client.lookup(SCOPE, hashes, 2) == 0
         assert (await client.put(SCOPE, LAYOUT, blocks, 0, 5)).stored_blocks == 2
         assert (await client.get(SCOPE, hashes, LAYOUT, 5)).blocks == 2
+        assert await wait_for(lambda: _now(watched == [True, False, True])), watched
+        await app.shutdown(grace_s=1.0)
+        await asyncio.wait_for(follower, 10)
+        assert watched[:3] == [True, False, True] and set(watched[3:]) <= {False}
     finally:
+        follower.cancel()
         await client.close()
         await app.shutdown(grace_s=1.0)
         redis.stop()
+
+
+async def _now(value):
+    return value
 
 
 async def _is(awaitable, expected) -> bool:

@@ -11,6 +11,8 @@ session speaks to moves it to a survivor, and the watch keeps reporting. `close(
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 
 import pytest
@@ -195,3 +197,43 @@ async def test_the_member_the_session_is_on_is_killed_and_it_moves_on_without_lo
         finally:
             await session.close()
             await session.close()
+
+
+async def test_every_lease_is_refreshed_on_one_keepalive_stream_and_each_refresh_gets_its_own_answer(
+    restartable_etcd,
+):
+    etcd = restartable_etcd
+    prefix = f"/session-{uuid.uuid4().hex[:8]}/"
+    config = config_for(prefix, host=etcd.host, port=etcd.port)
+    async with EtcdSession(config) as session, EtcdSession(config) as writer:
+        kept, gone = session.kept_lease(30), session.kept_lease(30)
+        kept_id, gone_id = await kept.ensure(), await gone.ensure()
+        for _ in range(5):
+            assert await session.refresh(kept_id) > 0
+        assert session.keepalive.opened == 1, "refreshes share one stream, not a stream each"
+
+        # One lease gone, refreshed side by side with a live one: each refresh reads the answer
+        # to its own request (a mixed-up reply would give the gone lease time, the live one none).
+        await writer.revoke(gone_id)
+        answers = await asyncio.gather(*(session.refresh(i) for i in (kept_id, gone_id, kept_id, gone_id)))
+        assert [ttl > 0 for ttl in answers] == [True, False, True, False]
+        assert session.keepalive.opened == 1
+
+        # A refresh cut between its request and its answer drops the stream (the answer still
+        # due would be read as the next refresh's); the next one opens another and reads its own.
+        # etcd is frozen meanwhile, so the refresh is caught waiting for its answer.
+        os.kill(etcd.pid, signal.SIGSTOP)
+        try:
+            cut = asyncio.create_task(session.refresh(kept_id))
+            await until(lambda: session.keepalive.busy or cut.done(), 5, "the refresh on the stream")
+            assert not cut.done(), f"the refresh ended with etcd frozen: {cut.result()}"
+            cut.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cut
+        finally:
+            os.kill(etcd.pid, signal.SIGCONT)
+        assert await session.refresh(gone_id) <= 0
+        assert await session.refresh(kept_id) > 0
+        assert session.keepalive.opened == 2
+        # The live lease lived through it: still the same one.
+        assert await kept.ensure() == kept_id

@@ -20,9 +20,19 @@ class FakeClient:
         self.calls: list[str] = []
         self.put_gate = asyncio.Event()
         self.put_gate.set()
+        self.watches = 0
+        self.pushed: asyncio.Queue[bool | None] = asyncio.Queue()
 
     async def healthy(self, timeout_s):
         return self.up
+
+    async def watch_health(self):
+        # As the real stream: SERVING or not now, then each change the test pushes (None:
+        # the stream ends, as when the service goes away).
+        self.watches += 1
+        yield self.up
+        while (serving := await self.pushed.get()) is not None:
+            yield serving
 
     async def lookup(self, scope, hashes, timeout_s):
         self.calls.append("lookup")
@@ -53,12 +63,12 @@ def metric(telemetry, name, **labels):
     return total
 
 
-async def make(policy="always", queue=1):
+async def make(policy="always", queue=1, probe_interval_s=60.0):
     telemetry = Telemetry("t", TelemetryConfig(enabled=False))
     client = FakeClient()
     kv = SessionKV(
         client,
-        KVSettings(block_tokens=4, policy=policy, save_queue=queue, probe_interval_s=60),
+        KVSettings(block_tokens=4, policy=policy, save_queue=queue, probe_interval_s=probe_interval_s),
         KVMetrics(telemetry),
         telemetry.dependencies,
     )
@@ -91,8 +101,9 @@ async def test_saves_never_wait_and_drop_beyond_the_bound():
 
 
 async def test_a_failing_cache_is_taken_out_of_use_until_the_probe_sees_it():
-    kv, client, telemetry = await make()
+    kv, client, telemetry = await make(probe_interval_s=0.01)
     try:
+        assert await settled(lambda: client.watches == 1), "the session follows the cache's health stream"
         assert telemetry.dependencies.is_up("kvcache")
         client.up = False
         assert await kv.fetch("t", list(range(20))) is None
@@ -101,9 +112,40 @@ async def test_a_failing_cache_is_taken_out_of_use_until_the_probe_sees_it():
         assert await kv.fetch("t", list(range(20))) is None
         assert kv.save("t", "s", list(range(20)), encoder) == "unavailable"
         assert len(client.calls) == calls  # no more calls while it is down
+        # Its health stream says nothing new (the service never noticed): the checks bring
+        # it back once it answers.
         client.up = True
-        await kv._probe_once()
-        assert kv.available and telemetry.dependencies.is_up("kvcache")
+        assert await settled(lambda: kv.available and client.watches == 2), "back, and a new stream follows it"
+        assert telemetry.dependencies.is_up("kvcache")
+    finally:
+        await kv.stop(1)
+
+
+async def settled(condition) -> bool:
+    """Lets the session's tasks run until `condition()` holds (False if it never does)."""
+    for _ in range(1000):
+        if condition():
+            return True
+        await asyncio.sleep(0.005)
+    return False
+
+
+async def test_the_health_stream_takes_the_cache_out_of_use_and_back_and_a_lost_one_until_a_check_sees_it():
+    kv, client, telemetry = await make(probe_interval_s=0.01)
+    try:
+        assert await settled(lambda: client.watches == 1) and kv.available
+        client.pushed.put_nowait(False)  # its Redis went away
+        assert await settled(lambda: not kv.available)
+        assert not telemetry.dependencies.is_up("kvcache")
+        client.pushed.put_nowait(True)  # and came back: the same stream says so
+        assert await settled(lambda: kv.available)
+        assert client.watches == 1 and telemetry.dependencies.is_up("kvcache")
+
+        client.up = False
+        client.pushed.put_nowait(None)  # the stream ends: the service is gone
+        assert await settled(lambda: not kv.available)
+        client.up = True  # back: a check finds it, and a new stream follows it
+        assert await settled(lambda: kv.available and client.watches == 2)
     finally:
         await kv.stop(1)
 

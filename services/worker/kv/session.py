@@ -4,7 +4,10 @@
 version and the tenant), asks the cache for the longest cached prefix, decides by measured
 cost whether restoring beats recomputing, fetches the blocks, and queues saves that run in
 the background. It never fails a request: with the cache down, slow or returning bad bytes,
-the engine simply recomputes, and a probe brings the cache back into use when it answers.
+the engine simply recomputes. While the cache is in use the worker follows its health stream
+(gRPC health Watch: each change comes at once, nothing is sent while none comes); a failed
+call or a lost stream takes the cache out of use, and a check every `probe_interval_s` brings it
+back once it answers SERVING.
 It knows nothing of tensors: the engine decodes fetched blocks and supplies an encoder.
 """
 
@@ -23,7 +26,7 @@ from services.cache.blocks import chain_hashes
 from services.cache.client import FetchedBlocks, KVCacheClient, PutBlock
 from services.cache.types import KVLayout, KVScope
 from services.common import tracing
-from services.common.errors import BallastError, Unavailable
+from services.common.errors import BallastError, DeadlineExceeded, Unavailable
 from services.common.telemetry import DependencyStatus
 from services.worker.kv.cost import CostModel
 from services.worker.kv.metrics import KVMetrics
@@ -53,6 +56,7 @@ class KVSettings:
     save_timeout_s: float = 10.0
     ttl_s: int = 0
     save_queue: int = 8
+    # How often a cache out of use is checked for its return.
     probe_interval_s: float = 1.0
 
     @classmethod
@@ -107,6 +111,7 @@ class SessionKV:
         self._queue: SaveQueue[_SaveJob] = SaveQueue(settings.save_queue)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
         self._tasks: list[asyncio.Task] = []
+        self._watch_task: asyncio.Task | None = None
         dependencies.set(DEPENDENCY, False)
         metrics.watch(lambda: len(self._queue), self._estimates)
 
@@ -160,20 +165,48 @@ class SessionKV:
         await self._set_available(await self.client.healthy(self.settings.timeout_s))
 
     async def _probe_loop(self) -> None:
+        # While the cache is in use, its health Watch stream reports each change and costs
+        # nothing while none comes (a Check every second cost an idle worker about 1 ms of CPU
+        # a second); while it is not, a Check every probe_interval_s finds it back.
         while True:
-            await asyncio.sleep(self.settings.probe_interval_s)
             try:
-                await self._probe_once()
+                if self._available:
+                    await self._follow_watch()
+                else:
+                    await asyncio.sleep(self.settings.probe_interval_s)
+                    await self._probe_once()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("kv cache probe failed")
+                await asyncio.sleep(self.settings.probe_interval_s)
+
+    async def _follow_watch(self) -> None:
+        """Follows the cache's health stream until it ends (the cache is gone) or a failed call
+        takes the cache out of use (`_failed` cancels the watch)."""
+        watch = asyncio.create_task(self._watch(), name="kvcache-health-watch")
+        self._watch_task = watch
+        try:
+            await asyncio.wait({watch})
+        finally:
+            self._watch_task = None
+            watch.cancel()
+        if not watch.cancelled():
+            watch.result()  # a watch that failed raises here, for the loop to log
+
+    async def _watch(self) -> None:
+        async for serving in self.client.watch_health():
+            await self._set_available(serving)
+        await self._set_available(False)
 
     async def _failed(self, error: BallastError) -> None:
-        # A refused or broken call means the cache (or its Redis) is gone: stop asking until
-        # the probe sees it back, so requests do not each pay a timeout.
-        if isinstance(error, Unavailable):
+        # A refused or broken call, or one past its deadline, means the cache (or its Redis)
+        # is gone or not answering in time: stop asking until a check sees it back, so
+        # requests do not each pay a timeout.
+        if isinstance(error, (Unavailable, DeadlineExceeded)):
             await self._set_available(False)
+            if self._watch_task is not None:
+                self._watch_task.cancel()
 
     # --- restore ------------------------------------------------------------------------
     def scope(self, tenant: str) -> KVScope:
