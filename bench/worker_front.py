@@ -14,7 +14,9 @@ settings and the same requests:
 
 Each front's CPU seconds at start-up (from its start to serving, before any request) are
 recorded beside: a front started again after a crash pays them again, which weighs on a
-soak with faults far more than the per-token cost does.
+soak with faults far more than the per-token cost does. So is each front's CPU while it
+serves nothing, after its rounds (`IDLE_S`): its background work, paid whether or not
+tokens flow.
 
 Each phase warms up, then runs `--rounds` rounds of `--streams` concurrent streams, each
 sending `--requests` greedy completions of `--max-tokens` tokens one after another, and
@@ -58,6 +60,10 @@ MODEL_NAME = "tiny"  # the name a local mesh serves its model under
 # runs the engine with the same: float32, eager, prefix caching, 8 sequences at once.
 MAX_NUM_SEQS = 8
 READY_TIMEOUT_S = 400.0
+# After the rounds, each front's CPU with nothing to serve: its background work, which a
+# front pays whether or not tokens flow (IDLE_SETTLE_S first, for the last stream's tail).
+IDLE_SETTLE_S = 2.0
+IDLE_S = 20.0
 
 
 async def _streams(send, streams: int, requests: int) -> int:
@@ -72,8 +78,29 @@ async def _streams(send, streams: int, requests: int) -> int:
     return sum(await asyncio.gather(*(client(i) for i in range(streams))))
 
 
-async def _rounds(send, front_pid: int, streams: int, requests: int, rounds: int) -> list[dict]:
-    """A warm-up round, then `rounds` measured ones: the front's CPU seconds and the tokens."""
+def _task_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of `pid`, to the nanosecond (schedstat: /proc/PID/stat counts
+    10 ms ticks, too coarse for an idle front's few milliseconds a second)."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total_ns += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total_ns / 1e9
+
+
+async def _idle_cpu_ms_per_s(front_pid: int) -> float:
+    """The front's CPU while it serves nothing (its background work: heartbeats, health, stats)."""
+    await asyncio.sleep(IDLE_SETTLE_S)
+    before, started = _task_cpu_s(front_pid), time.perf_counter()
+    await asyncio.sleep(IDLE_S)
+    return 1000 * (_task_cpu_s(front_pid) - before) / (time.perf_counter() - started)
+
+
+async def _rounds(send, front_pid: int, streams: int, requests: int, rounds: int) -> tuple[list[dict], float]:
+    """A warm-up round, then `rounds` measured ones (the front's CPU seconds and the tokens),
+    then the front's idle CPU (ms per second)."""
     await _streams(send, streams, 1)
     print(f"  warm; measuring {rounds} rounds", flush=True)
     measured = []
@@ -95,7 +122,9 @@ async def _rounds(send, front_pid: int, streams: int, requests: int, rounds: int
             f"{measured[-1]['front_cpu_ms_per_token']:.3f} front CPU-ms per token",
             flush=True,
         )
-    return measured
+    idle = await _idle_cpu_ms_per_s(front_pid)
+    print(f"  idle: {idle:.2f} front CPU-ms per second", flush=True)
+    return measured, idle
 
 
 # -- vLLM's own server --------------------------------------------------------------------------
@@ -111,7 +140,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-async def _vllm_phase(base_url: str, pid: int, args: argparse.Namespace) -> list[dict]:
+async def _vllm_phase(base_url: str, pid: int, args: argparse.Namespace) -> tuple[list[dict], float]:
     import aiohttp
 
     async with aiohttp.ClientSession() as http:
@@ -139,8 +168,8 @@ async def _vllm_phase(base_url: str, pid: int, args: argparse.Namespace) -> list
         return await _rounds(send, pid, args.streams, args.requests, args.rounds)
 
 
-def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> tuple[float, list[dict]]:
-    """(the server's CPU seconds to start, its measured rounds)"""
+def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> tuple[float, tuple[list[dict], float]]:
+    """(the server's CPU seconds to start, (its measured rounds, its idle CPU ms per second))"""
     port = free_ports(1)[0]
     env = {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = ManagedProcess(
@@ -160,7 +189,7 @@ def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> t
 # -- Ballast's worker -----------------------------------------------------------------------------
 
 
-async def _ballast_phase(mesh: Mesh, pid: int, args: argparse.Namespace) -> list[dict]:
+async def _ballast_phase(mesh: Mesh, pid: int, args: argparse.Namespace) -> tuple[list[dict], float]:
     metadata = (("x-api-key", LOCAL_API_KEY),)
     async with open_channel(mesh.router_address) as channel:
         router = inference_pb2_grpc.InferenceStub(channel)
@@ -178,8 +207,10 @@ async def _ballast_phase(mesh: Mesh, pid: int, args: argparse.Namespace) -> list
         return await _rounds(send, pid, args.streams, args.requests, args.rounds)
 
 
-def run_ballast_worker(model_dir: Path, state: Path, args: argparse.Namespace) -> tuple[float, list[dict]]:
-    """(the worker's CPU seconds to start, its measured rounds)"""
+def run_ballast_worker(
+    model_dir: Path, state: Path, args: argparse.Namespace
+) -> tuple[float, tuple[list[dict], float]]:
+    """(the worker's CPU seconds to start, (its measured rounds, its idle CPU ms per second))"""
     spec = MeshSpec(
         state_dir=state,
         model_dir=model_dir,
@@ -217,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_dir_for(args.preset)
     with tempfile.TemporaryDirectory(prefix="ballast-worker-front-") as state:
         print("[vllm] vLLM's own OpenAI server", flush=True)
-        vllm_start_cpu_s, vllm_rounds = run_vllm_server(model_dir, Path(state), args)
+        vllm_start_cpu_s, (vllm_rounds, vllm_idle) = run_vllm_server(model_dir, Path(state), args)
         print("[ballast] a local mesh with one vLLM worker", flush=True)
-        ballast_start_cpu_s, ballast_rounds = run_ballast_worker(model_dir, Path(state) / "mesh", args)
+        ballast_start_cpu_s, (ballast_rounds, ballast_idle) = run_ballast_worker(model_dir, Path(state) / "mesh", args)
     vllm, ballast = _median_round(vllm_rounds), _median_round(ballast_rounds)
     ratio = ballast["front_cpu_ms_per_token"] / vllm["front_cpu_ms_per_token"]
     result = {
@@ -229,19 +260,30 @@ def main(argv: list[str] | None = None) -> int:
         "requests_per_stream": args.requests,
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
-        "vllm_server": {"median_round": vllm, "rounds": vllm_rounds, "start_cpu_s": vllm_start_cpu_s},
-        "ballast_worker": {"median_round": ballast, "rounds": ballast_rounds, "start_cpu_s": ballast_start_cpu_s},
+        "idle_s": IDLE_S,
+        "vllm_server": {
+            "median_round": vllm,
+            "rounds": vllm_rounds,
+            "start_cpu_s": vllm_start_cpu_s,
+            "idle_cpu_ms_per_s": vllm_idle,
+        },
+        "ballast_worker": {
+            "median_round": ballast,
+            "rounds": ballast_rounds,
+            "start_cpu_s": ballast_start_cpu_s,
+            "idle_cpu_ms_per_s": ballast_idle,
+        },
         "front_cpu_ratio": ratio,
         **judge(GOALS, {"front_cpu_ratio": ratio}),
     }
     print(f"\nthe front's CPU per token, {args.streams} streams, {args.max_tokens} tokens a request (median round)")
     print_table(
-        ["front", "CPU ms/token", "tokens", "tokens/s", "front CPU s", "start-up CPU s"],
+        ["front", "CPU ms/token", "tokens", "tokens/s", "front CPU s", "start-up CPU s", "idle CPU ms/s"],
         [
-            [name, r["front_cpu_ms_per_token"], r["tokens"], r["tokens_per_s"], r["front_cpu_s"], start]
-            for name, r, start in (
-                ("vLLM's server", vllm, vllm_start_cpu_s),
-                ("Ballast's worker", ballast, ballast_start_cpu_s),
+            [name, r["front_cpu_ms_per_token"], r["tokens"], r["tokens_per_s"], r["front_cpu_s"], start, idle]
+            for name, r, start, idle in (
+                ("vLLM's server", vllm, vllm_start_cpu_s, vllm_idle),
+                ("Ballast's worker", ballast, ballast_start_cpu_s, ballast_idle),
             )
         ],
     )
