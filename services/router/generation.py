@@ -427,9 +427,9 @@ class GenerationRunner:
         finished = False
         # After a failed attempt (every retry and resume is granted through run.attempts; a
         # pause for an S request is not a failure), or for a request that already cost a
-        # worker, this attempt's worker confirms taking it on (on Relay; a Generate call cannot): lost before that, it
-        # never reached the engine and counts for nothing. Its first token forgives the
-        # request's losses (see resilience/quarantine.py).
+        # worker, this attempt's worker confirms taking it on (on Relay; a Generate call
+        # cannot): lost before that, it never reached the engine and counts for nothing. Its
+        # first token forgives the request's losses (see resilience/quarantine.py).
         suspect = self.quarantine.wants_confirmation(request, follows_failure=run.attempts.attempts > 1)
         control.confirm_asked = suspect and worker.relay
         with WorkerCall(
