@@ -18,14 +18,19 @@ soak with faults far more than the per-token cost does. So is each front's CPU w
 serves nothing, after its rounds (`IDLE_S`): its background work, paid whether or not
 tokens flow.
 
-Each phase warms up, then runs `--rounds` rounds of `--streams` concurrent streams, each
-sending `--requests` greedy completions of `--max-tokens` tokens one after another, and
-reads the front's CPU seconds (its own, not the engine process's) before and after each
-round. The phases run one after the other on the same cores; the goal (the worker's CPU per
-token no more than vLLM's own server's) is judged on the median round of each. Prints a
-table and writes bench/results/worker_front.json; exits 1 when the goal is missed.
+Both fronts are started (each with its own engine process) and warmed up; then `--rounds`
+rounds run, in each of which each front in turn serves `--streams` concurrent streams, each
+sending `--requests` greedy completions of `--max-tokens` tokens one after another, while
+the other front waits idle. The order alternates from round to round, so neither front has
+the machine's quieter moments to itself, and a drift over the run (other load, the cores'
+clocks) falls on both alike. A round's cost is the front's CPU (its own process's, not its
+engine's) from before its first request to after its last answer. The goal (the worker's
+CPU per token no more than vLLM's own server's) is judged on the median round of each; each
+round's own ratio is recorded beside. After the rounds both fronts' idle CPU is measured
+over the same seconds. Prints a table and writes bench/results/worker_front.json; exits 1
+when the goal is missed.
 
-    python -m bench.worker_front [--preset smollm2] [--streams 8] [--requests 8] [--rounds 3]
+    python -m bench.worker_front [--preset smollm2] [--streams 8] [--requests 8] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator
 
 from bench.common import model_dir_for, print_table, stop_on_sigterm, write_result
 from bench.goals import LOWER, Goal, judge, print_goals
@@ -90,41 +98,62 @@ def _task_cpu_s(pid: int) -> float:
     return total_ns / 1e9
 
 
-async def _idle_cpu_ms_per_s(front_pid: int) -> float:
-    """The front's CPU while it serves nothing (its background work: heartbeats, health, stats)."""
+Send = Callable[[str], Awaitable[int]]
+
+
+@dataclass
+class Front:
+    """One front under measurement: its process and how to send it a request (tokens back)."""
+
+    name: str
+    pid: int
+    start_cpu_s: float
+    send: Send | None = None
+    rounds: list[dict] = field(default_factory=list)
+    idle_cpu_ms_per_s: float = 0.0
+
+
+async def _round(front: Front, streams: int, requests: int) -> dict:
+    """One measured round of one front: its CPU seconds and the tokens its streams got."""
+    assert front.send is not None
+    # /proc/PID/stat's count (10 ms ticks, a few per cent of a round) holds the threads that
+    # ended during the round too, which schedstat's per-thread counts lose.
+    cpu_before, started = cpu_seconds(front.pid), time.perf_counter()
+    tokens = await _streams(front.send, streams, requests)
+    cpu_s, wall_s = cpu_seconds(front.pid) - cpu_before, time.perf_counter() - started
+    return {
+        "tokens": tokens,
+        "front_cpu_s": cpu_s,
+        "wall_s": wall_s,
+        "front_cpu_ms_per_token": 1000 * cpu_s / max(tokens, 1),
+        "tokens_per_s": tokens / wall_s,
+    }
+
+
+async def _measure(fronts: list[Front], args: argparse.Namespace) -> None:
+    """Warms each front up, runs the rounds (the fronts in turn, the order alternating), then
+    measures every front's idle CPU over the same seconds."""
+    for front in fronts:
+        assert front.send is not None
+        await _streams(front.send, args.streams, 1)
+    print(f"  warm; measuring {args.rounds} rounds", flush=True)
+    for round_number in range(1, args.rounds + 1):
+        order = fronts if round_number % 2 else fronts[::-1]
+        for front in order:
+            measured = await _round(front, args.streams, args.requests)
+            front.rounds.append(measured)
+            print(
+                f"  round {round_number}, {front.name}: {measured['tokens']} tokens in {measured['wall_s']:.1f} s, "
+                f"{measured['front_cpu_ms_per_token']:.3f} front CPU-ms per token",
+                flush=True,
+            )
     await asyncio.sleep(IDLE_SETTLE_S)
-    before, started = _task_cpu_s(front_pid), time.perf_counter()
+    before, started = [_task_cpu_s(front.pid) for front in fronts], time.perf_counter()
     await asyncio.sleep(IDLE_S)
-    return 1000 * (_task_cpu_s(front_pid) - before) / (time.perf_counter() - started)
-
-
-async def _rounds(send, front_pid: int, streams: int, requests: int, rounds: int) -> tuple[list[dict], float]:
-    """A warm-up round, then `rounds` measured ones (the front's CPU seconds and the tokens),
-    then the front's idle CPU (ms per second)."""
-    await _streams(send, streams, 1)
-    print(f"  warm; measuring {rounds} rounds", flush=True)
-    measured = []
-    for round_number in range(1, rounds + 1):
-        cpu_before, started = cpu_seconds(front_pid), time.perf_counter()
-        tokens = await _streams(send, streams, requests)
-        cpu_s, wall_s = cpu_seconds(front_pid) - cpu_before, time.perf_counter() - started
-        measured.append(
-            {
-                "tokens": tokens,
-                "front_cpu_s": cpu_s,
-                "wall_s": wall_s,
-                "front_cpu_ms_per_token": 1000 * cpu_s / max(tokens, 1),
-                "tokens_per_s": tokens / wall_s,
-            }
-        )
-        print(
-            f"  round {round_number}: {tokens} tokens in {wall_s:.1f} s, "
-            f"{measured[-1]['front_cpu_ms_per_token']:.3f} front CPU-ms per token",
-            flush=True,
-        )
-    idle = await _idle_cpu_ms_per_s(front_pid)
-    print(f"  idle: {idle:.2f} front CPU-ms per second", flush=True)
-    return measured, idle
+    elapsed = time.perf_counter() - started
+    for front, cpu_before in zip(fronts, before):
+        front.idle_cpu_ms_per_s = 1000 * (_task_cpu_s(front.pid) - cpu_before) / elapsed
+        print(f"  idle, {front.name}: {front.idle_cpu_ms_per_s:.2f} front CPU-ms per second", flush=True)
 
 
 # -- vLLM's own server --------------------------------------------------------------------------
@@ -140,36 +169,33 @@ def _healthy(url: str) -> bool:
         return False
 
 
-async def _vllm_phase(base_url: str, pid: int, args: argparse.Namespace) -> tuple[list[dict], float]:
-    import aiohttp
+def _vllm_sender(http: Any, base_url: str, max_tokens: int) -> Send:
+    async def send(prompt: str) -> int:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        tokens = 0
+        async with http.post(f"{base_url}/v1/completions", json=body) as reply:
+            reply.raise_for_status()
+            async for line in reply.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+        return tokens
 
-    async with aiohttp.ClientSession() as http:
-
-        async def send(prompt: str) -> int:
-            body = {
-                "model": MODEL_NAME,
-                "prompt": prompt,
-                "max_tokens": args.max_tokens,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            tokens = 0
-            async with http.post(f"{base_url}/v1/completions", json=body) as reply:
-                reply.raise_for_status()
-                async for line in reply.content:
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    usage = json.loads(line[6:]).get("usage")
-                    if usage:
-                        tokens = usage["completion_tokens"]
-            return tokens
-
-        return await _rounds(send, pid, args.streams, args.requests, args.rounds)
+    return send
 
 
-def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> tuple[float, tuple[list[dict], float]]:
-    """(the server's CPU seconds to start, (its measured rounds, its idle CPU ms per second))"""
+@contextmanager
+def vllm_server(model_dir: Path, state: Path) -> Iterator[tuple[Front, str]]:
+    """vLLM's own server, serving: (its front, its base URL)."""
     port = free_ports(1)[0]
     env = {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = ManagedProcess(
@@ -180,8 +206,7 @@ def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> t
         base_url = f"http://127.0.0.1:{port}"
         wait_until_ready(server, lambda: _healthy(f"{base_url}/health"), READY_TIMEOUT_S, interval=0.5, what="healthy")
         assert server.pid is not None
-        start_cpu_s = cpu_seconds(server.pid)
-        return start_cpu_s, asyncio.run(_vllm_phase(base_url, server.pid, args))
+        yield Front("vLLM's server", server.pid, cpu_seconds(server.pid)), base_url
     finally:
         server.stop(timeout=20)
 
@@ -189,28 +214,25 @@ def run_vllm_server(model_dir: Path, state: Path, args: argparse.Namespace) -> t
 # -- Ballast's worker -----------------------------------------------------------------------------
 
 
-async def _ballast_phase(mesh: Mesh, pid: int, args: argparse.Namespace) -> tuple[list[dict], float]:
+def _ballast_sender(router: inference_pb2_grpc.InferenceStub, max_tokens: int) -> Send:
     metadata = (("x-api-key", LOCAL_API_KEY),)
-    async with open_channel(mesh.router_address) as channel:
-        router = inference_pb2_grpc.InferenceStub(channel)
 
-        async def send(prompt: str) -> int:
-            request = chat_request(prompt, model=MODEL_NAME, max_tokens=args.max_tokens, raw_prompt=True)
-            tokens = 0
-            async for event in router.Generate(request, metadata=metadata, timeout=300):
-                if event.HasField("tokens"):
-                    tokens += len(event.tokens.token_ids)
-                elif event.HasField("finished") and event.finished.degradation != common_pb2.DEGRADATION_NONE:
-                    raise RuntimeError("a degraded answer: the worker did not serve it")
-            return tokens
+    async def send(prompt: str) -> int:
+        request = chat_request(prompt, model=MODEL_NAME, max_tokens=max_tokens, raw_prompt=True)
+        tokens = 0
+        async for event in router.Generate(request, metadata=metadata, timeout=300):
+            if event.HasField("tokens"):
+                tokens += len(event.tokens.token_ids)
+            elif event.HasField("finished") and event.finished.degradation != common_pb2.DEGRADATION_NONE:
+                raise RuntimeError("a degraded answer: the worker did not serve it")
+        return tokens
 
-        return await _rounds(send, pid, args.streams, args.requests, args.rounds)
+    return send
 
 
-def run_ballast_worker(
-    model_dir: Path, state: Path, args: argparse.Namespace
-) -> tuple[float, tuple[list[dict], float]]:
-    """(the worker's CPU seconds to start, (its measured rounds, its idle CPU ms per second))"""
+@contextmanager
+def ballast_worker(model_dir: Path, state: Path) -> Iterator[tuple[Front, str]]:
+    """A local mesh with one vLLM worker, serving: (the worker's front, the router's address)."""
     spec = MeshSpec(
         state_dir=state,
         model_dir=model_dir,
@@ -225,10 +247,18 @@ def run_ballast_worker(
     try:
         pid = mesh.workers()[0].pid
         assert pid is not None
-        start_cpu_s = cpu_seconds(pid)
-        return start_cpu_s, asyncio.run(_ballast_phase(mesh, pid, args))
+        yield Front("Ballast's worker", pid, cpu_seconds(pid)), mesh.router_address
     finally:
         mesh.stop()
+
+
+async def _run(vllm: Front, base_url: str, ballast: Front, router_address: str, args: argparse.Namespace) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, open_channel(router_address) as channel:
+        vllm.send = _vllm_sender(http, base_url, args.max_tokens)
+        ballast.send = _ballast_sender(inference_pb2_grpc.InferenceStub(channel), args.max_tokens)
+        await _measure([vllm, ballast], args)
 
 
 def _median_round(rounds: list[dict]) -> dict:
@@ -240,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="smollm2", help="the model: smollm2, or a tiny-model preset")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--requests", type=int, default=8, help="requests per stream per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench/results/worker_front.json"))
     args = parser.parse_args(argv)
@@ -248,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_dir_for(args.preset)
     with tempfile.TemporaryDirectory(prefix="ballast-worker-front-") as state:
         print("[vllm] vLLM's own OpenAI server", flush=True)
-        vllm_start_cpu_s, (vllm_rounds, vllm_idle) = run_vllm_server(model_dir, Path(state), args)
-        print("[ballast] a local mesh with one vLLM worker", flush=True)
-        ballast_start_cpu_s, (ballast_rounds, ballast_idle) = run_ballast_worker(model_dir, Path(state) / "mesh", args)
-    vllm, ballast = _median_round(vllm_rounds), _median_round(ballast_rounds)
+        with vllm_server(model_dir, Path(state)) as (vllm_front, base_url):
+            print("[ballast] a local mesh with one vLLM worker", flush=True)
+            with ballast_worker(model_dir, Path(state) / "mesh") as (ballast_front, router_address):
+                asyncio.run(_run(vllm_front, base_url, ballast_front, router_address, args))
+    vllm, ballast = _median_round(vllm_front.rounds), _median_round(ballast_front.rounds)
     ratio = ballast["front_cpu_ms_per_token"] / vllm["front_cpu_ms_per_token"]
     result = {
         "engine": "vllm (vllm-cpu)",
@@ -263,17 +294,22 @@ def main(argv: list[str] | None = None) -> int:
         "idle_s": IDLE_S,
         "vllm_server": {
             "median_round": vllm,
-            "rounds": vllm_rounds,
-            "start_cpu_s": vllm_start_cpu_s,
-            "idle_cpu_ms_per_s": vllm_idle,
+            "rounds": vllm_front.rounds,
+            "start_cpu_s": vllm_front.start_cpu_s,
+            "idle_cpu_ms_per_s": vllm_front.idle_cpu_ms_per_s,
         },
         "ballast_worker": {
             "median_round": ballast,
-            "rounds": ballast_rounds,
-            "start_cpu_s": ballast_start_cpu_s,
-            "idle_cpu_ms_per_s": ballast_idle,
+            "rounds": ballast_front.rounds,
+            "start_cpu_s": ballast_front.start_cpu_s,
+            "idle_cpu_ms_per_s": ballast_front.idle_cpu_ms_per_s,
         },
         "front_cpu_ratio": ratio,
+        # Round by round (the two fronts' rounds run next to each other): how steady the ratio is.
+        "round_ratios": [
+            b["front_cpu_ms_per_token"] / v["front_cpu_ms_per_token"]
+            for v, b in zip(vllm_front.rounds, ballast_front.rounds)
+        ],
         **judge(GOALS, {"front_cpu_ratio": ratio}),
     }
     print(f"\nthe front's CPU per token, {args.streams} streams, {args.max_tokens} tokens a request (median round)")
@@ -282,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         [
             [name, r["front_cpu_ms_per_token"], r["tokens"], r["tokens_per_s"], r["front_cpu_s"], start, idle]
             for name, r, start, idle in (
-                ("vLLM's server", vllm, vllm_start_cpu_s, vllm_idle),
-                ("Ballast's worker", ballast, ballast_start_cpu_s, ballast_idle),
+                (front.name, _median_round(front.rounds), front.start_cpu_s, front.idle_cpu_ms_per_s)
+                for front in (vllm_front, ballast_front)
             )
         ],
     )
