@@ -2,7 +2,7 @@
 
 etcd's LeaseKeepAlive is a bidirectional stream meant to stay open: a refresh is one request
 and its reply on it. aetcd's `refresh_lease` opens a stream for every refresh instead (a new
-call, a task to feed it, a cancellation to end it), which cost an idle worker about 3 ms of
+call, a task to feed it, a cancellation to end it), which cost an idle worker 2 to 3 ms of
 CPU at each heartbeat: most of what it did while serving nothing. `KeepAliveStream` opens the
 stream once per client and sends each refresh on it; one exchange at a time, so a reply always
 answers the request before it.

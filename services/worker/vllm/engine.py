@@ -198,8 +198,8 @@ class VllmEngine(KvAttachable, Wakeable):
 
     def attach_kv(self, metrics: Any, session_kv: Any = None) -> bool:
         """Reports session KV through `metrics` (services.worker.kv.KVMetrics); with a
-        `session_kv` (services.worker.kv.SessionKV) its probe reports the cache's health
-        while the connector moves the blocks. Call after start(). False when sessions are
+        `session_kv` (services.worker.kv.SessionKV) the session follows the cache's health
+        (its health Watch) while the connector moves the blocks. Call after start(). False when sessions are
         not persisted here (the reason was logged at start)."""
         self._kv_metrics = metrics
         watch = getattr(self._client, "watch_connector", None)
