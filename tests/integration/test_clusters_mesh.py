@@ -166,14 +166,26 @@ async def test_the_etcd_leader_killed_under_load_breaks_no_stream_and_loses_no_l
     leases = await worker_leases(etcd)
     assert sorted(leases) == sorted(w.name for w in mesh.workers())
 
+    # Long streams (the tiny model makes 300 tokens in a fifth of a second): the kill must find
+    # them running, and the election must fall inside them.
     requests = [
-        chat_request(f"Tell me about parcel {i} and its route.", max_tokens=300, raw_prompt=True) for i in range(4)
+        chat_request(f"Tell me about parcel {i} and its route.", max_tokens=1500, raw_prompt=True) for i in range(4)
     ]
     references = [await collect(router, r, LOCAL_API_KEY, timeout=120) for r in requests]
     tasks = [asyncio.create_task(collect(router, r, LOCAL_API_KEY, timeout=120)) for r in requests]
+    # The kill must fall on streams a worker is producing: wait until every stream not yet ended
+    # is on a worker, and one at least is. (On a busy machine the first may end before the last
+    # starts, so a wait for all four at once could wait for nothing.)
     deadline = time.monotonic() + 30
-    while sum([metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in mesh.workers()]) < 4:
-        assert time.monotonic() < deadline, "the streams never all reached the workers"
+    while True:
+        on_workers = sum(
+            [metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in mesh.workers()]
+        )
+        pending = sum(not task.done() for task in tasks)
+        if on_workers >= max(pending, 1):
+            break
+        assert pending, "every stream ended before one was seen on a worker"
+        assert time.monotonic() < deadline, "the streams never reached the workers"
         await asyncio.sleep(0.02)
 
     # Watch the registrations through the election: no worker may drop out.
