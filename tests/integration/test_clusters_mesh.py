@@ -21,7 +21,7 @@ from services.common.config import EtcdConfig
 from services.config import load_config
 from tests.integration.test_backfill_delivery import get_backfill, hand_off, pushes, stored_count
 from tests.integration.test_kv_session import TURN1, recompute, wait_lease_gone, wait_metric, worker_counters
-from tests.integration.test_mesh import metric_value, scrape
+from tests.integration.test_mesh import metric_value, scrape, wait_streams_on_workers
 from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
@@ -173,20 +173,7 @@ async def test_the_etcd_leader_killed_under_load_breaks_no_stream_and_loses_no_l
     ]
     references = [await collect(router, r, LOCAL_API_KEY, timeout=120) for r in requests]
     tasks = [asyncio.create_task(collect(router, r, LOCAL_API_KEY, timeout=120)) for r in requests]
-    # The kill must fall on streams a worker is producing: wait until every stream not yet ended
-    # is on a worker, and one at least is. (On a busy machine the first may end before the last
-    # starts, so a wait for all four at once could wait for nothing.)
-    deadline = time.monotonic() + 30
-    while True:
-        on_workers = sum(
-            [metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in mesh.workers()]
-        )
-        pending = sum(not task.done() for task in tasks)
-        if on_workers >= max(pending, 1):
-            break
-        assert pending, "every stream ended before one was seen on a worker"
-        assert time.monotonic() < deadline, "the streams never reached the workers"
-        await asyncio.sleep(0.02)
+    await wait_streams_on_workers(mesh.workers(), tasks)
 
     # Watch the registrations through the election: no worker may drop out.
     missing: list[set[str]] = []

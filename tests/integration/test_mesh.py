@@ -65,6 +65,22 @@ def metric_value(text: str, name: str, **labels) -> float:
     return total
 
 
+async def wait_streams_on_workers(workers, tasks: list[asyncio.Task], timeout: float = 30.0) -> None:
+    """Until every stream of `tasks` not yet ended is on one of `workers` (their
+    `ballast_worker_in_flight`), and one at least is: where a fault must fall on streams a
+    worker is producing. On a busy machine the first stream may end before the last starts,
+    so a wait for all of them at once could wait for nothing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        on_workers = sum([metric_value(await scrape(w.metrics_port), "ballast_worker_in_flight") for w in workers])
+        pending = sum(not task.done() for task in tasks)
+        if on_workers >= max(pending, 1):
+            return
+        assert pending, "every stream ended before one was seen on a worker"
+        assert time.monotonic() < deadline, "the streams never reached the workers"
+        await asyncio.sleep(0.02)
+
+
 async def wait_router_forgets(mesh, worker_name: str, timeout: float = 20.0) -> None:
     """Until the router's watch has applied a worker's departure (its lease revoked or
     expired): the worker leaves the router's routing gauge."""

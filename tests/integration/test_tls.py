@@ -27,7 +27,7 @@ from services.common.config import EtcdConfig
 from services.common.etcd_client import make_client
 from services.common.tls.credentials import open_channel as open_service_channel
 from services.config import load_config
-from tests.integration.test_mesh import metric_value, scrape
+from tests.integration.test_mesh import metric_value, scrape, wait_streams_on_workers
 from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
@@ -133,7 +133,7 @@ async def test_certificates_rotate_under_load_without_a_restart_or_a_broken_stre
     router = next(s for s in mesh.services if s.name == "router")
     worker = mesh.workers()[0]
     pids = (router.pid, worker.pid)
-    requests = [chat_request(f"Tell me about the red charger #{i}", max_tokens=600, raw_prompt=True) for i in range(3)]
+    requests = [chat_request(f"Tell me about the red charger #{i}", max_tokens=1500, raw_prompt=True) for i in range(3)]
 
     async def stream(request):
         async with open_channel(mesh.router_address, mesh_tls(mesh)) as channel:
@@ -141,10 +141,7 @@ async def test_certificates_rotate_under_load_without_a_restart_or_a_broken_stre
 
     references = [await stream(request) for request in requests]
     tasks = [asyncio.create_task(stream(request)) for request in requests]
-    deadline = asyncio.get_running_loop().time() + 30
-    while metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight") < len(requests):
-        assert asyncio.get_running_loop().time() < deadline, "the streams never all reached the worker"
-        await asyncio.sleep(0.02)
+    await wait_streams_on_workers([worker], tasks)
 
     # New certificates for the router, the worker and the cache while the streams run.
     ca_file = str(mesh.certs_dir / certs.CA_CERT)
