@@ -44,19 +44,20 @@ from services.router.request_run import RequestRun, StreamState
 from services.router.requests import InferenceRequest
 from services.router.resilience.breaker import Outcome, Permit
 from services.router.resilience.failover import (
-    WorkerProgress,
     DECIDED_ERRORS,
+    DEFAULT_LEASE_QUIET_S,
     Action,
     AttemptFailure,
     FailoverDecision,
     Preempted,
     StreamEndedEarly,
     WorkerLeaseLost,
+    WorkerProgress,
     decide,
     worker_died,
 )
 from services.router.resilience.health_view import WorkerHealthView
-from services.router.resilience.quarantine import Implication, RouterQuarantine
+from services.router.resilience.quarantine import Implication, RouterQuarantine, incarnation_of
 from services.router.resilience.resume import plan_resume
 from services.router.resilience.retry_budget import RetryBudget
 from services.router.rollout.controller import RolloutController
@@ -122,6 +123,7 @@ class GenerationRunner:
         metrics: RouterMetrics,
         rollouts: RolloutController | None = None,
         quarantine: RouterQuarantine | None = None,
+        lease_quiet_s: float = DEFAULT_LEASE_QUIET_S,
     ) -> None:
         self.config = config
         self.membership = membership
@@ -136,7 +138,7 @@ class GenerationRunner:
         self.rollouts = rollouts or RolloutController(None, clients, models)
         self._observers: list[RunObserver] = []
         # When each worker last relayed a token, for telling a wedged worker from a slow one.
-        self.progress = WorkerProgress()
+        self.progress = WorkerProgress(lease_quiet_s=lease_quiet_s)
         # Without etcd (a runner built on its own) the quarantine is this router's alone.
         self.quarantine = quarantine or RouterQuarantine(config.quarantine, counter=metrics.quarantine)
 
@@ -313,7 +315,9 @@ class GenerationRunner:
         if decision.implication is not Implication.NONE:
             # Counts against the request: it costs a bounded number of workers (this raises
             # Quarantined at the limit).
-            self.quarantine.worker_lost(request, decision.reason, worker.id, taken_on=taken_on)
+            self.quarantine.worker_lost(
+                request, decision.reason, worker.id, taken_on=taken_on, incarnation=incarnation_of(worker)
+            )
         if decision.action is Action.FAIL:
             assert decision.error is not None
             raise decision.error from None

@@ -43,6 +43,7 @@ from services.router.quotas import Reservation, TenantQuotas
 from services.router.request_run import RequestRun
 from services.router.requests import InferenceRequest, checked_request
 from services.router.resilience.breaker import BreakerBoard
+from services.router.resilience.failover import lease_quiet_s
 from services.router.resilience.health_view import WorkerHealthView
 from services.router.resilience.retry_budget import RetryBudget
 from services.router.resilience.temperature import TemperatureGate
@@ -118,6 +119,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self.pools,
             metrics,
             rollouts=self.rollouts,
+            lease_quiet_s=lease_quiet_s(config.etcd.lease_ttl_s, config.etcd.heartbeat_s),
         )
         self.classifier = TierClassifier(
             self._initial_rules(config.router.tiering_rules_file),

@@ -20,13 +20,16 @@ from services.cli.client import chat_request, collect, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.cli.poison_view import parked, quarantined
 from services.common.degraded.codec import Level, degraded_request_pb, kafka_key, make_ticket
+from services.cli.etcd_view import list_workers
+from services.common.etcd_client import make_client
 from services.common.faults import REASON_KEY
 from services.common.generation import Sampling
 from services.common.quarantine import request_fingerprint
 from services.config import load_config
 from services.router.requests import InferenceRequest, Message
 from services.worker.keeper import serving_pid
-from tests.integration.test_mesh import metric_value, registered_ids, scrape
+from services.worker.sim import faults_key
+from tests.integration.test_mesh import metric_value, registered_ids, scrape, wait_router_forgets
 from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(400)]
@@ -45,7 +48,11 @@ def mesh(tmp_path_factory, tiny_model_dir):
         engine="sim",
         lease_ttl_s=3,
         worker_capacity=4,
-        overrides={"worker": {"respawn": True, "sim_faults": {"crash_on_marker": MARKER}}},
+        overrides={
+            "worker": {"respawn": True, "sim_faults": {"crash_on_marker": MARKER}},
+            # Hung workers hold requests without a stall for as long as a test needs them held.
+            "router": {"stall": {"s_timeout_s": 60, "a_timeout_s": 60, "b_timeout_s": 60}},
+        },
     )
     running = Mesh(spec).start()
     yield running
@@ -214,3 +221,80 @@ async def test_the_benchmark_case_reports_its_goals_met(mesh):
     assert result["workers_lost"] <= 2 and result["retry_refused"] and result["retry_workers_lost"] == 0
     assert result["backfill_replays"] == 0 and result["parked"]
     assert result["served_again_s"] is not None
+
+
+async def in_flight(mesh) -> dict[str, float]:
+    """Each worker's streams in flight, leaving out a worker whose metrics do not answer (one
+    killed by a test before, still starting again under its keeper: it listens on new ports,
+    read from its latest READY line)."""
+    held = {}
+    for worker in mesh.workers():
+        mesh.refresh_ready(worker)
+        try:
+            held[worker.name] = metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight")
+        except ConnectionRefusedError:
+            continue
+    return held
+
+
+async def test_a_worker_lost_with_many_copies_of_one_prompt_in_prefill_quarantines_nothing(mesh):
+    """Copies of one popular prompt wait for their first token on every worker (all hung); one
+    worker's lease is revoked from outside (as an overload that starves its keep-alive or an
+    etcd hiccup would let it lapse). The copies it held count one worker lost against the
+    prompt, not one each: nothing is quarantined, and every copy is served once the workers
+    run again."""
+    await wait_all_serving(mesh, {})
+    deadline = time.monotonic() + 60
+    while len(await in_flight(mesh)) < WORKERS:
+        assert time.monotonic() < deadline, "a worker's metrics never came back"
+        await asyncio.sleep(0.2)
+    etcd = load_config(mesh.config_path, environ={}).etcd
+    client = make_client(etcd)
+    router_port = port_of(mesh, "router")
+    quarantined_before = metric_value(await scrape(router_port), "ballast_router_quarantine_total", event="quarantined")
+    names = [w.name for w in mesh.workers()]
+    prompt = "Which parcels leave the depot today?"
+    try:
+        for name in names:
+            await client.put(faults_key(etcd.prefix, name).encode(), b'{"hang": true}')
+        async with open_channel(mesh.router_address) as channel:
+            router = inference_pb2_grpc.InferenceStub(channel)
+            copies = [
+                asyncio.create_task(
+                    collect(
+                        router,
+                        chat_request(prompt, max_tokens=8, allow_degraded=False, request_id=f"copy-{i}"),
+                        LOCAL_API_KEY,
+                        timeout=120,
+                    )
+                )
+                for i in range(2 * WORKERS)
+            ]
+            # Two copies at least on one worker (six over three): that worker's lease goes.
+            deadline = time.monotonic() + 30
+            while True:
+                held = await in_flight(mesh)
+                if sum(held.values()) == len(copies):
+                    break
+                assert time.monotonic() < deadline, f"the copies never all reached the workers: {held}"
+                await asyncio.sleep(0.05)
+            victim = max(held, key=held.__getitem__)
+            assert held[victim] >= 2
+            leases = {record.id: record.lease_id for record, _ in await list_workers(etcd)}
+            await client.revoke_lease(leases[victim])
+            await wait_router_forgets(mesh, victim)
+            for name in names:
+                await client.delete(faults_key(etcd.prefix, name).encode())
+            for answer in await asyncio.gather(*copies):
+                assert_served(answer)
+            assert_served(
+                await collect(
+                    router, chat_request(prompt, max_tokens=8, allow_degraded=False), LOCAL_API_KEY, timeout=60
+                )
+            )
+    finally:
+        for name in names:
+            await client.delete(faults_key(etcd.prefix, name).encode())
+        await client.close()
+    text = await scrape(router_port)
+    assert metric_value(text, "ballast_router_quarantine_total", event="quarantined") == quarantined_before

@@ -26,6 +26,7 @@ from services.router.resilience.failover import (
     WorkerLeaseLost,
     WorkerProgress,
     decide,
+    lease_quiet_s,
 )
 from tests.unit.fake_clock import FakeClock
 from services.router.resilience.quarantine import Implication
@@ -180,6 +181,31 @@ def test_a_stall_on_a_worker_that_kept_streaming_to_others_does_not_implicate_th
     assert decision.action is Action.RETRY and decision.implication is Implication.NONE
     silent = decide(failure(stalled, sent=0, this_attempt=0, accepted=True), Budget())
     assert silent.implication is Implication.TAKEN_ON
+
+
+def test_a_lease_lost_by_a_worker_that_kept_streaming_does_not_implicate_the_request():
+    """The worker's keep-alive starved (an overload, an etcd election) while it served: its
+    lease lapsing is not the doing of the requests in its prefill. A frozen worker is silent."""
+    lapsed = WorkerLeaseLost("gone")
+    busy = dataclasses.replace(failure(lapsed, sent=0, this_attempt=0, accepted=True), worker_silent=False)
+    decision = decide(busy, Budget())
+    assert decision.action is Action.RETRY and decision.implication is Implication.NONE
+    assert decision.mark_unreachable  # still gone from routing until etcd has it again
+    frozen = decide(failure(lapsed, sent=0, this_attempt=0, accepted=True), Budget())
+    assert frozen.implication is Implication.TAKEN_ON
+
+
+def test_worker_progress_reads_a_lapsed_lease_against_the_quiet_of_a_frozen_worker():
+    clock = FakeClock(100.0)
+    progress = WorkerProgress(clock=clock, lease_quiet_s=lease_quiet_s(3, 1.0))
+    lapsed = WorkerLeaseLost("gone")
+    assert progress.silent("w1", lapsed)  # never heard from
+    progress.streamed("w1")
+    clock.advance(1.5)
+    assert not progress.silent("w1", lapsed)  # relayed within the last two seconds: it was alive
+    clock.advance(1.0)
+    assert progress.silent("w1", lapsed)
+    assert lease_quiet_s(3, 3.0) == 0.5
 
 
 def test_worker_progress_tells_a_silent_worker_from_a_busy_one():

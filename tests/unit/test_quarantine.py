@@ -28,6 +28,7 @@ from services.router.openai.errors import error_reply
 from services.router.requests import InferenceRequest, Message
 from services.router.resilience.breaker import Outcome, outcome_of
 from services.router.resilience.quarantine import (
+    incarnation_of,
     Implication,
     Losses,
     LossTally,
@@ -168,17 +169,47 @@ def test_a_worker_lost_counts_against_a_request_only_when_it_died_before_a_token
 def test_the_tally_forgets_losses_older_than_its_window_and_is_bounded():
     clock = Clock(0.0)
     tally = LossTally(window_s=10.0, max_entries=2, clock=clock)
-    assert tally.add("x") == Losses(taken_on=1)
+    assert tally.add("x", "w1") == Losses(taken_on=1)
     clock.now = 5.0
-    assert tally.add("x", taken_on=False) == Losses(taken_on=1, unconfirmed=1)
+    assert tally.add("x", "w2", taken_on=False) == Losses(taken_on=1, unconfirmed=1)
     assert tally.has_lost_workers("x") and not tally.has_lost_workers("y")
     clock.now = 16.0
     assert not tally.has_lost_workers("x")
-    assert tally.add("x").total == 1
-    tally.add("y")
-    tally.add("z")
+    assert tally.add("x", "w3").total == 1
+    tally.add("y", "w1")
+    tally.add("z", "w1")
     assert len(tally) == 2
-    assert tally.add("x").total == 1  # the stalest fingerprint was dropped
+    assert tally.add("x", "w4").total == 1  # the stalest fingerprint was dropped
+
+
+def test_the_tally_counts_a_worker_once_however_many_copies_it_lost_and_a_new_life_again():
+    tally = LossTally(window_s=10.0, max_entries=10, clock=Clock(0.0))
+    assert tally.add("x", "w1", taken_on=False, incarnation="a") == Losses(unconfirmed=1)
+    for _ in range(50):  # fifty copies of one prompt in prefill when the worker died
+        assert tally.add("x", "w1", taken_on=False, incarnation="a") == Losses(unconfirmed=1)
+    # One copy it had taken on makes the worker's loss a confirmed one, still one loss.
+    assert tally.add("x", "w1", taken_on=True, incarnation="a") == Losses(taken_on=1)
+    assert tally.add("x", "w1", taken_on=False, incarnation="a") == Losses(taken_on=1)
+    # Restarted under its keeper (a new lease) and killed again: another loss.
+    assert tally.add("x", "w1", taken_on=True, incarnation="b") == Losses(taken_on=2)
+
+
+def test_a_worker_lost_with_many_copies_of_a_popular_request_does_not_quarantine_it():
+    quarantine = RouterQuarantine(QuarantineConfig(ttl_s=600), clock=Clock(1000.0), monotonic=Clock(0.0))
+    for i in range(20):
+        quarantine.worker_lost(request(f"copy-{i}"), "lease_lost", "w1", incarnation="7@1.000")
+    quarantine.check(request("another-copy"))  # one worker lost: not quarantined
+    # The same prompt taken on by a second worker that dies too: the second loss quarantines.
+    with pytest.raises(Quarantined):
+        quarantine.worker_lost(request("copy-20"), "worker_lost", "w2", incarnation="9@2.000")
+
+
+def test_a_loss_is_keyed_by_the_worker_lease_and_start():
+    class Record:
+        lease_id = 0x2B
+        started_at = 1700000000.25
+
+    assert incarnation_of(Record()) == "2b@1700000000.250"
 
 
 class Counter:

@@ -57,6 +57,21 @@ class WorkerLeaseLost(Unavailable):
     """The worker's etcd record disappeared while it was streaming."""
 
 
+# How long, at the least, a worker that froze (its event loop stuck: a query of death in the
+# grammar compiler, a hung engine call) has relayed nothing when its lease lapses: the lease's
+# TTL less one heartbeat, since it last kept the lease alive at most a heartbeat before it
+# froze (etcd's defaults: 3 s less 1 s). A worker that relayed a token more recently was not
+# frozen: its lease lapsed for another reason (its machine starved of CPU, an etcd election).
+DEFAULT_LEASE_QUIET_S = 2.0
+
+
+def lease_quiet_s(lease_ttl_s: float, heartbeat_s: float) -> float:
+    """The quiet a frozen worker has at the least when its lease lapses (see
+    DEFAULT_LEASE_QUIET_S), for the workers' etcd settings; half a second at the least, so that
+    a heartbeat set as long as the TTL does not leave every lapse unexplained."""
+    return max(lease_ttl_s - heartbeat_s, 0.5)
+
+
 class Preempted(Exception):
     """The scheduler took this stream's slot for a higher tier; it resumes when a slot frees."""
 
@@ -90,9 +105,10 @@ class AttemptFailure:
     accepted: bool
     # The client's deadline had passed when the attempt ended.
     deadline_passed: bool
-    # The worker relayed no token for any stream during this attempt's stall window. A worker
-    # that kept streaming to others while this stream waited is slow (overloaded, a long queue),
-    # not wedged: its stall says nothing against the request.
+    # The worker relayed no token for any stream during this attempt's stall window (or, for a
+    # lost lease, the quiet a frozen worker has at the least). A worker that kept streaming to
+    # others while this stream waited is slow (overloaded, a long queue), not wedged: its stall
+    # or its lapsed lease says nothing against the request.
     worker_silent: bool = True
     # The attempt asked its worker to wait for this router's confirm of its accepted event
     # before the engine saw the request (a Relay call after a failed attempt, or of a request
@@ -121,13 +137,20 @@ class FailoverDecision:
 
 class WorkerProgress:
     """When each worker last relayed a token to this router (any stream), so that a stalled
-    stream can tell a wedged worker (silent for everyone) from a slow one. One entry per worker
-    id seen, the stalest forgotten past `max_workers`. `clock`: monotonic seconds."""
+    stream, or a lease lost, can tell a wedged worker (silent for everyone) from a slow one.
+    One entry per worker id seen, the stalest forgotten past `max_workers`. `clock`: monotonic
+    seconds; `lease_quiet_s`: see DEFAULT_LEASE_QUIET_S."""
 
-    def __init__(self, max_workers: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_workers: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+        lease_quiet_s: float = DEFAULT_LEASE_QUIET_S,
+    ) -> None:
         self._last: dict[str, float] = {}
         self._max = max_workers
         self._clock = clock
+        self._lease_quiet_s = lease_quiet_s
 
     def streamed(self, worker_id: str) -> None:
         """A token message came from `worker_id` (called per message: kept to a dict write)."""
@@ -137,12 +160,17 @@ class WorkerProgress:
             del last[min(last, key=last.__getitem__)]
 
     def silent(self, worker_id: str, error: BaseException) -> bool:
-        """Whether `worker_id` relayed nothing during the stall window of `error` (True for any
-        other error: only a stall needs telling apart)."""
-        if not isinstance(error, StreamStalled):
+        """Whether `worker_id` relayed nothing during the window of `error`: a stall's
+        timeout, or for a lost lease the quiet a frozen worker has at the least (True for any
+        other error: a dead connection needs no telling apart)."""
+        if isinstance(error, StreamStalled):
+            window = error.timeout_s
+        elif isinstance(error, WorkerLeaseLost):
+            window = self._lease_quiet_s
+        else:
             return True
         last = self._last.get(worker_id)
-        return last is None or last < self._clock() - error.timeout_s
+        return last is None or last < self._clock() - window
 
 
 BudgetAsk = Callable[[], Refusal | None]
@@ -156,9 +184,14 @@ def worker_gone(error: BaseException) -> bool:
 
 
 def worker_died(error: BaseException, silent: bool = True) -> bool:
-    """The worker is gone, or stalled for every stream (`silent`): if it had taken the request
-    on, the request may be why."""
-    return worker_gone(error) or (isinstance(error, StreamStalled) and silent)
+    """The worker's connection is lost, or it stalled or lost its lease while silent for every
+    stream (`silent`): if it had taken the request on, the request may be why. A worker that
+    kept streaming to others until its lease lapsed was alive and serving: the lease went for
+    want of CPU or etcd, and every request on it would be implicated for nothing (under an
+    overload that starves the workers' keep-alives, the most popular prompt is on all of them)."""
+    if isinstance(error, (StreamStalled, WorkerLeaseLost)):
+        return silent
+    return worker_gone(error)
 
 
 def resume_reason(error: BaseException) -> str:

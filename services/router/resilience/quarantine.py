@@ -2,7 +2,8 @@
 at most one more, then quarantined by fingerprint (see services.common.quarantine).
 
 A worker loss counts against a request only when the request may be the cause (`implication`):
-the worker died, stalled or lost its lease before this attempt relayed a single token. That is
+the worker died, or stalled or lost its lease while it relayed nothing to anyone (see
+services.router.resilience.failover.worker_died), before this attempt relayed a single token. That is
 where a query of death strikes (a schema that blows up the grammar compiler, a prompt that
 crashes prefill or runs the engine out of memory). A worker killed while it streams answers is
 the worker's fault, not each of its streams': those resume as before and are never quarantined.
@@ -21,6 +22,12 @@ engine and counts for nothing (a worker killed at the same moment as the one bef
 dead: a stream lost mid-answer with its machine and resumed onto another dying with it), and
 one lost after it is taken on for sure, so a query of death costs `max_workers_lost` workers,
 however slowly this router reads.
+
+A loss is a worker's, not a request's: the losses of a fingerprint are the distinct worker
+incarnations (a worker id and the lease it held) lost with a copy of it, so one worker killed
+with fifty copies of a popular prompt in prefill counts once against that prompt, not fifty
+times; a worker that restarts under its keeper and dies again on the same poison is a new
+incarnation and counts again.
 
 Losses are tallied per fingerprint for the quarantine's time to live, so the count holds
 across a request's resumes and across its retries under new request ids (a backfill replay
@@ -110,31 +117,40 @@ class Losses(NamedTuple):
         return self.taken_on + self.unconfirmed
 
 
+def incarnation_of(worker: Any) -> str:
+    """Which life of a worker a loss ended: its lease (a worker restarted by its keeper, or
+    registered again, holds a new one) and its start time (for a record read without a lease)."""
+    return f"{worker.lease_id:x}@{worker.started_at:.3f}"
+
+
 class LossTally:
-    """Workers lost per fingerprint within `window_s` of the last loss; at most `max_entries`
-    fingerprints (the stalest go first). `clock` gives seconds (injectable in tests)."""
+    """Distinct workers lost per fingerprint within `window_s` of the last loss; at most
+    `max_entries` fingerprints (the stalest go first). `clock` gives seconds (injectable in
+    tests)."""
 
     def __init__(self, window_s: float, max_entries: int, clock: Clock = time.monotonic) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
         self._clock = clock
-        # fingerprint -> (losses, time of the last one); insertion order is staleness order.
-        self._losses: dict[str, tuple[Losses, float]] = {}
+        # fingerprint -> ({worker incarnation: taken on}, time of the last loss); insertion
+        # order is staleness order. A fingerprint is quarantined (and forgotten here) at
+        # QuarantineConfig.max_workers_lost (at most 10), so each holds few workers.
+        self._losses: dict[str, tuple[dict[tuple[str, str], bool], float]] = {}
 
-    def add(self, fp: str, taken_on: bool = True) -> Losses:
-        """Counts one more worker lost to `fp`; returns its losses in the window."""
+    def add(self, fp: str, worker: str, taken_on: bool = True, incarnation: str = "") -> Losses:
+        """Counts `worker` (in `incarnation`) lost to `fp`, once however many copies of `fp`
+        it had (taken on if any copy was); returns the fingerprint's losses in the window."""
         now = self._clock()
-        losses, last = self._losses.pop(fp, (Losses(), now))
+        workers, last = self._losses.pop(fp, ({}, now))
         if now - last > self.window_s:
-            losses = Losses()
-        if taken_on:
-            losses = losses._replace(taken_on=losses.taken_on + 1)
-        else:
-            losses = losses._replace(unconfirmed=losses.unconfirmed + 1)
-        self._losses[fp] = (losses, now)
+            workers = {}
+        key = (worker, incarnation)
+        workers[key] = workers.get(key, False) or taken_on
+        self._losses[fp] = (workers, now)
         while len(self._losses) > self.max_entries:
             del self._losses[next(iter(self._losses))]
-        return losses
+        confirmed = sum(workers.values())
+        return Losses(taken_on=confirmed, unconfirmed=len(workers) - confirmed)
 
     def has_lost_workers(self, fp: str) -> bool:
         """Whether `fp` cost a worker within the window."""
@@ -225,13 +241,15 @@ class RouterQuarantine:
                 fp[:16],
             )
 
-    def worker_lost(self, request: Any, reason: str, worker_id: str, taken_on: bool = True) -> None:
-        """Counts a worker lost to `request` (see `implication`); raises Quarantined when that
-        was one too many."""
+    def worker_lost(
+        self, request: Any, reason: str, worker_id: str, taken_on: bool = True, incarnation: str = ""
+    ) -> None:
+        """Counts a worker (`worker_id` in its `incarnation`, see `incarnation_of`) lost to
+        `request` (see `implication`); raises Quarantined when that was one too many."""
         if not self.config.enabled:
             return
         fp = request_fingerprint(request)
-        losses = self.tally.add(fp, taken_on)
+        losses = self.tally.add(fp, worker_id, taken_on, incarnation)
         lost = losses.total
         if lost < self.config.max_workers_lost or losses.taken_on == 0:
             log.warning(
