@@ -20,7 +20,6 @@ from services.cli.client import chat_request, collect, open_channel
 from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
 from services.cli.poison_view import parked, quarantined
 from services.common.degraded.codec import Level, degraded_request_pb, kafka_key, make_ticket
-from services.cli.etcd_view import list_workers
 from services.common.etcd_client import make_client
 from services.common.faults import REASON_KEY
 from services.common.generation import Sampling
@@ -29,6 +28,7 @@ from services.config import load_config
 from services.router.requests import InferenceRequest, Message
 from services.worker.keeper import serving_pid
 from services.worker.sim import faults_key
+from tests.integration.test_clusters_mesh import worker_leases
 from tests.integration.test_mesh import metric_value, registered_ids, scrape, wait_router_forgets
 from tests.served import assert_served
 
@@ -280,8 +280,7 @@ async def test_a_worker_lost_with_many_copies_of_one_prompt_in_prefill_quarantin
                 await asyncio.sleep(0.05)
             victim = max(held, key=held.__getitem__)
             assert held[victim] >= 2
-            leases = {record.id: record.lease_id for record, _ in await list_workers(etcd)}
-            await client.revoke_lease(leases[victim])
+            await client.revoke_lease((await worker_leases(etcd))[victim])
             await wait_router_forgets(mesh, victim)
             for name in names:
                 await client.delete(faults_key(etcd.prefix, name).encode())

@@ -28,13 +28,13 @@ from services.router.openai.errors import error_reply
 from services.router.requests import InferenceRequest, Message
 from services.router.resilience.breaker import Outcome, outcome_of
 from services.router.resilience.quarantine import (
-    incarnation_of,
     Implication,
     Losses,
     LossTally,
     QuarantineConfig,
     RouterQuarantine,
     implication,
+    incarnation_of,
 )
 from services.common.generation import Sampling
 
