@@ -16,7 +16,8 @@ repeats; every repeat is kept.
 
 The answer length matters: a gateway pays once per request (accepting the call, choosing a
 backend, opening the stream) and once per message, and short answers spread the first over
-few tokens. Both lengths are reported; 32 tokens is bench.mesh_scale's load.
+few tokens. Three lengths are measured: 1 token (what a request alone costs: its CPU per
+token is its CPU per request), 32 (bench.mesh_scale's load) and 256.
 
 Goals, judged in code (the issue's bar: smg's CPU per token with a little room, its added
 TTFT plus 0.2 ms): Ballast's router CPU per token at 100 streams at most 1.2x smg's (each
@@ -25,7 +26,7 @@ added TTFT p50 at one stream at most smg's + 0.2 ms.
 
 Writes bench/results/gateways.json; exits 1 when a goal is missed.
 
-    python -m bench.gateways [--seconds 4] [--streams 1,10,100] [--tokens 32,256] [--workers 4] [--repeats 3]
+    python -m bench.gateways [--seconds 4] [--streams 1,10,100] [--tokens 1,32,256] [--workers 4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="load per path and round")
     parser.add_argument("--streams", default="1,10,100")
-    parser.add_argument("--tokens", default="32,256", help="answer lengths, tokens")
+    parser.add_argument("--tokens", default="1,32,256", help="answer lengths, tokens")
     parser.add_argument("--workers", type=int, default=4, help="sim workers, and as many OpenAI servers")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results/gateways.json"))
