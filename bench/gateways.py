@@ -72,17 +72,38 @@ GOALS = (
 # -- the HTTP load (a process of its own, as bench.mesh_scale's gRPC load) -----------------------
 
 
+# What marks a token event of a streamed chat or text completion (the role-only or usage
+# events of other servers carry neither, so they are not counted).
+TOKEN_MARKS = (b'"content":"', b'"text":"')
+
+
+def token_events(response: bytes | bytearray, starts: list[int] | None = None) -> int:
+    """Token events in `response`; with `starts` (an offset per mark), only those that begin
+    at or past them, and `starts` moved past every event counted (for bytes that arrive in
+    pieces: an event split between two pieces is counted once, when it is whole)."""
+    count = 0
+    for i, mark in enumerate(TOKEN_MARKS):
+        count += response.count(mark, starts[i] if starts else 0)
+        if starts is not None:
+            starts[i] = max(starts[i], len(response) - len(mark) + 1)
+    return count
+
+
 class SseCall(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection that streams chat completions, one at a time.
-    Counts token events (`data: {`) as the bytes arrive; an answer ends with the last chunk
-    after `data: [DONE]`."""
+    Counts token events as the bytes arrive, and apart those that arrived before `deadline`
+    (an answer still streaming at the end of a load is counted up to it, as the gRPC load
+    counts); an answer ends with the last chunk after `data: [DONE]`."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
         self.transport: asyncio.Transport | None = None
         self.response = bytearray()
+        self.starts = [0] * len(TOKEN_MARKS)
+        self.answer_tokens = 0
+        self.tokens_in_window = 0
         self.done: asyncio.Future[bytes] | None = None
         self.first: asyncio.Future[float] | None = None
-        self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -92,26 +113,31 @@ class SseCall(asyncio.Protocol):
         for future in (self.done, self.first):
             if future is not None and not future.done():
                 future.set_exception(ConnectionError("connection lost"))
-        if not self.closed.done():
-            self.closed.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         self.response += data
-        if self.first is not None and not self.first.done() and b"data: {" in self.response:
+        new = token_events(self.response, self.starts)
+        self.answer_tokens += new
+        if new and time.monotonic() < self.deadline:
+            self.tokens_in_window += new
+        if new and self.first is not None and not self.first.done():
             self.first.set_result(time.perf_counter())
         if self.done is not None and not self.done.done() and self.response.endswith(b"0\r\n\r\n"):
             if b"data: [DONE]" in self.response:
                 self.done.set_result(bytes(self.response))
 
-    async def stream(self, request: bytes) -> tuple[bytes, float]:
-        """Sends one request; returns the whole response and when its first token came."""
+    async def stream(self, request: bytes) -> tuple[bytes, int, float]:
+        """Sends one request; returns the whole response, its token events and when the first
+        came."""
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self.response.clear()
+        self.starts = [0] * len(TOKEN_MARKS)
+        self.answer_tokens = 0
         self.done, self.first = loop.create_future(), loop.create_future()
         self.transport.write(request)
         response = await self.done
-        return response, self.first.result()
+        return response, self.answer_tokens, self.first.result()
 
 
 def chat_request(host: str, tokens: int) -> bytes:
@@ -131,50 +157,44 @@ def chat_request(host: str, tokens: int) -> bytes:
     return head.encode() + body
 
 
-def token_events(response: bytes) -> int:
-    """Token events in a streamed chat or text completion (the role-only or usage events of
-    other servers carry neither `content` nor `text`, so they are not counted)."""
-    return response.count(b'"content":"') + response.count(b'"text":"')
-
-
 async def _http_load(targets: list[str], streams: int, seconds: float, tokens: int) -> dict:
     """`streams` closed-loop clients for `seconds`, each on its own connection to one target
-    (round robin); TTFTs of answers started in the window."""
+    (round robin); the tokens that arrived in the window (one per event, as the backends
+    send them) and the TTFTs of answers started in it."""
     loop = asyncio.get_running_loop()
     ttfts: list[float] = []
-    counted = errors = messages = 0
+    errors = 0
     end = time.monotonic() + seconds
+    calls: list[SseCall] = []
 
     async def client(index: int) -> None:
-        nonlocal counted, errors, messages
+        nonlocal errors
         host, port = targets[index % len(targets)].rsplit(":", 1)
         request = chat_request(host, tokens)
-        transport, call = await loop.create_connection(SseCall, host, int(port))
+        transport, call = await loop.create_connection(lambda: SseCall(end), host, int(port))
+        calls.append(call)
         try:
             while time.monotonic() < end:
                 start = time.perf_counter()
                 try:
-                    response, first = await asyncio.wait_for(call.stream(request), 60)
+                    response, got, first = await asyncio.wait_for(call.stream(request), 60)
                 except (ConnectionError, asyncio.TimeoutError):
                     errors += 1
                     return
-                got = token_events(response)
                 if not response.startswith(b"HTTP/1.1 200") or got != tokens:
                     errors += 1
                     continue
-                if time.monotonic() < end:
-                    counted += got
-                    messages += got
                 ttfts.append((first - start) * 1000)
         finally:
             transport.close()
 
     started = time.monotonic()
     await asyncio.gather(*(client(i) for i in range(streams)))
+    counted = sum(call.tokens_in_window for call in calls)
     return {
         "ttft_ms": ttfts,
         "tokens": counted,
-        "messages": messages,
+        "messages": counted,
         "errors": errors,
         "seconds": min(seconds, time.monotonic() - started),
     }

@@ -62,12 +62,12 @@ async def test_the_simulated_servers_stream_what_is_asked_and_the_load_counts_it
         )
         assert status == 200 and token_events(body) == 3
 
-        # The load: every answer whole (5 tokens each), over both servers, nothing failed.
+        # The load: every answer whole (5 tokens each, else an error), over both servers; the
+        # tokens counted are those that came in its window, at least one answer's.
         load = await _http_load(addresses, streams=4, seconds=1.0, tokens=5)
         assert load["errors"] == 0
-        assert load["tokens"] > 0 and load["tokens"] % 5 == 0
-        assert load["messages"] == load["tokens"]
-        assert len(load["ttft_ms"]) >= load["tokens"] // 5
+        assert load["tokens"] >= 5 and load["messages"] == load["tokens"]
+        assert len(load["ttft_ms"]) >= 4
     finally:
         status = await asyncio.to_thread(process.stop, 15.0)
     assert status == 0, process.log_tail()
