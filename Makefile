@@ -98,6 +98,7 @@ protos: install
 # Every benchmark on the checked-out code, then bench/results/REPORT.md. QUICK=1: a few
 # minutes per benchmark (indicative numbers, and a check that the whole set runs).
 bench: install
+	$(PY) -m pip install --quiet -e '.[compare]'
 	$(PY) -m bench.all $(if $(QUICK),--quick,)
 
 clean: down

@@ -48,6 +48,8 @@ BENCHMARKS = (
         quick=("--engine", "sim", "--kills", "12", "--reps", "1"),
     ),
     Benchmark("mesh_scale", quick=("--seconds", "2", "--workers", "1,16", "--streams", "10,100", "--routers", "1,2")),
+    # Needs smg (the `compare` extra; `make bench` installs it).
+    Benchmark("gateways", quick=("--seconds", "2", "--repeats", "1", "--tokens", "1,32")),
     Benchmark("scale", quick=("--reps", "1")),
     Benchmark("kv_restore", quick=("--contexts", "256,1024", "--reps", "3")),
     Benchmark("structured", quick=("--quick",)),
