@@ -22,7 +22,9 @@ token is its CPU per request), 32 (bench.mesh_scale's load) and 256.
 Goals, judged in code (the issue's bar: smg's CPU per token with a little room, its added
 TTFT plus 0.2 ms): Ballast's router CPU per token at 100 streams at most 1.2x smg's (each
 answer length); at 10 streams at most 1.9x (0.1 ms against smg's 0.052 at 16 streams);
-added TTFT p50 at one stream at most smg's + 0.2 ms.
+added TTFT p50 at one stream at most smg's + 0.2 ms; no failed answer in any round, through
+either gateway or straight to its backend (a side that failed answers would be measured on
+less work).
 
 Writes bench/results/gateways.json; exits 1 when a goal is missed.
 
@@ -66,6 +68,9 @@ GOALS = (
     ),
     Goal("Ballast's router CPU per token over smg's, 10 streams, 32-token answers", "cpu_ratio_10_32", 1.9, LOWER, "x"),
     Goal("added TTFT p50 at 1 stream over smg's (Ballast - smg)", "added_ttft_p50_over_smg_ms", 0.2, LOWER, " ms"),
+    # A comparison is only as good as its loads: a gateway or backend that failed answers
+    # would be measured on less work than the other.
+    Goal("failed answers, either gateway or backend, every round", "errors", 0, LOWER),
 )
 
 
@@ -422,6 +427,11 @@ def run_benchmark(
     return _report(points, workers_n, seconds, repeats, out)
 
 
+def _errors(round_: dict) -> int:
+    """Failed answers in a round: through each gateway and straight to its backend."""
+    return sum(round_[side][key] for side in ("ballast", "smg") for key in ("errors", "backend_errors"))
+
+
 def _report(points: list[dict], workers_n: int, seconds: float, repeats: int, out: Path) -> int:
     def at(streams: int, tokens: int) -> dict | None:
         return next((p for p in points if p["streams"] == streams and p["tokens"] == tokens), None)
@@ -441,7 +451,8 @@ def _report(points: list[dict], workers_n: int, seconds: float, repeats: int, ou
         values["added_ttft_p50_over_smg_ms"] = [
             r["ballast"]["added_ttft_p50_ms"] - r["smg"]["added_ttft_p50_ms"] for r in one["rounds"]
         ]
-    judged = judge(GOALS, values)
+    # Counted once over every round (not a median: one failing round is a failure).
+    judged = judge(GOALS, {**values, "errors": float(sum(_errors(r) for p in points for r in p["rounds"]))})
     print_table(
         [
             "streams",
@@ -481,6 +492,7 @@ def _report(points: list[dict], workers_n: int, seconds: float, repeats: int, ou
             "repeats": repeats,
             "points": points,
             **{key: statistics.median(runs) for key, runs in values.items()},
+            "errors": sum(_errors(r) for p in points for r in p["rounds"]),
             **judged,
         },
     )
