@@ -48,6 +48,15 @@ def metric_sum(port: int, names: Sequence[str], timeout: float = 2.0) -> float |
     return sum(values) if values else None
 
 
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True when a GET of `url` answers 200 (a server's health or readiness page)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
 def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
     rows = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]

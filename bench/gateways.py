@@ -48,9 +48,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import model_dir_for, percentile, print_table, sim_worker_settings, stop_on_sigterm, write_result
+from bench.common import http_ok, model_dir_for, percentile, print_table, stop_on_sigterm, write_result
 from bench.goals import LOWER, Goal, judge, print_goals
-from bench.mesh_scale import cpu_seconds, prompt_ids_for, run_load, settle
+from bench.mesh_scale import cpu_seconds, prompt_ids_for, run_load, settle, sim_mesh_spec
 from services.common.processes import ManagedProcess, free_ports, wait_until_ready
 
 SMG_VERSION = "1.13.0"
@@ -220,14 +220,6 @@ def run_http_load(targets: list[str], streams: int, seconds: float, tokens: int)
 # -- the smg side: simulated OpenAI servers and the gateway ----------------------------------------
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def _streams_through(address: str) -> bool:
     """smg routes only once its health checks found a backend: one short streamed answer."""
     request = urllib.request.Request(
@@ -264,7 +256,7 @@ def start_openai_sims(count: int, log_path: Path) -> tuple[ManagedProcess, list[
     ).start()
     addresses = [f"127.0.0.1:{p}" for p in ports]
     try:
-        wait_until_ready(process, lambda: all(_answers(f"http://{a}/health") for a in addresses), 60, what="serving")
+        wait_until_ready(process, lambda: all(http_ok(f"http://{a}/health") for a in addresses), 60, what="serving")
     except BaseException:
         process.stop()
         raise
@@ -314,10 +306,10 @@ def start_smg(backends: list[str], log_path: Path) -> tuple[ManagedProcess, str]
 # -- measuring ---------------------------------------------------------------------------------------
 
 
-def _measured(load: dict, cpu_s: float | None, baseline: dict) -> dict:
+def _measured(load: dict, cpu_s: float, baseline: dict) -> dict:
     p50, base50 = percentile(load["ttft_ms"], 50), percentile(baseline["ttft_ms"], 50)
     return {
-        "cpu_ms_per_token": cpu_s / load["tokens"] * 1000 if cpu_s is not None and load["tokens"] else math.nan,
+        "cpu_ms_per_token": cpu_s / load["tokens"] * 1000 if load["tokens"] else math.nan,
         "tokens_per_s": load["tokens"] / load["seconds"] if load["seconds"] else math.nan,
         "tokens_per_message": load["tokens"] / load["messages"] if load["messages"] else math.nan,
         "ttft_p50_ms": p50,
@@ -353,37 +345,26 @@ def _round(
     before = cpu_seconds(smg.pid)
     through = run_http_load([smg_address], streams, seconds, tokens)
     gateway = _measured(through, cpu_seconds(smg.pid) - before, backend)
-    return {"ballast": ballast, "smg": gateway}
+    return {"ballast": ballast, "smg": gateway, "cpu_ratio": ballast["cpu_ms_per_token"] / gateway["cpu_ms_per_token"]}
 
 
 def _median_point(streams: int, tokens: int, rounds: list[dict]) -> dict:
     point: dict = {"streams": streams, "tokens": tokens, "rounds": rounds}
     for side in ("ballast", "smg"):
         point[side] = {key: statistics.median(r[side][key] for r in rounds) for key in rounds[0][side]}
-    point["cpu_ratio"] = statistics.median(
-        r["ballast"]["cpu_ms_per_token"] / r["smg"]["cpu_ms_per_token"] for r in rounds
-    )
+    point["cpu_ratio"] = statistics.median(r["cpu_ratio"] for r in rounds)
     return point
 
 
 def run_benchmark(
     stream_steps: list[int], token_steps: list[int], workers_n: int, seconds: float, repeats: int, out: Path
 ) -> int:
-    from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+    from services.cli.mesh import LOCAL_API_KEY, Mesh
 
     model_dir = model_dir_for("tiny")
     points: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ballast-gateways-") as state:
-        capacity = max(stream_steps)
-        spec = MeshSpec(
-            state_dir=Path(state),
-            model_dir=model_dir,
-            workers=0,
-            engine="sim",
-            worker_capacity=capacity,
-            overrides={"worker": {"max_queue": capacity, **sim_worker_settings()}},
-        )
-        mesh = Mesh(spec).start()
+        mesh = Mesh(sim_mesh_spec(Path(state), model_dir, max(stream_steps))).start()
         sims_process = smg = None
         try:
             router = mesh.routers()[0]
@@ -445,7 +426,7 @@ def _report(points: list[dict], workers_n: int, seconds: float, repeats: int, ou
     ):
         point = at(streams, tokens)
         if point is not None:
-            values[key] = [r["ballast"]["cpu_ms_per_token"] / r["smg"]["cpu_ms_per_token"] for r in point["rounds"]]
+            values[key] = [r["cpu_ratio"] for r in point["rounds"]]
     one = next((p for p in points if p["streams"] == 1), None)
     if one is not None:
         values["added_ttft_p50_over_smg_ms"] = [

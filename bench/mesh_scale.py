@@ -326,6 +326,23 @@ async def _membership_change_s(mesh, worker_id: str, routers, reps: int = 3) -> 
     return statistics.median(times)
 
 
+def sim_mesh_spec(state_dir: Path, model_dir: Path, capacity: int):
+    """A local mesh of one router and no workers yet (the benchmark starts sim workers), each
+    worker taking `capacity` streams at once."""
+    from services.cli.mesh import MeshSpec
+
+    return MeshSpec(
+        state_dir=state_dir,
+        model_dir=model_dir,
+        workers=0,
+        engine="sim",
+        worker_capacity=capacity,
+        # Each worker takes every stream of a point: worker queueing would be
+        # the same in both paths, but the point is the mesh's own cost.
+        overrides={"worker": {"max_queue": capacity, **sim_worker_settings()}},
+    )
+
+
 def run_benchmark(
     seconds: float,
     worker_steps: list[int],
@@ -335,24 +352,13 @@ def run_benchmark(
     repeats: int = 3,
     tokens: int = TOKENS,
 ) -> int:
-    from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+    from services.cli.mesh import LOCAL_API_KEY, Mesh
 
     model_dir = model_dir_for("tiny")
     rows: list[dict] = []
     membership: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="ballast-mesh-scale-") as state:
-        capacity = max(stream_steps)
-        spec = MeshSpec(
-            state_dir=Path(state),
-            model_dir=model_dir,
-            workers=0,
-            engine="sim",
-            worker_capacity=capacity,
-            # Each worker takes every stream of a point: worker queueing would be
-            # the same in both paths, but the point is the mesh's own cost.
-            overrides={"worker": {"max_queue": capacity, **sim_worker_settings()}},
-        )
-        mesh = Mesh(spec).start()
+        mesh = Mesh(sim_mesh_spec(Path(state), model_dir, max(stream_steps))).start()
         try:
             for _ in range(max(router_steps) - 1):
                 mesh.start_router()

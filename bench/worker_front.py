@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
-from bench.common import model_dir_for, print_table, stop_on_sigterm, write_result
+from bench.common import http_ok, model_dir_for, print_table, stop_on_sigterm, write_result
 from bench.goals import LOWER, Goal, judge, print_goals
 from bench.mesh_scale import cpu_seconds
 from bench.soak.baseline import vllm_server_argv
@@ -159,16 +159,6 @@ async def _measure(fronts: list[Front], args: argparse.Namespace) -> None:
 # -- vLLM's own server --------------------------------------------------------------------------
 
 
-def _healthy(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
-
-
 def _vllm_sender(http: Any, base_url: str, max_tokens: int) -> Send:
     async def send(prompt: str) -> int:
         body = {
@@ -204,7 +194,7 @@ def vllm_server(model_dir: Path, state: Path) -> Iterator[tuple[Front, str]]:
     server.start()
     try:
         base_url = f"http://127.0.0.1:{port}"
-        wait_until_ready(server, lambda: _healthy(f"{base_url}/health"), READY_TIMEOUT_S, interval=0.5, what="healthy")
+        wait_until_ready(server, lambda: http_ok(f"{base_url}/health"), READY_TIMEOUT_S, interval=0.5, what="healthy")
         assert server.pid is not None
         yield Front("vLLM's server", server.pid, cpu_seconds(server.pid)), base_url
     finally:

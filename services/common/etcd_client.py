@@ -17,10 +17,11 @@ from pathlib import Path
 
 import aetcd
 import grpc
-from aetcd import rpc, watcher
+from aetcd import rpc
 from aetcd.client import _handle_errors
 
 from services.common.config import BackingTLSConfig, EtcdConfig
+from services.common.etcd_watch_stream import WatchStream
 
 
 def _read_optional(path: str) -> bytes | None:
@@ -110,10 +111,29 @@ class EtcdClient(aetcd.Client):
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
-            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+            self.watchstub = rpc.WatchStub(self.channel)
+            # No shared aetcd Watcher: each watch has a stream of its own (`watch` below).
+            self._watcher = None
             self._connected.set()
         finally:
             self._is_connecting = False
+
+    async def watch(  # type: ignore[override]
+        self, key: bytes, range_end: bytes | None = None, start_revision: int | None = None
+    ) -> WatchStream:
+        """A watch of `key` (or of `[key, range_end)`) from `start_revision`, on a stream of
+        its own, confirmed by etcd before it is returned."""
+        await self.connect()
+        watch = WatchStream(self.watchstub, key, range_end, start_revision, self.metadata, self._timeout)
+        return await watch.open()
+
+    async def watch_prefix(  # type: ignore[override]
+        self, key_prefix: bytes, start_revision: int | None = None
+    ) -> WatchStream:
+        """A watch of every key under `key_prefix`, as `watch`."""
+        return await self.watch(
+            key_prefix, range_end=aetcd.utils.prefix_range_end(key_prefix), start_revision=start_revision
+        )
 
 
 def make_client(config: EtcdConfig) -> aetcd.Client:

@@ -42,7 +42,7 @@ from services.common.backoff import BackoffPolicy, RestartBackoff
 from services.common.config import EtcdConfig
 from services.common.etcd_client import MEMBER_CONNECT_TIMEOUT_S, make_client
 from services.common.etcd_keepalive import KeepAliveStream
-from services.common.tasks import stop_task
+from services.common.tasks import cancelled_from_outside, stop_task
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +57,10 @@ class EtcdCallCut(ConnectionError):
     that nobody asked of the task would end a watch's or a lease's loop for good."""
 
 
-def cancelled_from_outside() -> bool:
-    """True when the running task itself was asked to stop (a caller's deadline, a shutdown),
-    False when a cancellation came from a call cut under it."""
-    task = asyncio.current_task()
-    return task is None or task.cancelling() > 0
-
-
 # The longest wait between two reconnect attempts: etcd back after an outage is seen within it.
 MAX_BACKOFF_S = 5.0
 
-# A watch's cancel request waits behind the client's other watch requests; a stop that owes
-# nothing to etcd must not hang on a stream that is gone.
+# A stop must never hang on ending a watch (ours end at once, never waiting on etcd).
 WATCH_CANCEL_TIMEOUT_S = 1.0
 
 
@@ -108,7 +100,7 @@ class Change:
 
 
 async def cancel_watch(watch: Any) -> None:
-    """Cancels one raw aetcd watch, leaving the client's other watches running (best effort: the
+    """Cancels one raw watch, leaving the client's other watches running (best effort: the
     client may be closed already, and its watches with it)."""
     if watch is None:
         return
@@ -402,8 +394,7 @@ class PrefixWatch:
             await session.reset(client)
             raise
         finally:
-            # On a shared client the stream outlives this watch: end it there too, or etcd keeps
-            # sending its events to a queue nobody reads.
+            # The client outlives this watch: end its stream, or etcd keeps sending its events.
             await cancel_watch(watch)
 
     async def _run(self) -> None:

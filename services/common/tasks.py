@@ -38,3 +38,10 @@ async def stop_task(task: asyncio.Task | None, timeout_s: float = 10.0) -> bool:
     if not task.cancelled() and task.exception() is not None:
         log.warning("task %s ended with %r", task.get_name(), task.exception())
     return True
+
+
+def cancelled_from_outside() -> bool:
+    """True when the running task itself was asked to stop (a caller's deadline, a shutdown),
+    False when a cancellation came from a call cut under it (a gRPC call whose channel closed)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0

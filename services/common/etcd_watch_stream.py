@@ -1,0 +1,119 @@
+"""One etcd watch on a Watch stream of its own.
+
+aetcd multiplexes every watch of a client on one shared stream, fed through a bounded request
+queue and guarded by two locks and a condition; when that stream fails, its own task shuts it
+down under those locks. An etcd restart at the wrong moment could leave a watch opened on the
+client afterwards waiting for a creation nothing would send: a router then kept its last
+membership and never learned of a worker that joined later, with nothing in its logs.
+
+`WatchStream` gives each watch a stream of its own on the client's channel: one create request,
+the created reply read under a deadline, then events until the stream ends. Nothing is shared
+between watches but the channel, so one watch's failure is that watch's alone, and ending a
+watch is ending its call (etcd drops a watch with its stream). A stream that fails, is closed
+under it (its client closed) or is cancelled by etcd raises `WatchLost`, an etcd error like the
+others (`ConnectionError`); a watch from a compacted revision raises aetcd's
+`RevisionCompactedError`. Either way the owner reads again and watches anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import grpc
+from aetcd import rpc, rtypes
+from aetcd.exceptions import RevisionCompactedError
+
+from services.common.tasks import cancelled_from_outside
+
+
+class WatchLost(ConnectionError):
+    """The watch's stream failed, was closed under it, or etcd cancelled the watch."""
+
+
+class WatchStream:
+    """One watch of `[key, range_end)` from `start_revision`; opened by `open()`, iterated for
+    aetcd `Event`s, ended by `cancel()`."""
+
+    def __init__(
+        self,
+        stub: rpc.WatchStub,
+        key: bytes,
+        range_end: bytes | None,
+        start_revision: int | None,
+        metadata: Any,
+        create_timeout_s: float,
+    ) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self._create_timeout_s = create_timeout_s
+        request = rpc.WatchCreateRequest(key=key)
+        if range_end is not None:
+            request.range_end = range_end
+        if start_revision is not None:
+            request.start_revision = start_revision
+        self._create = rpc.WatchRequest(create_request=request)
+        self._call: Any = None
+        self.watch_id: int | None = None
+
+    async def open(self) -> "WatchStream":
+        """Opens the stream and waits for etcd to confirm the watch (within the deadline: a
+        stream that never answers is a lost one, never a silent one)."""
+        self._call = self._stub.Watch(metadata=self._metadata)
+        try:
+            async with asyncio.timeout(self._create_timeout_s):
+                await self._call.write(self._create)
+                reply = await self._read()
+                while not reply.created:  # nothing else can come first on a stream of one watch
+                    reply = await self._read()
+        except TimeoutError:
+            self._end()
+            raise WatchLost(f"etcd did not confirm a watch within {self._create_timeout_s:g} s") from None
+        except BaseException:
+            self._end()
+            raise
+        self._check_open(reply)
+        self.watch_id = reply.watch_id
+        return self
+
+    async def _read(self) -> Any:
+        try:
+            reply = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise WatchLost(f"etcd watch stream failed: {exc.code().name}") from exc
+        except asyncio.CancelledError:
+            if cancelled_from_outside():
+                raise
+            # The call was cancelled under us (its client closed): a loss, not our own stop.
+            raise WatchLost("the etcd watch stream was closed under the watch") from None
+        if reply is grpc.aio.EOF:
+            raise WatchLost("etcd ended the watch stream")
+        return reply
+
+    def _check_open(self, reply: Any) -> None:
+        if reply.compact_revision:
+            self._end()
+            raise RevisionCompactedError(reply.compact_revision)
+        if reply.canceled:
+            self._end()
+            raise WatchLost(f"etcd cancelled the watch: {reply.cancel_reason or 'no reason given'}")
+
+    async def events(self) -> AsyncIterator[rtypes.Event]:
+        """The watch's events, in order, until it is lost (`WatchLost`) or cancelled."""
+        while self._call is not None:
+            reply = await self._read()
+            self._check_open(reply)
+            for event in reply.events:
+                yield rtypes.Event(event.type, event.kv)
+
+    def __aiter__(self) -> AsyncIterator[rtypes.Event]:
+        return self.events()
+
+    async def cancel(self) -> None:
+        """Ends the watch (its stream); idempotent, never waits on etcd."""
+        self._end()
+
+    def _end(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()

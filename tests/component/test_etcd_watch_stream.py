@@ -1,0 +1,151 @@
+"""Each etcd watch on a stream of its own, against a real etcd: events in order, one watch's end
+leaving the others, and every way a watch can be lost (its client closed, etcd stopped, a member
+that never answers, a compacted revision) raised as an etcd error rather than left silent."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+
+import pytest
+from aetcd.exceptions import RevisionCompactedError
+
+from services.common.config import EtcdConfig
+from services.common.etcd_client import make_client
+from services.common.etcd_session import ETCD_ERRORS
+from services.common.etcd_watch_stream import WatchLost
+
+# A bound on each wait, so a watch that hangs fails the test instead of stalling the suite.
+BOUND_S = 30.0
+
+
+def config_of(server, **overrides) -> EtcdConfig:
+    return EtcdConfig(host=server.host, port=server.port, timeout_s=2.0, **overrides)
+
+
+async def next_event(watch):
+    return await asyncio.wait_for(anext(aiter(watch)), BOUND_S)
+
+
+async def test_watches_on_one_client_each_get_their_events_and_ending_one_leaves_the_others(etcd_server):
+    prefix = f"/watch-stream-{uuid.uuid4().hex[:8]}/".encode()
+    client = make_client(config_of(etcd_server))
+    try:
+        await client.connect()
+        ours = await client.watch_prefix(prefix + b"a/")
+        others = await client.watch_prefix(prefix + b"b/")
+        doomed = await client.watch(prefix + b"b/x")
+        await doomed.cancel()
+
+        await client.put(prefix + b"a/1", b"one")
+        await client.put(prefix + b"b/x", b"two")
+        await client.delete(prefix + b"a/1")
+        ours_events = aiter(ours)
+        first = await asyncio.wait_for(anext(ours_events), BOUND_S)
+        second = await asyncio.wait_for(anext(ours_events), BOUND_S)
+        assert (first.kind, first.kv.key, first.kv.value) == ("PUT", prefix + b"a/1", b"one")
+        assert (second.kind, second.kv.key) == ("DELETE", prefix + b"a/1")
+        event = await next_event(others)
+        assert (event.kind, event.kv.key, event.kv.value) == ("PUT", prefix + b"b/x", b"two")
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(anext(aiter(doomed)), BOUND_S)
+        await ours.cancel()
+        await others.cancel()
+    finally:
+        await client.close()
+
+
+async def test_a_watch_from_a_revision_replays_what_was_written_since(etcd_server):
+    key = f"/watch-stream-{uuid.uuid4().hex[:8]}/k".encode()
+    client = make_client(config_of(etcd_server))
+    try:
+        await client.connect()
+        await client.put(key, b"1")
+        written = await client.get(key)
+        await client.put(key, b"2")
+        watch = await client.watch(key, start_revision=written.mod_revision + 1)
+        event = await next_event(watch)
+        assert (event.kind, event.kv.value) == ("PUT", b"2")
+        await watch.cancel()
+    finally:
+        await client.close()
+
+
+async def test_a_watch_whose_client_is_closed_under_it_is_lost_not_silent(etcd_server):
+    client = make_client(config_of(etcd_server))
+    await client.connect()
+    watch = await client.watch_prefix(f"/watch-stream-{uuid.uuid4().hex[:8]}/".encode())
+    reading = asyncio.create_task(next_event(watch))
+    await asyncio.sleep(0)  # the read is waiting on the stream
+    await client.close()
+    with pytest.raises(WatchLost):
+        await reading
+    assert isinstance(WatchLost("x"), ETCD_ERRORS), "its owner handles it as any etcd failure"
+
+
+async def test_a_watch_of_an_etcd_that_stops_is_lost_and_a_new_one_follows_it_back(restartable_etcd):
+    prefix = f"/watch-stream-{uuid.uuid4().hex[:8]}/".encode()
+    client = make_client(config_of(restartable_etcd))
+    await client.connect()
+    await client.put(prefix + b"before", b"1")
+    revision = (await client.get(prefix + b"before")).mod_revision
+    watch = await client.watch_prefix(prefix, start_revision=revision + 1)
+    reading = asyncio.create_task(next_event(watch))
+    await asyncio.to_thread(restartable_etcd.stop)
+    with pytest.raises(WatchLost):
+        await reading
+    await client.close()
+
+    await asyncio.to_thread(restartable_etcd.restart)
+    client = make_client(config_of(restartable_etcd))
+    try:
+        await asyncio.wait_for(until_it_answers(client), BOUND_S)
+        await client.put(prefix + b"after", b"2")
+        watch = await client.watch_prefix(prefix, start_revision=revision + 1)
+        event = await next_event(watch)
+        assert (event.kind, event.kv.key) == ("PUT", prefix + b"after")
+        await watch.cancel()
+    finally:
+        await client.close()
+
+
+async def until_it_answers(client) -> None:
+    while True:
+        try:
+            await client.get(b"/")
+            return
+        except ETCD_ERRORS:
+            await asyncio.sleep(0.1)
+
+
+async def test_a_watch_from_a_compacted_revision_says_so(etcd_server):
+    key = f"/watch-stream-{uuid.uuid4().hex[:8]}/k".encode()
+    client = make_client(config_of(etcd_server))
+    try:
+        await client.connect()
+        await client.put(key, b"1")
+        first = (await client.get(key)).mod_revision
+        await client.put(key, b"2")
+        await client.compact((await client.get(key)).mod_revision)
+        # etcd confirms the watch, then cancels it with the compaction's revision.
+        with pytest.raises(RevisionCompactedError):
+            await next_event(await client.watch(key, start_revision=first))
+    finally:
+        await client.close()
+
+
+async def test_a_member_that_never_answers_fails_the_watch_instead_of_holding_it():
+    # A listener that takes connections and never speaks: etcd's port with a hung process behind.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    host, port = silent.getsockname()
+    client = make_client(EtcdConfig(host=host, port=port, timeout_s=1.0))
+    try:
+        await client.connect()
+        with pytest.raises(WatchLost):
+            await asyncio.wait_for(client.watch(b"/anything"), BOUND_S)
+    finally:
+        await client.close()
+        silent.close()
