@@ -9,10 +9,12 @@ membership and never learned of a worker that joined later, with nothing in its 
 `WatchStream` gives each watch a stream of its own on the client's channel: one create request,
 the created reply read under a deadline, then events until the stream ends. Nothing is shared
 between watches but the channel, so one watch's failure is that watch's alone, and ending a
-watch is ending its call (etcd drops a watch with its stream). A stream that fails, is closed
-under it (its client closed) or is cancelled by etcd raises `WatchLost`, an etcd error like the
-others (`ConnectionError`); a watch from a compacted revision raises aetcd's
-`RevisionCompactedError`. Either way the owner reads again and watches anew.
+watch is ending its call (etcd drops a watch with its stream). A stream that fails or that etcd
+cancels raises `WatchLost`, an etcd error like the others (`ConnectionError`); a watch from a
+compacted revision raises aetcd's `RevisionCompactedError`. A watch whose client is closed under
+it (the session dropped the client after another part's failed call) ends, as aetcd's did: its
+owner reads again on the next client without calling etcd lost. Every way, the owner reads again
+and watches anew; no way leaves it waiting.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class WatchStream:
             async with asyncio.timeout(self._create_timeout_s):
                 await self._call.write(self._create)
                 reply = await self._read()
-                while not reply.created:  # nothing else can come first on a stream of one watch
+                while reply is not None and not reply.created:  # nothing else comes first on it
                     reply = await self._read()
         except TimeoutError:
             self._end()
@@ -72,11 +74,14 @@ class WatchStream:
         except BaseException:
             self._end()
             raise
+        if reply is None:
+            raise WatchLost("the etcd client was closed before etcd confirmed the watch")
         self._check_open(reply)
         self.watch_id = reply.watch_id
         return self
 
     async def _read(self) -> Any:
+        """The next reply; None when the stream was closed under the watch (its client closed)."""
         try:
             reply = await self._call.read()
         except grpc.aio.AioRpcError as exc:
@@ -84,8 +89,7 @@ class WatchStream:
         except asyncio.CancelledError:
             if cancelled_from_outside():
                 raise
-            # The call was cancelled under us (its client closed): a loss, not our own stop.
-            raise WatchLost("the etcd watch stream was closed under the watch") from None
+            return None  # cancelled under us, not our own stop
         if reply is grpc.aio.EOF:
             raise WatchLost("etcd ended the watch stream")
         return reply
@@ -99,9 +103,13 @@ class WatchStream:
             raise WatchLost(f"etcd cancelled the watch: {reply.cancel_reason or 'no reason given'}")
 
     async def events(self) -> AsyncIterator[rtypes.Event]:
-        """The watch's events, in order, until it is lost (`WatchLost`) or cancelled."""
+        """The watch's events, in order, until it is lost (`WatchLost`), cancelled, or its client
+        closed (the iteration ends)."""
         while self._call is not None:
             reply = await self._read()
+            if reply is None:
+                self._end()
+                return
             self._check_open(reply)
             for event in reply.events:
                 yield rtypes.Event(event.type, event.kv)
