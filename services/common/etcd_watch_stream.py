@@ -30,7 +30,8 @@ from services.common.tasks import cancelled_from_outside
 
 
 class WatchLost(ConnectionError):
-    """The watch's stream failed, was closed under it, or etcd cancelled the watch."""
+    """The watch's stream failed, etcd ended it or cancelled the watch, or the client closed
+    before etcd confirmed the watch."""
 
 
 class WatchStream:
