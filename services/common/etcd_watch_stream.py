@@ -57,6 +57,7 @@ class WatchStream:
             request.start_revision = start_revision
         self._create = rpc.WatchRequest(create_request=request)
         self._call: Any = None
+        self._events: AsyncIterator[rtypes.Event] | None = None
         self.watch_id: int | None = None
 
     async def open(self) -> "WatchStream":
@@ -65,7 +66,7 @@ class WatchStream:
         self._call = self._stub.Watch(metadata=self._metadata)
         try:
             async with asyncio.timeout(self._create_timeout_s):
-                await self._call.write(self._create)
+                await self._send_create()
                 reply = await self._read()
                 while reply is not None and not reply.created:  # nothing else comes first on it
                     reply = await self._read()
@@ -76,17 +77,31 @@ class WatchStream:
             self._end()
             raise
         if reply is None:
+            self._end()
             raise WatchLost("the etcd client was closed before etcd confirmed the watch")
         self._check_open(reply)
         self.watch_id = reply.watch_id
         return self
+
+    async def _send_create(self) -> None:
+        """Sends the create request; a member that refuses the connection fails it here."""
+        try:
+            await self._call.write(self._create)
+        except grpc.aio.AioRpcError as exc:
+            raise WatchLost(f"etcd watch stream failed: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.InvalidStateError:
+            raise WatchLost("the etcd watch stream ended before the watch was sent") from None
+        except asyncio.CancelledError:
+            if cancelled_from_outside():
+                raise
+            raise WatchLost("the etcd client was closed before the watch was sent") from None
 
     async def _read(self) -> Any:
         """The next reply; None when the stream was closed under the watch (its client closed)."""
         try:
             reply = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise WatchLost(f"etcd watch stream failed: {exc.code().name}") from exc
+            raise WatchLost(f"etcd watch stream failed: {exc.code().name}: {exc.details()}") from exc
         except asyncio.CancelledError:
             if cancelled_from_outside():
                 raise
@@ -116,7 +131,11 @@ class WatchStream:
                 yield rtypes.Event(event.type, event.kv)
 
     def __aiter__(self) -> AsyncIterator[rtypes.Event]:
-        return self.events()
+        # One iteration per watch: a second `async for` goes on where the first left off,
+        # never reading the stream beside it.
+        if self._events is None:
+            self._events = self.events()
+        return self._events
 
     async def cancel(self) -> None:
         """Ends the watch (its stream); idempotent, never waits on etcd."""

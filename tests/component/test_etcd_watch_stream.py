@@ -1,6 +1,7 @@
 """Each etcd watch on a stream of its own, against a real etcd: events in order, one watch's end
-leaving the others, and every way a watch can be lost (its client closed, etcd stopped, a member
-that never answers, a compacted revision) raised as an etcd error rather than left silent."""
+leaving the others, and every way a watch can be lost (etcd stopped, a member that refuses or
+never answers, a compacted revision) raised as an etcd error rather than left waiting; a watch
+whose client is closed under it ends, so its owner reads again."""
 
 from __future__ import annotations
 
@@ -93,9 +94,8 @@ async def test_a_watch_of_an_etcd_that_stops_is_lost_and_a_new_one_follows_it_ba
     watch = await client.watch_prefix(prefix, start_revision=revision + 1)
     reading = asyncio.create_task(next_event(watch))
     await asyncio.to_thread(restartable_etcd.stop)
-    with pytest.raises(WatchLost) as lost:
+    with pytest.raises(WatchLost):
         await reading
-    assert isinstance(lost.value, ETCD_ERRORS), "its owner handles it as any etcd failure"
     await client.close()
 
     await asyncio.to_thread(restartable_etcd.restart)
@@ -150,3 +150,20 @@ async def test_a_member_that_never_answers_fails_the_watch_instead_of_holding_it
     finally:
         await client.close()
         silent.close()
+
+
+async def test_a_member_that_refuses_the_connection_fails_the_watch_with_an_etcd_error():
+    # A port nothing listens on: etcd's member gone. Every owner of a watch (the session's
+    # prefix watches, the leader locks) handles the etcd errors and nothing else.
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    host, port = probe.getsockname()
+    probe.close()
+    client = make_client(EtcdConfig(host=host, port=port, timeout_s=1.0))
+    try:
+        await client.connect()
+        with pytest.raises(ETCD_ERRORS) as lost:
+            await asyncio.wait_for(client.watch(b"/anything"), BOUND_S)
+        assert isinstance(lost.value, WatchLost)
+    finally:
+        await client.close()
