@@ -276,16 +276,21 @@ class GenerationRunner:
                     return
                 except DECIDED_ERRORS as error:
                     silent = self.progress.silent(worker.id, error)
+                    died = worker_died(error, silent)
+                    # Read before any await: the requests lost with the worker give their
+                    # slots up one at a time as they handle the loss.
+                    waiting_ahead = grant.waiting_ahead_at_loss() if died else 0
                     decision = decide(
                         AttemptFailure(
                             error,
                             worker.id,
                             tokens_sent=len(state.sent_ids),
                             tokens_this_attempt=len(state.sent_ids) - sent_before,
-                            accepted=worker_died(error, silent) and await was_accepted(control.last_call),
+                            accepted=died and await was_accepted(control.last_call),
                             deadline_passed=time.monotonic() >= run.deadline,
                             worker_silent=silent,
                             confirm_asked=control.confirm_asked,
+                            queued=self.quarantine.queued(waiting_ahead),
                         ),
                         run.attempts.ask,
                     )

@@ -3,11 +3,16 @@
 marker costs at most two worker processes, gets the quarantine error (never a degraded
 answer), is refused at once under a new request id, is counted, is never replayed by the
 backfill (a degraded copy handed to Kafka is parked), and the pool serves a normal request
-meanwhile and has every worker back once the keepers restarted them."""
+meanwhile and has every worker back once the keepers restarted them. Requests lost with
+workers while they waited for their first token are not quarantined: copies of one prompt
+lost with one worker count it once, and a request queued behind a full prefill batch on two
+workers killed one after the other counts nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 
@@ -29,7 +34,7 @@ from services.router.requests import InferenceRequest, Message
 from services.worker.keeper import serving_pid
 from services.worker.sim import faults_key
 from tests.integration.test_clusters_mesh import worker_leases
-from tests.integration.test_mesh import metric_value, registered_ids, scrape, wait_router_forgets
+from tests.integration.test_mesh import metric_value, registered_ids, router_routes_to, scrape, wait_router_forgets
 from tests.served import assert_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(400)]
@@ -50,8 +55,14 @@ def mesh(tmp_path_factory, tiny_model_dir):
         worker_capacity=4,
         overrides={
             "worker": {"respawn": True, "sim_faults": {"crash_on_marker": MARKER}},
-            # Hung workers hold requests without a stall for as long as a test needs them held.
-            "router": {"stall": {"s_timeout_s": 60, "a_timeout_s": 60, "b_timeout_s": 60}},
+            # Hung workers hold requests without a stall for as long as a test needs them held;
+            # a short prefill batch, so a line of three on a worker holds a queued request.
+            "router": {
+                "stall": {"s_timeout_s": 60, "a_timeout_s": 60, "b_timeout_s": 60},
+                "quarantine": {"max_prefill_batch": 2},
+                # A restarted worker takes its share at once: the tests place lines by count.
+                "scheduling": {"slow_start_s": 0},
+            },
         },
     )
     running = Mesh(spec).start()
@@ -232,9 +243,31 @@ async def in_flight(mesh) -> dict[str, float]:
         mesh.refresh_ready(worker)
         try:
             held[worker.name] = metric_value(await scrape(worker.metrics_port), "ballast_worker_in_flight")
-        except ConnectionRefusedError:
+        except ConnectionError:  # refused, or reset by a worker killed under the scrape
             continue
     return held
+
+
+async def hang_ready(mesh):
+    """Once every worker serves and answers its metrics: the etcd settings, a client for the
+    fault knobs (the caller closes it), the router's metrics port and its quarantine count."""
+    await wait_all_serving(mesh, {})
+    deadline = time.monotonic() + 60
+    while len(await in_flight(mesh)) < WORKERS:
+        assert time.monotonic() < deadline, "a worker's metrics never came back"
+        await asyncio.sleep(0.2)
+    etcd = load_config(mesh.config_path, environ={}).etcd
+    router_port = port_of(mesh, "router")
+    return etcd, make_client(etcd), router_port, await quarantined_count(router_port)
+
+
+async def quarantined_count(router_port: int) -> float:
+    return metric_value(await scrape(router_port), "ballast_router_quarantine_total", event="quarantined")
+
+
+async def lift_hang(client, etcd, names: list[str]) -> None:
+    for name in names:
+        await client.delete(faults_key(etcd.prefix, name).encode())
 
 
 async def test_a_worker_lost_with_many_copies_of_one_prompt_in_prefill_quarantines_nothing(mesh):
@@ -243,15 +276,7 @@ async def test_a_worker_lost_with_many_copies_of_one_prompt_in_prefill_quarantin
     etcd hiccup would let it lapse). The copies it held count one worker lost against the
     prompt, not one each: nothing is quarantined, and every copy is served once the workers
     run again."""
-    await wait_all_serving(mesh, {})
-    deadline = time.monotonic() + 60
-    while len(await in_flight(mesh)) < WORKERS:
-        assert time.monotonic() < deadline, "a worker's metrics never came back"
-        await asyncio.sleep(0.2)
-    etcd = load_config(mesh.config_path, environ={}).etcd
-    client = make_client(etcd)
-    router_port = port_of(mesh, "router")
-    quarantined_before = metric_value(await scrape(router_port), "ballast_router_quarantine_total", event="quarantined")
+    etcd, client, router_port, quarantined_before = await hang_ready(mesh)
     names = [w.name for w in mesh.workers()]
     prompt = "Which parcels leave the depot today?"
     try:
@@ -282,8 +307,7 @@ async def test_a_worker_lost_with_many_copies_of_one_prompt_in_prefill_quarantin
             assert held[victim] >= 2
             await client.revoke_lease((await worker_leases(etcd))[victim])
             await wait_router_forgets(mesh, victim)
-            for name in names:
-                await client.delete(faults_key(etcd.prefix, name).encode())
+            await lift_hang(client, etcd, names)
             for answer in await asyncio.gather(*copies):
                 assert_served(answer)
             assert_served(
@@ -292,8 +316,77 @@ async def test_a_worker_lost_with_many_copies_of_one_prompt_in_prefill_quarantin
                 )
             )
     finally:
-        for name in names:
-            await client.delete(faults_key(etcd.prefix, name).encode())
+        await lift_hang(client, etcd, names)
         await client.close()
-    text = await scrape(router_port)
-    assert metric_value(text, "ballast_router_quarantine_total", event="quarantined") == quarantined_before
+    assert await quarantined_count(router_port) == quarantined_before
+
+
+async def wait_held(mesh, names: list[str], count: int, timeout: float = 30.0) -> dict[str, float]:
+    """Until the workers `names` hold `count` streams in flight between them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = {name: n for name, n in (await in_flight(mesh)).items() if name in names}
+        if sum(held.values()) == count:
+            return held
+        assert time.monotonic() < deadline, f"the workers {names} never held {count} streams: {held}"
+        await asyncio.sleep(0.05)
+
+
+async def wait_restarted(mesh, killed: dict[str, int | None], names: list[str], timeout: float = 60.0) -> None:
+    """Until the keepers of `names` run new workers (not the pids in `killed`) and the router
+    routes to each."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = serving_pids(mesh)
+        if all(now[name] is not None and now[name] != killed[name] for name in names):
+            break
+        assert time.monotonic() < deadline, f"the keepers did not restart {names}: {killed} -> {now}"
+        await asyncio.sleep(0.1)
+    await router_routes_to(mesh, set(names), timeout=max(1.0, deadline - time.monotonic()))
+
+
+async def test_a_request_queued_behind_a_full_prefill_batch_on_two_lost_workers_is_served(mesh):
+    """Every worker hangs (nothing leaves prefill) and holds two requests waiting for their
+    first token; a third request joins the line of one of them, behind a full prefill batch
+    (`max_prefill_batch: 2`). That worker is killed: its three requests move to the other two
+    workers, at the ends of their lines. Then both of those are killed. The queued request has
+    been on two workers that died under it without a token (as a query of death would have)
+    but the engines had not begun it: it is not quarantined, nor is any other request, and
+    every one is served once the hang is lifted, by the workers the keepers restarted."""
+    etcd, client, router_port, quarantined_before = await hang_ready(mesh)
+    names = [w.name for w in mesh.workers()]
+    try:
+        for name in names:
+            await client.put(faults_key(etcd.prefix, name).encode(), b'{"hang": true}')
+        async with open_channel(mesh.router_address) as channel:
+            router = inference_pb2_grpc.InferenceStub(channel)
+
+            def send(prompt: str, request_id: str) -> asyncio.Task:
+                request = chat_request(prompt, max_tokens=8, allow_degraded=False, request_id=request_id)
+                return asyncio.create_task(collect(router, request, LOCAL_API_KEY, timeout=150))
+
+            ahead = [send(f"Track parcel {i} for me.", f"ahead-{i}") for i in range(2 * WORKERS)]
+            held = await wait_held(mesh, names, len(ahead))
+            assert sorted(held.values()) == [2] * WORKERS, f"the router did not spread the line: {held}"
+            queued = send("Which depot holds my parcel?", "queued")
+            held = await wait_held(mesh, names, len(ahead) + 1)
+            first = max(held, key=held.__getitem__)
+            pids = serving_pids(mesh)
+            os.kill(pids[first], signal.SIGKILL)
+            # The three it held go to the ends of the other two workers' lines (before its
+            # keeper has it back): the queued request is on one of them.
+            others = [name for name in names if name != first]
+            await wait_held(mesh, others, len(ahead) + 1)
+            # The first runs again (and the router routes to it) before the others die, so
+            # that their requests have a worker to move to.
+            await wait_restarted(mesh, pids, [first])
+            for name in others:
+                os.kill(pids[name], signal.SIGKILL)
+            await wait_restarted(mesh, pids, others)
+            await lift_hang(client, etcd, names)
+            for answer in await asyncio.gather(*ahead, queued):
+                assert_served(answer)
+    finally:
+        await lift_hang(client, etcd, names)
+        await client.close()
+    assert await quarantined_count(router_port) == quarantined_before

@@ -78,6 +78,14 @@ class Refuse:
 
 
 @dataclass(frozen=True)
+class DieWhen:
+    """Takes the request on and sends nothing until `lost` is set: then the connection is lost
+    (a worker killed with the request waiting for its first token)."""
+
+    lost: asyncio.Event
+
+
+@dataclass(frozen=True)
 class DrainAfter:
     """Streams `tokens` tokens, then ends the stream with the draining status."""
 
@@ -110,6 +118,9 @@ class FakeCall:
         if isinstance(self.step, Refuse):
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
         self.accepted = True
+        if isinstance(self.step, DieWhen):
+            await self.step.lost.wait()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
         start = len(self.request.generated_ids)
         owed = self.request.sampling.max_tokens
         stop_after = {DieAfter: getattr(self.step, "tokens", owed), DrainAfter: getattr(self.step, "tokens", owed)}
@@ -206,8 +217,8 @@ def membership(*worker_ids: str) -> MembershipWatcher:
     return watcher
 
 
-def runner(workers: FakeWorkers, watcher: MembershipWatcher) -> GenerationRunner:
-    config = RouterConfig()
+def runner(workers: FakeWorkers, watcher: MembershipWatcher, config: RouterConfig | None = None) -> GenerationRunner:
+    config = config or RouterConfig()
     meter = MeterProvider().get_meter("test")
     metrics = RouterMetrics(
         SimpleNamespace(meter=meter, latency_histogram=lambda name, _description: meter.create_histogram(name))
@@ -228,9 +239,9 @@ def runner(workers: FakeWorkers, watcher: MembershipWatcher) -> GenerationRunner
     )
 
 
-def request_run(request_id: str = "r-1") -> RequestRun:
+def request_run(request_id: str = "r-1", prompt: str = "where is my order?") -> RequestRun:
     request = InferenceRequest(
-        request_id, "", "tenant", MODEL, Sampling(MAX_TOKENS, temperature=0.0), "A", prompt="where is my order?"
+        request_id, "", "tenant", MODEL, Sampling(MAX_TOKENS, temperature=0.0), "A", prompt=prompt
     )
     return RequestRun(request, Tier.A, "explicit", 1.0, time.monotonic() + 30, time.perf_counter())
 
@@ -354,3 +365,41 @@ async def test_every_attempt_after_a_failed_one_asks_its_worker_to_confirm(model
     events = [event async for event in shared.run(request_run())]
     assert streamed(events) == [token_at(i) for i in range(MAX_TOKENS)]
     assert asked == [False, True, True]
+
+
+async def test_a_worker_lost_with_a_queue_implicates_the_head_of_its_line_only(model_info):
+    """One worker holds two requests waiting for their first token when it dies, with room for
+    one in its prefill (`max_prefill_batch: 1`). The request at the head may have killed it and
+    has a worker lost against it; the one queued behind has none, though the head gave its slot
+    up before the second handled the loss. Both are served on the next worker."""
+    lost = asyncio.Event()
+    workers = FakeWorkers([DieWhen(lost), DieWhen(lost)], model_info)
+    watcher = membership("w1", "w2")
+    w2 = watcher._workers.pop("w2")  # one worker at first: both requests go to it
+    config = RouterConfig(quarantine={"max_prefill_batch": 1})
+    shared = runner(workers, watcher, config)
+    head_run, queued_run = request_run("head", "where is my order?"), request_run("queued", "when does it ship?")
+
+    async def served(run: RequestRun) -> list[int]:
+        return streamed([event async for event in shared.run(run)])
+
+    counted: list[str] = []
+    worker_lost = shared.quarantine.worker_lost
+
+    def recording(request, reason, worker_id, taken_on=True, incarnation=""):
+        counted.append(request.request_id)
+        return worker_lost(request, reason, worker_id, taken_on, incarnation)
+
+    shared.quarantine.worker_lost = recording
+    head = asyncio.create_task(served(head_run))
+    while len(workers.calls) < 1:
+        await asyncio.sleep(0)
+    queued = asyncio.create_task(served(queued_run))
+    while len(workers.calls) < 2:
+        await asyncio.sleep(0)
+    watcher._workers["w2"] = w2
+    lost.set()
+    whole = [token_at(i) for i in range(MAX_TOKENS)]
+    assert await head == whole and await queued == whole
+    assert [call.address for call in workers.calls] == ["w1:50051", "w1:50051", "w2:50051", "w2:50051"]
+    assert counted == ["head"]

@@ -166,6 +166,16 @@ def test_a_worker_lost_counts_against_a_request_only_when_it_died_before_a_token
     assert implication(lost, tokens, accepted, confirm_asked) is counts
 
 
+@pytest.mark.parametrize("accepted, confirm_asked", [(True, False), (False, False), (True, True)])
+def test_a_request_queued_behind_a_full_prefill_batch_is_not_implicated(accepted, confirm_asked):
+    assert implication(True, 0, accepted, confirm_asked, queued=True) is Implication.NONE
+
+
+def test_a_request_is_queued_from_max_prefill_batch_requests_ahead_of_it():
+    quarantine = RouterQuarantine(QuarantineConfig(max_prefill_batch=3))
+    assert [quarantine.queued(ahead) for ahead in range(5)] == [False, False, False, True, True]
+
+
 def test_the_tally_forgets_losses_older_than_its_window_and_is_bounded():
     clock = Clock(0.0)
     tally = LossTally(window_s=10.0, max_entries=2, clock=clock)

@@ -114,6 +114,9 @@ class AttemptFailure:
     # before the engine saw the request (a Relay call after a failed attempt, or of a request
     # that already cost a worker).
     confirm_asked: bool = False
+    # The worker was lost while this attempt waited in its line behind a full prefill batch
+    # (see RouterQuarantine.queued): the engine had not begun it.
+    queued: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,7 @@ def decide(failure: AttemptFailure, ask_budget: BudgetAsk) -> FailoverDecision:
             failure.tokens_this_attempt,
             failure.accepted,
             failure.confirm_asked,
+            failure.queued,
         ),
         rollout_fault=outcome is Outcome.FAULT,
     )

@@ -7,6 +7,11 @@ services.router.resilience.failover.worker_died), before this attempt relayed a 
 where a query of death strikes (a schema that blows up the grammar compiler, a prompt that
 crashes prefill or runs the engine out of memory). A worker killed while it streams answers is
 the worker's fault, not each of its streams': those resume as before and are never quarantined.
+Nor is a request that waited in the worker's line behind a full prefill batch
+(`max_prefill_batch` of this router's requests, of its tier or a more urgent one, ahead of it
+without their first token; see services.router.scheduling.waiting_line): the engine had not
+begun it, so a worker killed or stalled with a long queue (an overload, two faults close
+together) implicates only the requests at the head of its line.
 
 A loss is *taken on* when the router had read the worker's accepted event (the worker took the
 call, then died), *unconfirmed* when it had not: the worker may have died before the request
@@ -71,6 +76,16 @@ class QuarantineConfig(Section):
         "before it is quarantined; it is tried on one more worker after each loss below it. At "
         "least one of the losses must be a worker that confirmed taking the request on.",
     )
+    max_prefill_batch: int = Field(
+        8,
+        ge=1,
+        le=4096,
+        description="Requests an engine prefills at once, at the most. A worker lost while at least "
+        "this many of this router's requests (of the same tier or a more urgent one) waited ahead of "
+        "a request for their first token does not count against that request: it was queued behind "
+        "the prefill, not in it. Raise it for engines that prefill many short prompts in one step; "
+        "a query of death counted as queued costs one more worker before its quarantine.",
+    )
     ttl_s: float = Field(
         600.0,
         gt=0,
@@ -93,13 +108,17 @@ class Implication(enum.Enum):
     UNCONFIRMED = "unconfirmed"
 
 
-def implication(lost: bool, tokens_this_attempt: int, accepted: bool, confirm_asked: bool = False) -> Implication:
+def implication(
+    lost: bool, tokens_this_attempt: int, accepted: bool, confirm_asked: bool = False, queued: bool = False
+) -> Implication:
     """Whether a failed attempt counts against its request: the worker died, stalled or lost
     its lease before relaying any token of this attempt (taken on or unconfirmed). An attempt
     that asked its worker to confirm (`confirm_asked`) and was lost before its accepted event
     was read never reached the engine: the worker died of something else (several workers
-    lost at once, one already dead when the request was sent), so it counts for nothing."""
-    if not lost or tokens_this_attempt > 0:
+    lost at once, one already dead when the request was sent), so it counts for nothing. Nor
+    does one that waited behind a full prefill batch (`queued`, see `RouterQuarantine.queued`):
+    the engine had not begun it."""
+    if not lost or tokens_this_attempt > 0 or queued:
         return Implication.NONE
     if accepted:
         return Implication.TAKEN_ON
@@ -212,6 +231,12 @@ class RouterQuarantine:
             return
         self._count("refused")
         raise self._error(fp, entry, request.request_id)
+
+    def queued(self, waiting_ahead: int) -> bool:
+        """Whether a request with `waiting_ahead` requests ahead of it on a lost worker, all
+        without their first token (see scheduling.waiting_line), was queued behind the
+        engine's prefill rather than in it: the loss does not count against it."""
+        return waiting_ahead >= self.config.max_prefill_batch
 
     def wants_confirmation(self, request: Any, follows_failure: bool = False) -> bool:
         """Whether an attempt of `request` should have its worker wait for this router's

@@ -28,6 +28,7 @@ from services.router.scheduling.scheduler import (
     TicketState,
     WorkerSlots,
 )
+from services.router.scheduling.waiting_line import LostLines
 
 WorkersFn = Callable[[], Mapping[str, WorkerSlots | tuple[int, int]]]
 PreemptCallback = Callable[["Grant"], None]
@@ -52,6 +53,14 @@ class Grant:
     def first_token(self) -> None:
         """Call when the worker sends its first token (measures dispatch-to-first-token)."""
         self._gate.scheduler.on_first_token(self.ticket)
+
+    def waiting_ahead_at_loss(self) -> int:
+        """How many requests waited for their first token ahead of this one on its worker
+        when the worker was lost (see waiting_line): call it when the attempt ended with the
+        worker's loss, before the slot is given up."""
+        worker = self.worker_id
+        scheduler = self._gate.scheduler
+        return self._gate.lost_lines.waiting_ahead(worker, self.ticket, lambda: scheduler.running_on(worker))
 
     def add_tokens(self, token_ids: list[int]) -> None:
         """Remembers tokens sent to the client, so a preempted stream can resume from them."""
@@ -93,6 +102,7 @@ class AsyncGate:
         self._workers = workers
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
         self._grants: dict[Ticket, Grant] = {}
+        self.lost_lines = LostLines()
 
     @property
     def waiting(self) -> int:

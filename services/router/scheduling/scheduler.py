@@ -427,6 +427,11 @@ class PoolScheduler:
             return len(self._running)
         return sum(1 for t in self._running if t.tier == tier)
 
+    def running_on(self, worker: str) -> list[Ticket]:
+        """The tickets holding a slot on `worker` (a scan of every running ticket: for the
+        rare paths, a worker's loss, not for dispatch)."""
+        return [t for t in self._running if t.worker_id == worker]
+
     def _queue_for(self, tier: Tier) -> _TierQueue | _FifoQueue:
         return self._queues[tier] if self._tiered else self._fifo
 
