@@ -41,6 +41,26 @@ def tls_credentials(tls: BackingTLSConfig) -> grpc.ChannelCredentials:
 # How long a new client waits for a member to accept a connection before trying the next.
 MEMBER_CONNECT_TIMEOUT_S = 1.0
 
+# HTTP/2 keepalive on the channel while it carries a call (a watch, a lease's keep-alive): a
+# member that goes silent without closing the connection (a partition, a frozen host) fails
+# the calls within about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of leaving a watch
+# waiting for good. Every ping gets KEEPALIVE_TIMEOUT_MS for its answer, the flow-control
+# pings gRPC sends on its own too (by default a minute, and a keepalive ping waits for one in
+# flight): an etcd that answers no ping for that long has let 3-second leases lapse already.
+# etcd refuses pings closer than 5 s apart (--grpc-keepalive-min-time) and pings on a
+# connection with no call (permit-without-stream off), so neither is asked of it; pings are
+# not limited to two between data frames (an idle watch sends none).
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
+)
+
 # Per endpoint list: the member the next client starts at (round robin over clients).
 _next_member: dict[tuple[str, ...], int] = {}
 
@@ -65,7 +85,7 @@ class EtcdClient(aetcd.Client):
         self.member: str | None = None
 
     def _channel(self, member: str) -> grpc.aio.Channel:
-        options = list(self._options.items())
+        options = [*self._options.items(), *KEEPALIVE_OPTIONS]
         if self._credentials is not None:
             return grpc.aio.secure_channel(member, self._credentials, options=options)
         return grpc.aio.insecure_channel(member, options=options)

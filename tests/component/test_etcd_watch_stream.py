@@ -167,3 +167,67 @@ async def test_a_member_that_refuses_the_connection_fails_the_watch_with_an_etcd
         assert isinstance(lost.value, WatchLost)
     finally:
         await client.close()
+
+
+class FreezingProxy:
+    """A TCP relay to etcd that can go silent without closing anything: once `freeze()` is
+    called it swallows every byte both ways, as a partition or a frozen host does."""
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self._upstream = (upstream_host, upstream_port)
+        self._frozen = False
+        self._server: asyncio.Server | None = None
+        self._pumps: set[asyncio.Task] = set()
+        self.connections = 0
+
+    async def start(self) -> tuple[str, int]:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self._server.sockets[0].getsockname()[:2]
+
+    def freeze(self) -> None:
+        self._frozen = True
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pump(source, sink))
+            self._pumps.add(task)
+            task.add_done_callback(self._pumps.discard)
+
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while data := await source.read(65536):
+            if not self._frozen:
+                sink.write(data)
+                await sink.drain()
+
+    async def stop(self) -> None:
+        for task in list(self._pumps):
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
+
+
+async def test_a_member_that_goes_silent_under_an_established_watch_fails_it(etcd_server):
+    """The connection stays open and nothing comes back (no RST, no FIN): the channel's
+    keepalive pings go unanswered and the watch fails with WatchLost, an etcd error, rather
+    than waiting for events that will never come."""
+    proxy = FreezingProxy(etcd_server.host, etcd_server.port)
+    host, port = await proxy.start()
+    prefix = f"/silent-{uuid.uuid4().hex[:8]}/".encode()
+    through_proxy = make_client(EtcdConfig(host=host, port=port, timeout_s=2.0))
+    direct = make_client(config_of(etcd_server))
+    try:
+        watch = await through_proxy.watch_prefix(prefix)
+        await direct.put(prefix + b"before", b"1")
+        event = await next_event(watch)
+        assert event.kv.key == prefix + b"before"  # the watch is established and live
+        proxy.freeze()
+        await direct.put(prefix + b"after", b"2")
+        with pytest.raises(WatchLost):
+            await next_event(watch)
+        assert proxy.connections == 1
+    finally:
+        await through_proxy.close()
+        await direct.close()
+        await proxy.stop()
