@@ -46,19 +46,19 @@ MEMBER_CONNECT_TIMEOUT_S = 1.0
 # the calls within about KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of leaving a watch
 # waiting for good. Every ping gets KEEPALIVE_TIMEOUT_MS for its answer, the flow-control
 # pings gRPC sends on its own too (by default a minute, and a keepalive ping waits for one in
-# flight): an etcd that answers no ping for that long has let 3-second leases lapse already.
-# etcd refuses pings closer than 5 s apart (--grpc-keepalive-min-time) and pings on a
-# connection with no call (permit-without-stream off), so neither is asked of it; pings are
-# not limited to two between data frames (an idle watch sends none).
+# flight); etcd answers pings from its transport, apart from raft and the disk, so only a
+# process stopped that long misses one, and its 3-second leases have lapsed by then. etcd
+# refuses pings closer than 5 s apart (--grpc-keepalive-min-time) and pings on a connection
+# with no call (permit-without-stream off), so neither is asked of it; pings are not limited
+# to two between data frames (an idle watch sends none).
 KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
+KEEPALIVE_TIMEOUT_MS = 10_000
 KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
 )
 
 # Per endpoint list: the member the next client starts at (round robin over clients).

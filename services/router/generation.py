@@ -279,7 +279,7 @@ class GenerationRunner:
                     died = worker_died(error, silent)
                     # Read before any await: the requests lost with the worker give their
                     # slots up one at a time as they handle the loss.
-                    waiting_ahead = grant.waiting_ahead_at_loss() if died else 0
+                    waiting_ahead = grant.waiting_ahead_at_loss(self.progress.last_token_at(worker.id)) if died else 0
                     decision = decide(
                         AttemptFailure(
                             error,
@@ -321,7 +321,12 @@ class GenerationRunner:
             # Counts against the request: it costs a bounded number of workers (this raises
             # Quarantined at the limit).
             self.quarantine.worker_lost(
-                request, decision.reason, worker.id, taken_on=taken_on, incarnation=incarnation_of(worker)
+                request,
+                decision.reason,
+                worker.id,
+                taken_on=taken_on,
+                incarnation=incarnation_of(worker),
+                queued=decision.queued,
             )
         if decision.action is Action.FAIL:
             assert decision.error is not None

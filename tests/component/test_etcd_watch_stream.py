@@ -177,7 +177,8 @@ class FreezingProxy:
         self._upstream = (upstream_host, upstream_port)
         self._frozen = False
         self._server: asyncio.Server | None = None
-        self._pumps: set[asyncio.Task] = set()
+        self._pumps: list[asyncio.Task] = []
+        self._writers: list[asyncio.StreamWriter] = []
         self.connections = 0
 
     async def start(self) -> tuple[str, int]:
@@ -189,11 +190,11 @@ class FreezingProxy:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.append(writer)
         up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+        self._writers.append(up_writer)
         for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pump(source, sink))
-            self._pumps.add(task)
-            task.add_done_callback(self._pumps.discard)
+            self._pumps.append(asyncio.create_task(self._pump(source, sink)))
 
     async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         while data := await source.read(65536):
@@ -202,10 +203,14 @@ class FreezingProxy:
                 await sink.drain()
 
     async def stop(self) -> None:
-        for task in list(self._pumps):
+        for task in self._pumps:
             task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        for writer in self._writers:
+            writer.close()
         if self._server is not None:
             self._server.close()
+            await self._server.wait_closed()
 
 
 async def test_a_member_that_goes_silent_under_an_established_watch_fails_it(etcd_server):
@@ -225,7 +230,8 @@ async def test_a_member_that_goes_silent_under_an_established_watch_fails_it(etc
         proxy.freeze()
         await direct.put(prefix + b"after", b"2")
         with pytest.raises(WatchLost):
-            await next_event(watch)
+            # Up to two keepalive rounds (10 s + 10 s): a longer bound than the others.
+            await asyncio.wait_for(anext(aiter(watch)), 2 * BOUND_S)
         assert proxy.connections == 1
     finally:
         await through_proxy.close()

@@ -6,7 +6,7 @@ backfill (a degraded copy handed to Kafka is parked), and the pool serves a norm
 meanwhile and has every worker back once the keepers restarted them. Requests lost with
 workers while they waited for their first token are not quarantined: copies of one prompt
 lost with one worker count it once, and a request queued behind a full prefill batch on two
-workers killed one after the other counts nothing."""
+workers killed one after the other has one of the two losses excused."""
 
 from __future__ import annotations
 
@@ -347,12 +347,15 @@ async def wait_restarted(mesh, killed: dict[str, int | None], names: list[str], 
 
 async def test_a_request_queued_behind_a_full_prefill_batch_on_two_lost_workers_is_served(mesh):
     """Every worker hangs (nothing leaves prefill) and holds two requests waiting for their
-    first token; a third request joins the line of one of them, behind a full prefill batch
-    (`max_prefill_batch: 2`). That worker is killed: its three requests move to the other two
-    workers, at the ends of their lines. Then both of those are killed. The queued request has
-    been on two workers that died under it without a token (as a query of death would have)
-    but the engines had not begun it: it is not quarantined, nor is any other request, and
-    every one is served once the hang is lifted, by the workers the keepers restarted."""
+    first token; a third request joins the line of one of them, behind a full prefill batch as
+    the router counts it (`max_prefill_batch: 2`; the sim itself prefills all its slots at
+    once, so this exercises the router's rule, not an engine's batch). That worker is killed:
+    its three requests move to the other two workers, at the ends of their lines. Then both of
+    those are killed. The third request has been on two workers that died under it without a
+    token, as a query of death would have, but behind others both times: its first loss is
+    excused and only the second counts (1 of 2), so it is not quarantined, nor is any other
+    request, and every one is served once the hang is lifted, by the workers the keepers
+    restarted. (Without the rule it is quarantined, as are the two moved with it.)"""
     etcd, client, router_port, quarantined_before = await hang_ready(mesh)
     names = [w.name for w in mesh.workers()]
     try:

@@ -114,9 +114,10 @@ def test_a_worker_lost_taking_the_request_on_implicates_the_request(error):
     assert decide(unconfirmed, Budget()).implication is Implication.NONE
     confirmed = dataclasses.replace(failure(error, sent=4, this_attempt=0, accepted=True), confirm_asked=True)
     assert decide(confirmed, Budget()).implication is Implication.TAKEN_ON
-    # Waiting behind a full prefill batch: the engine had not begun it.
-    queued = dataclasses.replace(failure(error, sent=4, this_attempt=0, accepted=True), queued=True)
-    assert decide(queued, Budget()).implication is Implication.NONE
+    # Waiting behind a full prefill batch: implicated, and marked so for the quarantine's excuse.
+    queued = decide(dataclasses.replace(failure(error, sent=4, this_attempt=0, accepted=True), queued=True), Budget())
+    assert queued.implication is Implication.TAKEN_ON and queued.queued
+    assert not decide(failure(error, sent=4, this_attempt=0, accepted=True), Budget()).queued
 
 
 def test_a_stalled_worker_counts_against_its_breaker_but_stays_reachable():

@@ -367,11 +367,11 @@ async def test_every_attempt_after_a_failed_one_asks_its_worker_to_confirm(model
     assert asked == [False, True, True]
 
 
-async def test_a_worker_lost_with_a_queue_implicates_the_head_of_its_line_only(model_info):
+async def test_a_worker_lost_with_a_queue_counts_against_the_head_of_its_line_only(model_info):
     """One worker holds two requests waiting for their first token when it dies, with room for
     one in its prefill (`max_prefill_batch: 1`). The request at the head may have killed it and
-    has a worker lost against it; the one queued behind has none, though the head gave its slot
-    up before the second handled the loss. Both are served on the next worker."""
+    has the loss counted; the one behind it is marked queued, and its loss excused. Both are
+    served on the next worker."""
     lost = asyncio.Event()
     workers = FakeWorkers([DieWhen(lost), DieWhen(lost)], model_info)
     watcher = membership("w1", "w2")
@@ -383,12 +383,12 @@ async def test_a_worker_lost_with_a_queue_implicates_the_head_of_its_line_only(m
     async def served(run: RequestRun) -> list[int]:
         return streamed([event async for event in shared.run(run)])
 
-    counted: list[str] = []
+    counted: list[tuple[str, bool]] = []
     worker_lost = shared.quarantine.worker_lost
 
-    def recording(request, reason, worker_id, taken_on=True, incarnation=""):
-        counted.append(request.request_id)
-        return worker_lost(request, reason, worker_id, taken_on, incarnation)
+    def recording(request, reason, worker_id, taken_on=True, incarnation="", queued=False):
+        counted.append((request.request_id, queued))
+        return worker_lost(request, reason, worker_id, taken_on, incarnation, queued)
 
     shared.quarantine.worker_lost = recording
     head = asyncio.create_task(served(head_run))
@@ -402,4 +402,5 @@ async def test_a_worker_lost_with_a_queue_implicates_the_head_of_its_line_only(m
     whole = [token_at(i) for i in range(MAX_TOKENS)]
     assert await head == whole and await queued == whole
     assert [call.address for call in workers.calls] == ["w1:50051", "w1:50051", "w2:50051", "w2:50051"]
-    assert counted == ["head"]
+    # Both lost with the worker before a token; the second stood behind the head.
+    assert counted == [("head", False), ("queued", True)]

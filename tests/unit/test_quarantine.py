@@ -166,14 +166,42 @@ def test_a_worker_lost_counts_against_a_request_only_when_it_died_before_a_token
     assert implication(lost, tokens, accepted, confirm_asked) is counts
 
 
-@pytest.mark.parametrize("accepted, confirm_asked", [(True, False), (False, False), (True, True)])
-def test_a_request_queued_behind_a_full_prefill_batch_is_not_implicated(accepted, confirm_asked):
-    assert implication(True, 0, accepted, confirm_asked, queued=True) is Implication.NONE
-
-
 def test_a_request_is_queued_from_max_prefill_batch_requests_ahead_of_it():
     quarantine = RouterQuarantine(QuarantineConfig(max_prefill_batch=3))
     assert [quarantine.queued(ahead) for ahead in range(5)] == [False, False, False, True, True]
+
+
+def test_a_loss_while_queued_is_excused_once_per_fingerprint_in_the_window():
+    """Two faults in a row on a request that waited in both lines quarantine nothing: the first
+    queued loss is excused, the second counts (1 of 2). A query of death that stood far back in
+    every line still is quarantined, one worker later than at the head."""
+    clock = Clock(1000.0)
+    quarantine = RouterQuarantine(QuarantineConfig(ttl_s=600), clock=clock, monotonic=clock)
+    queued = request("queued", messages=(("user", "where is it?"),))
+    quarantine.worker_lost(queued, "worker_lost", "w1", queued=True)
+    quarantine.worker_lost(queued, "stalled", "w2", queued=True)
+    quarantine.check(queued)
+    poison = request("poison")
+    quarantine.worker_lost(poison, "worker_lost", "w1", queued=True)
+    quarantine.worker_lost(poison, "worker_lost", "w2", queued=True)
+    with pytest.raises(Quarantined) as refused:
+        quarantine.worker_lost(poison, "worker_lost", "w3", queued=True)
+    # Counted: the two losses after the excused one.
+    assert "cost 2 workers" in refused.value.message
+
+
+def test_the_excuse_comes_back_after_the_window_or_once_the_request_streamed():
+    clock = Clock(0.0)
+    tally = LossTally(window_s=600, max_entries=2, clock=clock)
+    assert tally.excuse("fp") and not tally.excuse("fp")
+    clock.now = 601.0
+    assert tally.excuse("fp")
+    assert tally.has_lost_workers("fp")  # its next attempts ask for a confirm, its first token forgives
+    tally.forget("fp")  # forgiven: it streamed after a loss
+    assert not tally.has_lost_workers("fp")
+    assert tally.excuse("fp")
+    assert tally.excuse("a") and tally.excuse("b")  # bounded: "fp" is forgotten first
+    assert tally.excuse("fp")
 
 
 def test_the_tally_forgets_losses_older_than_its_window_and_is_bounded():

@@ -1,8 +1,7 @@
 """Where a request stood in a lost worker's line (services.router.scheduling.waiting_line):
-by tier, then by dispatch; only requests without their first token count; the line is taken
-at the first loss handled, so the requests that gave their slots up before the others read
-theirs still count; a request dispatched during the loss extends the line, one after it
-ends finds a new line."""
+behind requests sent before it of its tier or a more urgent one (a resumed stream a tier
+ahead), counting only those without their first token; requests lost with the worker before
+it read its place still stand ahead of it, until the worker relays a token again; bounded."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ class Request:
     dispatched_at: float | None
     tier: Tier = Tier.A
     first_token_at: float | None = None
+    tokens_generated: int = 0
 
 
 class Worker:
@@ -33,17 +33,34 @@ class Worker:
         return list(self.running)
 
 
-def test_the_line_runs_by_tier_then_dispatch_and_counts_only_requests_without_a_token():
+class Clock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_request_stands_behind_those_sent_before_it_of_its_tier_or_a_more_urgent_one():
     a1, a2, a3 = Request("a1", 1.0), Request("a2", 2.0), Request("a3", 3.0)
     streaming = Request("streaming", 0.5, first_token_at=0.7)
-    urgent = Request("s", 2.5, Tier.S)
+    urgent_early = Request("s-early", 1.5, Tier.S)
+    urgent_late = Request("s-late", 2.5, Tier.S)  # came after a1 and a2: it displaces neither
     low = Request("b", 0.1, Tier.B)
-    worker = Worker(a1, a2, a3, streaming, urgent, low)
-    lines = LostLines()
-    places = {r.name: lines.waiting_ahead("w1", r, worker.on_it) for r in worker.on_it()}
-    # S before every A, A by dispatch, B last; the streaming request is ahead of no one.
-    assert places == {"s": 0, "a1": 1, "a2": 2, "a3": 3, "b": 4, "streaming": 0}
-    assert len(lines) == 0  # every request read its place: the line is dropped
+    resumed = Request("resumed-b", 2.2, Tier.B, tokens_generated=4)  # scheduled as A
+    worker = Worker(a1, a2, a3, streaming, urgent_early, urgent_late, low, resumed)
+    lines = LostLines(Clock())
+    places = {r.name: lines.waiting_ahead("w1", r, worker.on_it, None) for r in worker.on_it()}
+    assert places == {
+        "s-early": 0,
+        "s-late": 1,
+        "a1": 0,
+        "a2": 2,  # a1, s-early
+        "a3": 5,  # a1, a2, s-early, s-late, resumed-b
+        "b": 0,
+        "resumed-b": 3,  # a1, a2, s-early
+        "streaming": 0,  # had its first token: ahead of no one, and nothing counts against it
+    }
 
 
 def test_requests_that_left_the_worker_first_still_stand_ahead_in_the_line():
@@ -51,56 +68,47 @@ def test_requests_that_left_the_worker_first_still_stand_ahead_in_the_line():
     would shorten under the last of them and put it at the head."""
     head, second, last = Request("head", 1.0), Request("second", 2.0), Request("last", 3.0)
     worker = Worker(head, second, last)
-    lines = LostLines()
-    assert lines.waiting_ahead("w1", head, worker.on_it) == 0
+    lines = LostLines(Clock())
+    assert lines.waiting_ahead("w1", head, worker.on_it, 0.5) == 0
     worker.leave(head)
-    assert lines.waiting_ahead("w1", second, worker.on_it) == 1
+    assert lines.waiting_ahead("w1", second, worker.on_it, 0.5) == 1
     worker.leave(second)
-    assert lines.waiting_ahead("w1", last, worker.on_it) == 2
-    assert len(lines) == 0
+    assert lines.waiting_ahead("w1", last, worker.on_it, 0.5) == 2
 
 
-def test_a_request_dispatched_while_the_loss_goes_on_joins_the_end_of_the_line():
-    early, waiting = Request("early", 1.0), Request("waiting", 2.0)
-    worker = Worker(early, waiting)
-    lines = LostLines()
-    assert lines.waiting_ahead("w1", early, worker.on_it) == 0
-    worker.leave(early)
-    # A stalled worker's requests notice one by one; one sent to it meanwhile stands behind.
-    late = Request("late", 3.0)
-    worker.running.append(late)
-    assert lines.waiting_ahead("w1", late, worker.on_it) == 2
-    assert lines.waiting_ahead("w1", waiting, worker.on_it) == 1
-
-
-def test_after_the_loss_ends_a_new_loss_of_the_same_worker_takes_a_new_line():
+def test_once_the_worker_streams_again_the_requests_lost_before_stand_in_no_line():
     """A stalled worker that came back served its line; a request that strikes it later is
-    placed in the line of that later moment, not behind requests long served."""
-    first, second = Request("first", 1.0), Request("second", 2.0)
-    worker = Worker(first, second)
-    lines = LostLines()
-    assert lines.waiting_ahead("w1", first, worker.on_it) == 0
+    placed in the line of that later moment, not behind requests lost in the stall."""
+    clock = Clock(100.0)
+    first, second, third = Request("first", 1.0), Request("second", 2.0), Request("third", 3.0)
+    worker = Worker(first, second, third)
+    lines = LostLines(clock)
+    assert lines.waiting_ahead("w1", first, worker.on_it, 50.0) == 0
     worker.leave(first)
-    second.first_token_at = 2.5  # the worker streams again: `second` never reads its place
+    second.first_token_at = 110.0  # the worker streams again; `second` is served
     poison = Request("poison", 4.0)
     worker.running.append(poison)
-    assert lines.waiting_ahead("w1", poison, worker.on_it) == 0
+    clock.now = 120.0
+    # Only `third` still waits ahead of it: `first` was lost before the worker's last token.
+    assert lines.waiting_ahead("w1", poison, worker.on_it, 110.0) == 1
 
 
 def test_a_request_sent_again_to_the_same_worker_is_placed_by_its_new_dispatch():
     ahead, request = Request("ahead", 1.0), Request("request", 2.0)
     worker = Worker(ahead, request)
-    lines = LostLines()
-    lines.waiting_ahead("w1", ahead, worker.on_it)
-    request.dispatched_at = 0.5  # its old dispatch ended; this one came before `ahead`'s
-    assert lines.waiting_ahead("w1", request, worker.on_it) == 0
+    lines = LostLines(Clock())
+    assert lines.waiting_ahead("w1", request, worker.on_it, None) == 1
+    request.dispatched_at = 0.5  # sent again, before `ahead` was
+    assert lines.waiting_ahead("w1", request, worker.on_it, None) == 0
 
 
 def test_lines_are_kept_per_worker_and_bounded():
-    lines = LostLines(max_lines=2)
+    lines = LostLines(Clock(), max_lines=2, max_lost=3)
     for index in range(4):
-        unread = Request(f"unread-{index}", 1.0)
-        reader = Request(f"reader-{index}", 2.0)
-        worker = Worker(unread, reader)
-        assert lines.waiting_ahead(f"w{index}", reader, worker.on_it) == 1
+        worker = Worker(*(Request(f"r{index}-{i}", float(i)) for i in range(5)))
+        for request in worker.on_it():
+            lines.waiting_ahead(f"w{index}", request, lambda: [], None)
     assert len(lines) == 2
+    # Only the latest three lost on w3 are remembered.
+    late = Request("late", 10.0)
+    assert lines.waiting_ahead("w3", late, lambda: [], None) == 3

@@ -115,7 +115,7 @@ class AttemptFailure:
     # that already cost a worker).
     confirm_asked: bool = False
     # The worker was lost while this attempt waited in its line behind a full prefill batch
-    # (see RouterQuarantine.queued): the engine had not begun it.
+    # (see RouterQuarantine.queued): the engine had most likely not begun it.
     queued: bool = False
 
 
@@ -132,6 +132,9 @@ class FailoverDecision:
     mark_unreachable: bool = False
     # Whether the loss counts against the request (quarantine), and how sure it is.
     implication: Implication = Implication.NONE
+    # The request waited behind a full prefill batch (AttemptFailure.queued): the quarantine
+    # may excuse the loss.
+    queued: bool = False
     # The attempt is a fault of the worker's model version (rollout judgement).
     rollout_fault: bool = False
     # For FAIL: what the client gets.
@@ -154,6 +157,10 @@ class WorkerProgress:
         self._max = max_workers
         self._clock = clock
         self._lease_quiet_s = lease_quiet_s
+
+    def last_token_at(self, worker_id: str) -> float | None:
+        """When `worker_id` last relayed a token to this router (monotonic; None: not seen)."""
+        return self._last.get(worker_id)
 
     def streamed(self, worker_id: str) -> None:
         """A token message came from `worker_id` (called per message: kept to a dict write)."""
@@ -248,8 +255,8 @@ def decide(failure: AttemptFailure, ask_budget: BudgetAsk) -> FailoverDecision:
             failure.tokens_this_attempt,
             failure.accepted,
             failure.confirm_asked,
-            failure.queued,
         ),
+        queued=failure.queued,
         rollout_fault=outcome is Outcome.FAULT,
     )
     refused = _refusal(failure)

@@ -7,11 +7,17 @@ services.router.resilience.failover.worker_died), before this attempt relayed a 
 where a query of death strikes (a schema that blows up the grammar compiler, a prompt that
 crashes prefill or runs the engine out of memory). A worker killed while it streams answers is
 the worker's fault, not each of its streams': those resume as before and are never quarantined.
-Nor is a request that waited in the worker's line behind a full prefill batch
-(`max_prefill_batch` of this router's requests, of its tier or a more urgent one, ahead of it
-without their first token; see services.router.scheduling.waiting_line): the engine had not
-begun it, so a worker killed or stalled with a long queue (an overload, two faults close
-together) implicates only the requests at the head of its line.
+
+A worker killed or stalled with a long queue (an overload, two faults close together) would
+implicate every request in its line, yet an engine prefills a few at a time, so those far
+back had most likely not been begun. A loss of a request that waited behind a full prefill
+batch (`max_prefill_batch` of this router's requests ahead of it, sent there before it, of
+its tier or a more urgent one, none with a first token; see
+services.router.scheduling.waiting_line) is excused: not counted. Once per fingerprint in the
+tally's window: the router cannot see the engine's batch, and a query of death that happened
+to stand far back in two lines must not go free, so it costs at most one worker more than
+`max_workers_lost`. A request that waited through two faults in a row is then no longer
+quarantined for it, unless it is lost a third time without a token in between.
 
 A loss is *taken on* when the router had read the worker's accepted event (the worker took the
 call, then died), *unconfirmed* when it had not: the worker may have died before the request
@@ -81,10 +87,11 @@ class QuarantineConfig(Section):
         ge=1,
         le=4096,
         description="Requests an engine prefills at once, at the most. A worker lost while at least "
-        "this many of this router's requests (of the same tier or a more urgent one) waited ahead of "
-        "a request for their first token does not count against that request: it was queued behind "
-        "the prefill, not in it. Raise it for engines that prefill many short prompts in one step; "
-        "a query of death counted as queued costs one more worker before its quarantine.",
+        "this many of this router's requests waited ahead of a request for their first token (sent "
+        "there before it, of its tier or a more urgent one) is excused to that request once per "
+        "ttl_s: it was most likely queued behind the prefill, not in it. Raise it for engines that "
+        "prefill many short prompts in one step; a query of death taken for queued costs one more "
+        "worker before its quarantine.",
     )
     ttl_s: float = Field(
         600.0,
@@ -108,17 +115,13 @@ class Implication(enum.Enum):
     UNCONFIRMED = "unconfirmed"
 
 
-def implication(
-    lost: bool, tokens_this_attempt: int, accepted: bool, confirm_asked: bool = False, queued: bool = False
-) -> Implication:
+def implication(lost: bool, tokens_this_attempt: int, accepted: bool, confirm_asked: bool = False) -> Implication:
     """Whether a failed attempt counts against its request: the worker died, stalled or lost
     its lease before relaying any token of this attempt (taken on or unconfirmed). An attempt
     that asked its worker to confirm (`confirm_asked`) and was lost before its accepted event
     was read never reached the engine: the worker died of something else (several workers
-    lost at once, one already dead when the request was sent), so it counts for nothing. Nor
-    does one that waited behind a full prefill batch (`queued`, see `RouterQuarantine.queued`):
-    the engine had not begun it."""
-    if not lost or tokens_this_attempt > 0 or queued:
+    lost at once, one already dead when the request was sent), so it counts for nothing."""
+    if not lost or tokens_this_attempt > 0:
         return Implication.NONE
     if accepted:
         return Implication.TAKEN_ON
@@ -155,6 +158,8 @@ class LossTally:
         # order is staleness order. A fingerprint is quarantined (and forgotten here) at
         # QuarantineConfig.max_workers_lost (at most 10), so each holds few workers.
         self._losses: dict[str, tuple[dict[tuple[str, str], bool], float]] = {}
+        # fingerprint -> when a loss of it was last excused as queued (see `excuse`).
+        self._excused: dict[str, float] = {}
 
     def add(self, fp: str, worker: str, taken_on: bool = True, incarnation: str = "") -> Losses:
         """Counts `worker` (in `incarnation`) lost to `fp`, once however many copies of `fp`
@@ -171,16 +176,35 @@ class LossTally:
         confirmed = sum(workers.values())
         return Losses(taken_on=confirmed, unconfirmed=len(workers) - confirmed)
 
+    def excuse(self, fp: str) -> bool:
+        """Whether a loss of `fp` that waited behind a full prefill batch may go uncounted:
+        once per fingerprint within the window (the excuse is remembered as losses are)."""
+        now = self._clock()
+        last = self._excused.pop(fp, None)
+        if last is not None and now - last <= self.window_s:
+            self._excused[fp] = last
+            return False
+        self._excused[fp] = now
+        while len(self._excused) > self.max_entries:
+            del self._excused[next(iter(self._excused))]
+        return True
+
     def has_lost_workers(self, fp: str) -> bool:
-        """Whether `fp` cost a worker within the window."""
+        """Whether `fp` cost a worker within the window (a loss excused as queued included)."""
+        now = self._clock()
         held = self._losses.get(fp)
-        return held is not None and self._clock() - held[1] <= self.window_s
+        if held is not None and now - held[1] <= self.window_s:
+            return True
+        excused = self._excused.get(fp)
+        return excused is not None and now - excused <= self.window_s
 
     def forget(self, fp: str) -> None:
         self._losses.pop(fp, None)
+        self._excused.pop(fp, None)
 
     def __len__(self) -> int:
-        return len(self._losses)
+        """Fingerprints with a loss or an excuse held (0: none to look up)."""
+        return len(self._losses) + len(self._excused)
 
 
 class RouterQuarantine:
@@ -234,8 +258,8 @@ class RouterQuarantine:
 
     def queued(self, waiting_ahead: int) -> bool:
         """Whether a request with `waiting_ahead` requests ahead of it on a lost worker, all
-        without their first token (see scheduling.waiting_line), was queued behind the
-        engine's prefill rather than in it: the loss does not count against it."""
+        without their first token (see scheduling.waiting_line), most likely waited behind
+        the engine's prefill rather than in it (`worker_lost` may excuse the loss)."""
         return waiting_ahead >= self.config.max_prefill_batch
 
     def wants_confirmation(self, request: Any, follows_failure: bool = False) -> bool:
@@ -267,13 +291,32 @@ class RouterQuarantine:
             )
 
     def worker_lost(
-        self, request: Any, reason: str, worker_id: str, taken_on: bool = True, incarnation: str = ""
+        self,
+        request: Any,
+        reason: str,
+        worker_id: str,
+        taken_on: bool = True,
+        incarnation: str = "",
+        queued: bool = False,
     ) -> None:
         """Counts a worker (`worker_id` in its `incarnation`, see `incarnation_of`) lost to
-        `request` (see `implication`); raises Quarantined when that was one too many."""
+        `request` (see `implication`), unless the request waited behind a full prefill batch
+        (`queued`) and its fingerprint has not had that excuse in the window; raises
+        Quarantined when that was one too many."""
         if not self.config.enabled:
             return
         fp = request_fingerprint(request)
+        if queued and self.tally.excuse(fp):
+            log.info(
+                "request %s (fingerprint %s) lost worker %s (%s) while queued behind a full prefill "
+                "batch: not counted (its one such excuse in %.0fs)",
+                request.request_id,
+                fp[:16],
+                worker_id,
+                reason,
+                self.config.ttl_s,
+            )
+            return
         losses = self.tally.add(fp, worker_id, taken_on, incarnation)
         lost = losses.total
         if lost < self.config.max_workers_lost or losses.taken_on == 0:

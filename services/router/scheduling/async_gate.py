@@ -54,13 +54,16 @@ class Grant:
         """Call when the worker sends its first token (measures dispatch-to-first-token)."""
         self._gate.scheduler.on_first_token(self.ticket)
 
-    def waiting_ahead_at_loss(self) -> int:
+    def waiting_ahead_at_loss(self, last_token_at: float | None) -> int:
         """How many requests waited for their first token ahead of this one on its worker
         when the worker was lost (see waiting_line): call it when the attempt ended with the
-        worker's loss, before the slot is given up."""
+        worker's loss, before the slot is given up; `last_token_at`: when the worker last
+        relayed a token to anyone (monotonic; None: never)."""
         worker = self.worker_id
         scheduler = self._gate.scheduler
-        return self._gate.lost_lines.waiting_ahead(worker, self.ticket, lambda: scheduler.running_on(worker))
+        return self._gate.lost_lines.waiting_ahead(
+            worker, self.ticket, lambda: scheduler.running_on(worker), last_token_at
+        )
 
     def add_tokens(self, token_ids: list[int]) -> None:
         """Remembers tokens sent to the client, so a preempted stream can resume from them."""
