@@ -65,7 +65,7 @@ from services.router.rollout.mirror import Answer, MirrorHandle
 from services.router.rollout.split import Role, Route
 from services.router.scheduling.async_gate import Grant
 from services.router.structured.repair import repair
-from services.router.relay_link import RelayCall
+from services.router.relay_link import RelayCall, engine_moved_at
 from services.router.worker_call import WorkerCall
 from services.router.worker_clients import WorkerChannels
 
@@ -275,17 +275,21 @@ class GenerationRunner:
                     self.affinity.served(request.tenant, request.session_id, worker.id)
                     return
                 except DECIDED_ERRORS as error:
-                    silent = self.progress.silent(worker.id, error)
+                    silent = self.progress.silent(worker.id, error, engine_moved_at(control.last_call))
                     died = worker_died(error, silent)
+                    tokens_this_attempt = len(state.sent_ids) - sent_before
                     # Read before any await: the requests lost with the worker give their
-                    # slots up one at a time as they handle the loss.
-                    waiting_ahead = grant.waiting_ahead_at_loss(self.progress.last_token_at(worker.id)) if died else 0
+                    # slots up one at a time as they handle the loss. Only a request lost
+                    # before its first token can be implicated (and so excused).
+                    waiting_ahead = 0
+                    if died and tokens_this_attempt == 0:
+                        waiting_ahead = grant.waiting_ahead_at_loss(self.progress.last_token_at(worker.id))
                     decision = decide(
                         AttemptFailure(
                             error,
                             worker.id,
                             tokens_sent=len(state.sent_ids),
-                            tokens_this_attempt=len(state.sent_ids) - sent_before,
+                            tokens_this_attempt=tokens_this_attempt,
                             accepted=died and await was_accepted(control.last_call),
                             deadline_passed=time.monotonic() >= run.deadline,
                             worker_silent=silent,

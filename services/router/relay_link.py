@@ -14,7 +14,10 @@ the same way:
   started with `confirm_accepted` answers the worker's accepted event with a confirm, and the
   worker lets its engine see the request only then, so a worker that dies taking it on cannot
   take the accepted event down with it unread;
-- past its deadline the call ends with DEADLINE_EXCEEDED, whatever the worker does.
+- past its deadline the call ends with DEADLINE_EXCEEDED, whatever the worker does;
+- `engine_moved_at` says when the worker last reported that its engine computed steps while
+  none of this router's requests got a token (services.worker.relay_progress): a first token's
+  stall on a busy engine is then not held against the request.
 
 Writes are batched the same way the worker batches its events: actions posted while a write
 is in flight leave together in the next message.
@@ -151,6 +154,12 @@ class RelayCall:
     def done(self) -> bool:
         return self._end is not None
 
+    @property
+    def engine_moved_at(self) -> float | None:
+        """When (time.monotonic()) the worker last reported its engine moving without a
+        token for this router; None: never on this link."""
+        return self._link.engine_moved_at
+
     async def initial_metadata(self) -> grpc.aio.Metadata:
         return grpc.aio.Metadata(*ACCEPTED_METADATA) if self._accepted else _NO_METADATA
 
@@ -192,6 +201,8 @@ class RelayLink:
         self._outbox: list[worker_pb2.RelayAction] = []
         self._ready = asyncio.Event()
         self._broken: grpc.aio.AioRpcError | None = None
+        # When the worker last reported its engine's steps (RelayEvents.engine).
+        self.engine_moved_at: float | None = None
         self._stream = stub.Relay()
         self._writer = asyncio.create_task(self._write(), name=f"relay-write {address}")
         self._reader = asyncio.create_task(self._read(), name=f"relay-read {address}")
@@ -281,6 +292,8 @@ class RelayLink:
                     call = calls.get(event.stream_id)
                     if call is not None:
                         call.deliver(event)
+                if message.HasField("engine"):
+                    self.engine_moved_at = time.monotonic()
             error = _status(grpc.StatusCode.UNAVAILABLE, f"relay to {self.address} ended")
         except asyncio.CancelledError:
             raise
@@ -310,3 +323,8 @@ class RelayLink:
             call.fail(self._broken)
         self._calls.clear()
         self._on_closed(self)
+
+
+def engine_moved_at(call: object) -> float | None:
+    """`RelayCall.engine_moved_at` of a Relay call; None for a Generate call (or none)."""
+    return call.engine_moved_at if isinstance(call, RelayCall) else None

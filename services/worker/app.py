@@ -218,6 +218,7 @@ async def create_server(
         config.worker.pool,
         FaultInjector(config.worker.fault_file),
         b_tier_flush_s=config.worker.b_tier_flush_ms / 1000,
+        engine_progress_s=config.worker.engine_progress_ms / 1000,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])

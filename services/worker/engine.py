@@ -5,7 +5,8 @@ and tested by one conformance suite. Everything here is plain Python, no protobu
 
 Beside `Engine`, what only some engines can do is declared here too, one small protocol per
 capability: `KvAttachable` (session KV metrics and persistence), `ChunkedPrefill` (prefill in
-chunks of a known size) and `Wakeable` (a sleeping warm standby woken on promotion). An engine
+chunks of a known size), `Wakeable` (a sleeping warm standby woken on promotion) and
+`Stepping` (counts its steps, so the worker can say it is busy, not wedged). An engine
 class names the ones it implements among its bases, and the worker asks with `isinstance`,
 never by probing for attributes.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "KvAttachable",
     "ModelDescription",
     "Sampling",
+    "Stepping",
     "TokenDelta",
     "Wakeable",
 ]
@@ -143,5 +145,16 @@ class Wakeable(Protocol):
     async def wake_up(self) -> None: ...
 
 
+@runtime_checkable
+class Stepping(Protocol):
+    """Counts the steps it has computed: each prefill chunk and each decode step (of a batch
+    or of one sequence). The count moves while a long or queued prefill produces no token and
+    stops when the engine hangs, so the worker can tell a router waiting for a first token that
+    the engine is busy, not wedged (services.worker.relay)."""
+
+    @property
+    def steps(self) -> int: ...
+
+
 # Every optional capability, for the check that each engine class declares what it implements.
-CAPABILITIES: tuple[type, ...] = (KvAttachable, ChunkedPrefill, Wakeable)
+CAPABILITIES: tuple[type, ...] = (KvAttachable, ChunkedPrefill, Wakeable, Stepping)

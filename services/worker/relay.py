@@ -19,6 +19,10 @@ for it (`confirm_accepted`) waits, after its accepted event, for the router's `c
 worker that dies at once can take an accepted event the router had not read yet down with its
 connection, and the router asks for the confirmation when it must know (a request that already
 cost a worker).
+
+While the router's requests wait on a busy engine without a token, the stream carries the
+engine's step count (services.worker.relay_progress), so a slow first token is not taken for a
+wedged worker.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from services.common import tracing
 from services.common.errors import BallastError, DeadlineExceeded, Fault
 from services.common.faults import RETRY_AFTER_KEY, status_trailers
 from services.common.grpc_tracing import SERVER_ERROR_CODES
+from services.worker.engine import Stepping
+from services.worker.relay_progress import ProgressReporter
 
 if TYPE_CHECKING:
     from services.worker.servicer import WorkerServicer
@@ -158,6 +164,10 @@ class Outbox:
         self._flushed: list[asyncio.Future[None]] = []
         self._ready = asyncio.Event()
         self._stopping = False
+        # Token events posted (the engine-progress report leaves the stream alone while they come).
+        self.tokens_posted = 0
+        # The engine's step count to report with the next message (services.worker.relay_progress).
+        self._progress: int | None = None
 
     def post(self, event: worker_pb2.RelayEvent) -> None:
         """Sends `event` now, after the request's held tokens (an end follows its tokens)."""
@@ -169,6 +179,7 @@ class Outbox:
 
     def post_tokens(self, stream_id: int, tokens: common_pb2.Tokens, hold_s: float) -> None:
         """Sends `tokens` within `hold_s` (0: now), merged with the request's held tokens."""
+        self.tokens_posted += 1
         held = self._held.get(stream_id)
         if held is not None:
             held.event.tokens.token_ids.extend(tokens.token_ids)
@@ -183,6 +194,11 @@ class Outbox:
         self._held[stream_id] = _Held(event, due, hold_s)
         if due < self._timer_at:
             self._wake_at(due)
+
+    def post_progress(self, steps: int) -> None:
+        """Sends the engine's step count now, with whatever else is due."""
+        self._progress = steps
+        self._ready.set()
 
     async def post_and_flush(self, event: worker_pb2.RelayEvent) -> None:
         """Posts `event` and returns once it is written (raises CancelledError when the stream ends first)."""
@@ -225,10 +241,14 @@ class Outbox:
                     for held in self._held.values():
                         held.ripe = -math.inf
                 events = self._take()
-                if events:
+                progress, self._progress = self._progress, None
+                if events or progress is not None:
                     flushed, self._flushed = self._flushed, []
+                    message = worker_pb2.RelayEvents(events=events)
+                    if progress is not None:
+                        message.engine.steps = progress
                     # Resumes once gRPC took the message (as an awaited write would).
-                    yield worker_pb2.RelayEvents(events=events)
+                    yield message
                     self._counts.messages += 1
                     self._counts.events += len(events)
                     for waiter in flushed:
@@ -266,6 +286,7 @@ class RelayStream:
         reader = asyncio.create_task(self._read(actions))
         self._reader = reader
         reader.add_done_callback(lambda _reader: self._wind_down_soon())
+        progress = self._report_progress()
         try:
             async for message in self._outbox.messages():
                 yield message
@@ -273,8 +294,19 @@ class RelayStream:
                 raise reader.exception()  # type: ignore[misc]
         finally:
             reader.cancel()
+            if progress is not None:
+                progress.cancel()
             # The router went away: nobody is left to read these answers.
             await self._stop_requests()
+
+    def _report_progress(self) -> asyncio.Task[None] | None:
+        """The task telling the router the engine moved while its requests got no token
+        (services.worker.relay_progress); None for an engine that does not count its steps."""
+        engine, interval_s = self._servicer.engine, self._servicer.engine_progress_s
+        if not isinstance(engine, Stepping) or interval_s <= 0:
+            return None
+        reporter = ProgressReporter(engine, self._outbox, lambda: bool(self._tasks))
+        return asyncio.create_task(reporter.run(interval_s), name="relay-engine-progress")
 
     def _wind_down_soon(self) -> None:
         self._winding_down = asyncio.ensure_future(self._wind_down())

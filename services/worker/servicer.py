@@ -134,13 +134,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         pool: str,
         faults: FaultInjector | None = None,
         b_tier_flush_s: float = 0.0,
+        engine_progress_s: float = 0.0,
     ) -> None:
         """`b_tier_flush_s`: after each message of a B-tier stream, the worker waits this long
         (or until the stream ends) and sends what accumulated as one message. A B answer (an
         archive summary) needs no per-token delivery; fewer messages leave the router's CPU to
-        the tiers that do. A request's own flush_interval_ms, when longer, wins."""
+        the tiers that do. A request's own flush_interval_ms, when longer, wins.
+        `engine_progress_s`: how often a Relay stream may report the engine's steps (see
+        services.worker.relay.ProgressReporter; 0: never)."""
         self.engine = engine
         self.b_tier_flush_s = b_tier_flush_s
+        self.engine_progress_s = engine_progress_s
         self.state = state
         self.metrics = metrics
         self.worker_id = worker_id

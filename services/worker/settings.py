@@ -57,6 +57,15 @@ class WorkerConfig(Section):
         le=1000,
         description="B-tier streams: tokens leave in one message per this many ms (0: every token as it comes).",
     )
+    engine_progress_ms: float = Field(
+        500.0,
+        ge=0,
+        le=10_000,
+        description="Relay streams: once per this many ms in which the engine computed steps but none "
+        "of a router's requests got a token (a long or queued prefill), the worker tells that router "
+        "its engine moved, so a first token's stall on a busy engine is not held against the request "
+        "(0: never). Keep it well under the routers' shortest stall timeout.",
+    )
     max_concurrency: int = Field(8, ge=1, description="Sequences generated at once (capacity).")
     max_queue: int = Field(16, ge=0, description="Requests allowed to wait for a slot.")
     temperature_file: str = Field("", description="File holding a GPU temperature in C, read instead of NVML (tests).")

@@ -176,6 +176,44 @@ async def test_a_start_that_asks_for_it_waits_for_the_confirm_before_the_engine_
     assert "error" not in streams.kinds[1] + streams.kinds[2] and 9 not in streams.kinds
 
 
+async def test_a_stream_whose_request_waits_hears_that_the_engine_moved(worker_stub, worker_app):
+    """One router's request waits (here for its confirm) while another router's requests keep
+    the engine stepping: the waiting router gets no token, so its stream carries the engine's
+    step count instead, which grows."""
+    waiting = worker_stub.Relay()
+    await waiting.write(_start(1, _request(worker_app, 8), confirm=True))
+    other = worker_stub.Relay()
+    other_messages: list[worker_pb2.RelayEvents] = []
+
+    async def keep_the_engine_busy() -> None:
+        for stream_id in range(1, 1000):
+            await other.write(_start(stream_id, _request(worker_app, 64)))
+            while True:
+                message = await other.read()
+                assert message is not grpc.aio.EOF
+                other_messages.append(message)
+                if any(e.stream_id == stream_id and e.WhichOneof("event") == "finished" for e in message.events):
+                    break
+
+    busy = asyncio.create_task(keep_the_engine_busy())
+    reports: list[int] = []
+    try:
+        async with asyncio.timeout(60):
+            while len(reports) < 2:
+                message = await waiting.read()
+                assert message is not grpc.aio.EOF
+                assert all(e.WhichOneof("event") == "accepted" for e in message.events)
+                if message.HasField("engine"):
+                    reports.append(message.engine.steps)
+    finally:
+        busy.cancel()
+        await asyncio.gather(busy, return_exceptions=True)
+        waiting.cancel()
+        other.cancel()
+    assert 0 < reports[0] < reports[1]
+    assert any(e.HasField("tokens") for m in other_messages for e in m.events)
+
+
 async def test_a_bad_start_fails_that_request_alone_with_its_status(worker_stub, worker_app):
     call = worker_stub.Relay()
     bad = worker_pb2.WorkerGenerateRequest(request_id="bad", sampling=common_pb2.SamplingParams(max_tokens=4))

@@ -119,6 +119,31 @@ async def test_a_hung_engine_produces_nothing_until_cleared(tiny_model_dir):
     assert len(got) == 10
 
 
+async def test_steps_count_prefill_chunks_and_decode_steps_and_stand_still_while_hung(tiny_model_dir):
+    """The count a worker reports as its engine's progress: a prompt of three chunks is three
+    steps, each token after the first one more; a hung engine's count does not move."""
+    import asyncio
+    from dataclasses import replace
+
+    from services.worker.sim import SimFaults
+
+    engine = SimEngine(tiny_model_dir, "steps", replace(FAST, prefill_chunk_tokens=2))
+    await engine.start()
+    assert engine.steps == 0
+    [d async for d in engine.generate(_request(5))]  # 3 prompt tokens: chunks of 2 and 1
+    assert engine.steps == 2 + 4
+    engine.set_faults(SimFaults(hang=True))
+    stream = engine.generate(_request(5))
+    first = asyncio.create_task(anext(stream))
+    for _ in range(20):  # many hang polls' worth of the loop
+        await asyncio.sleep(0.02)
+    assert engine.steps == 6 and not first.done()
+    engine.set_faults(SimFaults())
+    await asyncio.wait_for(first, 10)
+    await stream.aclose()
+    assert engine.steps > 6
+
+
 async def test_slowdown_scales_every_wait(tiny_model_dir, monkeypatch):
     import asyncio
 

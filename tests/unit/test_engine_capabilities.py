@@ -10,16 +10,16 @@ import pytest
 
 from services.common.config import TelemetryConfig
 from services.common.telemetry import Telemetry
-from services.worker.engine import CAPABILITIES, ChunkedPrefill, KvAttachable, Wakeable
+from services.worker.engine import CAPABILITIES, ChunkedPrefill, KvAttachable, Stepping, Wakeable
 from services.worker.kv import start_session_kv
 from services.worker.sim.engine import SimEngine
 from services.worker.torch.engine import TorchEngine
 from services.worker.vllm.engine import VllmEngine
 
 EXPECTED = {
-    TorchEngine: {KvAttachable, ChunkedPrefill},
-    VllmEngine: {KvAttachable, Wakeable},
-    SimEngine: set(),
+    TorchEngine: {KvAttachable, ChunkedPrefill, Stepping},
+    VllmEngine: {KvAttachable, Wakeable, Stepping},
+    SimEngine: {Stepping},
 }
 
 

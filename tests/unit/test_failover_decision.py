@@ -227,3 +227,25 @@ def test_worker_progress_tells_a_silent_worker_from_a_busy_one():
     progress.streamed("w3")  # over max_workers: the stalest (w1) is forgotten
     assert progress.silent("w1", StreamStalled(1000.0, 0))
     assert not progress.silent("w3", stalled)
+
+
+def test_an_engine_that_reported_moving_is_not_silent_though_it_relayed_nothing_here():
+    """A worker busy prefilling (a burst it took over, a long prompt) relays no token to this
+    router, but its engine's steps come over the Relay stream: a stall in that window is not a
+    wedged worker. The report counts for its window only, like a token."""
+    clock = FakeClock(100.0)
+    progress = WorkerProgress(clock=clock)
+    stalled = StreamStalled(10.0, 0)
+    assert progress.silent("w1", stalled, engine_moved_at=None)
+    assert not progress.silent("w1", stalled, engine_moved_at=clock() - 3.0)
+    assert progress.silent("w1", stalled, engine_moved_at=clock() - 11.0)  # moved, but before the window
+    progress.streamed("w1")
+    clock.advance(12.0)
+    # The later of the two is what counts: an old report does not hide a recent silence.
+    assert not progress.silent("w1", stalled, engine_moved_at=clock() - 1.0)
+    assert progress.silent("w1", stalled, engine_moved_at=clock() - 20.0)
+    lapsed = WorkerLeaseLost("gone")
+    quiet = WorkerProgress(clock=clock, lease_quiet_s=2.0)
+    assert not quiet.silent("w1", lapsed, engine_moved_at=clock() - 1.0)
+    assert quiet.silent("w1", lapsed, engine_moved_at=clock() - 3.0)
+    assert quiet.silent("w1", CONNECTION_LOST, engine_moved_at=clock())  # a dead connection is dead

@@ -67,3 +67,16 @@ def test_a_profile_fitted_to_an_engines_result():
     assert profile.decode_step_ms(16, 0) == pytest.approx(40.0, rel=0.1)
     assert profile.prefill_base_ms == pytest.approx(30.0 - profile.decode_step_ms(1, 0), abs=0.01)
     assert "abcdef1234" in profile.source and profile.max_num_seqs == 16
+
+
+def test_a_long_prefill_takes_a_step_per_chunk_and_the_same_time_in_all():
+    p = SimProfile(prefill_chunk_tokens=100)
+    assert p.prefill_steps_ms(0) == [p.prefill_ms(0)]
+    assert p.prefill_steps_ms(60) == [p.prefill_ms(60)]
+    steps = p.prefill_steps_ms(250)
+    assert len(steps) == 3 and sum(steps) == pytest.approx(p.prefill_ms(250))
+    assert steps[0] == pytest.approx(p.prefill_base_ms + 100 * p.prefill_ms_per_token)
+    assert steps[2] == pytest.approx(50 * p.prefill_ms_per_token)
+    assert len(p.prefill_steps_ms(200)) == 2
+    with pytest.raises(ValueError):
+        SimProfile(prefill_chunk_tokens=0)

@@ -362,3 +362,26 @@ async def test_prefill_batches_keep_to_the_time_budget_once_the_cost_is_measured
         assert all(n <= 2 for n in batches[1:]) and sum(batches[1:]) == 5
     finally:
         await scheduler.stop()
+
+
+async def test_completed_counts_finished_jobs_and_stands_still_while_the_thread_is_held(scheduler, runner):
+    """The engine's step count (what its worker reports as progress): each batch and call the
+    thread finished, failed ones too; a job still on the thread (a hung forward pass) adds
+    nothing however long it takes."""
+    gate, held = await hold(scheduler)
+    tasks = [asyncio.create_task(scheduler.decode(f"s{i}", i, None)) for i in range(3)]
+    await settle(tasks)
+    assert scheduler.completed == 0
+
+    def boom() -> None:
+        raise KeyError("x")
+
+    failing = asyncio.create_task(scheduler.call(boom))
+    await settle([failing])
+    assert scheduler.completed == 0  # held: nothing finished however many jobs wait
+    gate.release.set()
+    await gather(held, *tasks)
+    with pytest.raises(KeyError):
+        await asyncio.wait_for(failing, WAIT_S)
+    # The gate, the failing call and one batch of the three decode steps.
+    assert scheduler.completed == 3

@@ -128,6 +128,7 @@ class FakeAsyncLLM:
         self.shut_down = False
         self.errored = False
         self.snapshot: SchedulerSnapshot | None = None
+        self.steps = 0
         self.active: set[str] = set()
 
     @classmethod
@@ -229,6 +230,9 @@ class FakeAsyncLLM:
 
     def scheduler_stats(self):
         return self.snapshot
+
+    def engine_steps(self):
+        return self.steps
 
     def kv_capacity_tokens(self):
         return 4096
@@ -603,6 +607,7 @@ def test_opens_the_engine_with_explicit_args_and_a_stats_logger(model_dir):
     )
     snapshot = client.scheduler_stats()
     assert (snapshot.running, snapshot.waiting, snapshot.kv_usage) == (2, 1, 0.25)
+    assert client.engine_steps() == 1
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -899,7 +904,11 @@ def test_scheduler_snapshots_and_engine_stats():
     assert (blind.running, blind.waiting) == (8, 2)
     sink = SchedulerStatsSink()
     sink.record(None)
-    assert sink.latest is None
+    assert sink.latest is None and sink.steps == 0
+    # vLLM hands over every step's stats, a prefill-only step's too: each is a step counted.
+    for _ in range(3):
+        sink.logger_class(object)(None, 0).record(SimpleNamespace(num_running_reqs=1, num_waiting_reqs=4))
+    assert sink.steps == 3 and sink.latest is not None and sink.latest.waiting == 4
 
 
 async def test_engine_stats_report_vllm_kv_use(model_dir, tokenizer):
@@ -908,6 +917,8 @@ async def test_engine_stats_report_vllm_kv_use(model_dir, tokenizer):
     stream = engine.generate(request(PROMPT, max_tokens=20))
     await stream.__anext__()
     fake.snapshot = SchedulerSnapshot(running=1, waiting=0, kv_usage=0.125, at=0.0)
+    fake.steps = 7
+    assert engine.steps == 7  # the client's count of vLLM's steps
     stats = engine.stats()
     assert (stats.running, stats.kv_capacity_tokens, stats.kv_tokens, stats.kv_used) == (1, 4096, 512, 0.125)
     assert stats.extra["kv_cache_usage"] == 0.125 and stats.extra["generated_tokens_total"] >= 1

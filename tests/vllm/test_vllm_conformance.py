@@ -4,7 +4,7 @@ The same `EngineConformance` the torch engine passes, on VllmEngine over vLLM's 
 (vLLM's CPU build here, with the tiny model folder), including exact seeded resumes. Beside
 it: greedy tokens identical to vLLM's own generate for the same request, a resumed guided stream
 handed from vLLM's structured outputs to Ballast's processor, the prefix cache salted per tenant,
-and vLLM's scheduler stats in the engine's stats.
+and vLLM's scheduler stats in the engine's stats and its step count.
 
 Both engines of the suite (EOS on and EOS off) share one AsyncLLM: EOS is a per-request
 setting on vLLM, and one engine start is 30-80 s here.
@@ -190,6 +190,19 @@ class TestVllmEngineConformance(EngineConformance):
         finally:
             for stream in (*running, late_b, s):
                 await stream.aclose()
+
+    async def test_counts_vllm_steps_as_its_worker_reports_them(self, endless):
+        """The steps a worker reports while a router's requests wait: vLLM hands each step's
+        stats to the engine's logger, so the count moves by a step per decoded token at least."""
+        before = endless.steps
+        request = EngineRequest("steps", tuple(endless.tokenize("The customer paid")), (), Sampling(max_tokens=300))
+        stream = endless.generate(request)
+        received = 0
+        while received < 20:
+            received += len((await stream.__anext__()).token_ids)
+        await stream.aclose()
+        # The stats of the last step or two may still be on their way to the logger.
+        assert endless.steps >= before + received - 2, (before, endless.steps, received)
 
     async def test_reports_vllm_kv_use_and_fragmentation(self, endless):
         prompt = tuple(endless.tokenize("The customer paid"))

@@ -114,10 +114,18 @@ class RelayConfirm(_message.Message):
     def __init__(self) -> None: ...
 
 class RelayEvents(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "engine")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[RelayEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[RelayEvent, _Mapping]]] = ...) -> None: ...
+    engine: EngineProgress
+    def __init__(self, events: _Optional[_Iterable[_Union[RelayEvent, _Mapping]]] = ..., engine: _Optional[_Union[EngineProgress, _Mapping]] = ...) -> None: ...
+
+class EngineProgress(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class RelayEvent(_message.Message):
     __slots__ = ("stream_id", "accepted", "tokens", "finished", "error")

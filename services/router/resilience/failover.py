@@ -143,7 +143,8 @@ class FailoverDecision:
 
 class WorkerProgress:
     """When each worker last relayed a token to this router (any stream), so that a stalled
-    stream, or a lease lost, can tell a wedged worker (silent for everyone) from a slow one.
+    stream, or a lease lost, can tell a wedged worker (silent for everyone) from a slow one
+    (with the worker's own word that its engine moved, see `silent`).
     One entry per worker id seen, the stalest forgotten past `max_workers`. `clock`: monotonic
     seconds; `lease_quiet_s`: see DEFAULT_LEASE_QUIET_S."""
 
@@ -169,10 +170,13 @@ class WorkerProgress:
         if len(last) > self._max:  # rare: only past max_workers ids
             del last[min(last, key=last.__getitem__)]
 
-    def silent(self, worker_id: str, error: BaseException) -> bool:
-        """Whether `worker_id` relayed nothing during the window of `error`: a stall's
-        timeout, or for a lost lease the quiet a frozen worker has at the least (True for any
-        other error: a dead connection needs no telling apart)."""
+    def silent(self, worker_id: str, error: BaseException, engine_moved_at: float | None = None) -> bool:
+        """Whether `worker_id` relayed nothing during the window of `error` (a stall's
+        timeout, or for a lost lease the quiet a frozen worker has at the least), nor said that
+        its engine moved in it (`engine_moved_at`, on this object's clock: the worker's last
+        report that its engine computed steps while it had no token for this router, as a busy
+        engine prefilling does). True for any other error: a dead connection needs no telling
+        apart."""
         if isinstance(error, StreamStalled):
             window = error.timeout_s
         elif isinstance(error, WorkerLeaseLost):
@@ -180,6 +184,8 @@ class WorkerProgress:
         else:
             return True
         last = self._last.get(worker_id)
+        if engine_moved_at is not None and (last is None or engine_moved_at > last):
+            last = engine_moved_at
         return last is None or last < self._clock() - window
 
 

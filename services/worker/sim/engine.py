@@ -2,8 +2,8 @@
 
 It validates requests as every engine does (`services.worker.validation`), admits at most
 `max_num_seqs` at once (the rest wait, lower priority value first: tier S before A before B),
-sleeps for prefill (shortened by prefix-cache hits of the same tenant) and for each decode
-step as the profile says, and streams token ids from `tokens` over the model folder's real
+sleeps for prefill (shortened by prefix-cache hits of the same tenant; a long prompt in
+chunks, a step each) and for each decode step as the profile says, counting the steps, and streams token ids from `tokens` over the model folder's real
 tokenizer, with the same incremental detokenization and stop strings as the other engines.
 Waiting is sleeping, so a sim worker uses almost no CPU: many of them measure Ballast, not
 model compute. EOS ids are never drawn; a stream ends at max_tokens or a stop string.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 from services.common.errors import Unavailable
 from services.worker.detokenizer import TextStream, finished_before_start
-from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, TokenDelta
+from services.worker.engine import EngineRequest, EngineStats, FinishReason, ModelDescription, Stepping, TokenDelta
 from services.worker.model_files import describe_model
 from services.worker.sim.faults import SimFaults
 from services.worker.sim.prefix import PrefixCache
@@ -83,7 +83,7 @@ class _Slots:
                 return
 
 
-class SimEngine:
+class SimEngine(Stepping):
     def __init__(
         self,
         model_dir: Path,
@@ -122,6 +122,7 @@ class SimEngine:
         self._kv_total = 0
         self._ids = itertools.count()
         self._generated_total = 0
+        self._steps = 0
         self._serving = False
         # What `crash_on_marker` does: the worker sets it (the process exits); unset, the
         # stream fails as if the engine had died.
@@ -163,10 +164,17 @@ class SimEngine:
         return self._guides.for_request(request.response_format, request.generated_ids)
 
     async def _sleep(self, ms: float) -> None:
+        """One step of a sequence: its wait, then the step counted."""
         await asyncio.sleep(self.profile.jittered(ms, self._rng) * self.faults.slowdown / 1000)
         while self.faults.hang:
             # Polled: a hung engine produces nothing until the knob is cleared.
             await asyncio.sleep(_HANG_POLL_S)
+        self._steps += 1
+
+    @property
+    def steps(self) -> int:
+        """Steps computed: each sequence's prefill chunks and decode steps (`Stepping`)."""
+        return self._steps
 
     def _check_fail_after(self, produced: int) -> None:
         limit = self.faults.fail_after_tokens
@@ -207,7 +215,8 @@ class SimEngine:
             self._kv_tokens[key] = len(context)
             self._kv_total += len(context)
             uncached = len(context) - self._prefix.cached_tokens(request.tenant, context)
-            await self._sleep(self.profile.prefill_ms(uncached))
+            for step_ms in self.profile.prefill_steps_ms(uncached):
+                await self._sleep(step_ms)
             self._prefix.remember(request.tenant, context)
             self._check_marker(request)
             if guide is not None:

@@ -31,6 +31,9 @@ class SimProfile:
     decode_ms_per_seq: float = 0.1
     decode_ms_per_kv_token: float = 0.00002
     max_num_seqs: int = 64
+    # Prompt tokens one prefill step computes at most: a longer prompt's prefill takes several
+    # steps (as a chunked prefill does), and the engine's step count moves between them.
+    prefill_chunk_tokens: int = 256
     kv_blocks: int = 8192
     block_tokens: int = 16
     jitter: float = 0.05
@@ -46,8 +49,8 @@ class SimProfile:
         )
         if any(v < 0 for v in numbers) or not 0 <= self.jitter < 1:
             raise ValueError("sim profile: times must be >= 0 and jitter in [0, 1)")
-        if self.max_num_seqs < 1 or self.kv_blocks < 1 or self.block_tokens < 1:
-            raise ValueError("sim profile: max_num_seqs, kv_blocks and block_tokens must be >= 1")
+        if min(self.max_num_seqs, self.kv_blocks, self.block_tokens, self.prefill_chunk_tokens) < 1:
+            raise ValueError("sim profile: max_num_seqs, kv_blocks, block_tokens and prefill_chunk_tokens must be >= 1")
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -55,6 +58,17 @@ class SimProfile:
 
     def prefill_ms(self, uncached_tokens: int) -> float:
         return self.prefill_base_ms + self.prefill_ms_per_token * max(0, uncached_tokens)
+
+    def prefill_steps_ms(self, uncached_tokens: int) -> list[float]:
+        """The prefill's time (`prefill_ms`) as steps of `prefill_chunk_tokens` at most, the
+        base time in the first: one step for a prompt that fits a chunk."""
+        tokens = max(0, uncached_tokens)
+        chunks = [self.prefill_chunk_tokens] * (tokens // self.prefill_chunk_tokens)
+        if tokens % self.prefill_chunk_tokens or not chunks:
+            chunks.append(tokens % self.prefill_chunk_tokens)
+        steps = [self.prefill_ms_per_token * chunk for chunk in chunks]
+        steps[0] += self.prefill_base_ms
+        return steps
 
     def decode_step_ms(self, running: int, kv_tokens: int) -> float:
         return self.decode_base_ms + self.decode_ms_per_seq * max(1, running) + self.decode_ms_per_kv_token * kv_tokens

@@ -43,6 +43,7 @@ from services.worker.engine import (
     FinishReason,
     KvAttachable,
     ModelDescription,
+    Stepping,
     TokenDelta,
 )
 from services.worker.model_files import describe_model
@@ -95,7 +96,7 @@ class _SessionMemory:
         return sum(len(ids) for ids, _cache in self._entries.values())
 
 
-class TorchEngine(KvAttachable, ChunkedPrefill):
+class TorchEngine(KvAttachable, ChunkedPrefill, Stepping):
     """`services.worker.engine.Engine` on transformers, with session KV (`attach_kv`) and
     chunked prefill."""
 
@@ -200,6 +201,11 @@ class TorchEngine(KvAttachable, ChunkedPrefill):
     @property
     def prefill_chunk(self) -> int:
         return self._prefill_chunk
+
+    @property
+    def steps(self) -> int:
+        """Batches and calls the compute thread finished (`Stepping`)."""
+        return self._steps.completed
 
     def attach_kv(self, metrics: Any, session_kv: Any = None) -> bool:
         """Reports KV reuse through `metrics` (services.worker.kv.KVMetrics) and, with a

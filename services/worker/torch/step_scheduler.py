@@ -100,6 +100,9 @@ class StepScheduler:
         self._wake: asyncio.Event | None = None
         self.batches = 0
         self.batched_steps = 0
+        # Batches and calls the compute thread finished, prefill and decode alike: moves while
+        # a long prefill yields no token, stops when the compute thread hangs.
+        self.completed = 0
 
     @property
     def running(self) -> bool:
@@ -196,7 +199,13 @@ class StepScheduler:
         executor = self._executor
         if executor is None:
             raise Unavailable("torch engine is stopping")
-        return await asyncio.get_running_loop().run_in_executor(executor, _no_stop_iteration, fn, args)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(executor, _no_stop_iteration, fn, args)
+        except Exception:  # the thread finished the job, with an error
+            self.completed += 1
+            raise
+        self.completed += 1
+        return result
 
     async def _run_call(self, job: _Call) -> None:
         try:

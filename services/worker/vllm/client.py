@@ -31,6 +31,8 @@ class VllmClient(Protocol):
 
     def scheduler_stats(self) -> SchedulerSnapshot | None: ...
 
+    def engine_steps(self) -> int: ...
+
     def kv_capacity_tokens(self) -> int | None: ...
 
     def kv_block_tokens(self) -> int | None: ...
@@ -121,6 +123,9 @@ class AsyncLLMClient:
 
     def scheduler_stats(self) -> SchedulerSnapshot | None:
         return self._sink.latest
+
+    def engine_steps(self) -> int:
+        return self._sink.steps
 
     def _cache_config(self) -> Any:
         # Filled in by the engine core after profiling: how many KV blocks it allocated.

@@ -32,7 +32,8 @@ Session KV: vLLM's own prefix cache (per tenant, through `cache_salt`), and, wit
 session request counts the reason in `ballast_worker_kv_decisions`). Session requests carry
 their tenant to the connector; its counts come back with vLLM's stats as the KV metrics.
 
-Stats: running, waiting and KV-cache use come from vLLM's scheduler stats (`stats`).
+Stats: running, waiting and KV-cache use come from vLLM's scheduler stats (`stats`), and
+so does the count of engine steps (`steps`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from services.worker.engine import (
     FinishReason,
     KvAttachable,
     ModelDescription,
+    Stepping,
     TokenDelta,
     Wakeable,
 )
@@ -77,7 +79,7 @@ from services.worker.vllm.stats import engine_stats, kv_fragmentation
 log = logging.getLogger(__name__)
 
 
-class VllmEngine(KvAttachable, Wakeable):
+class VllmEngine(KvAttachable, Wakeable, Stepping):
     """`services.worker.engine.Engine` on vLLM, with session KV (`attach_kv`) and a sleeping
     warm standby (`wake_up`)."""
 
@@ -477,6 +479,13 @@ class VllmEngine(KvAttachable, Wakeable):
         if self._sleeping or self._sleep_lock.locked():
             log.info("waking vLLM from standby for a request")
             await self.wake_up()
+
+    @property
+    def steps(self) -> int:
+        """Engine steps vLLM reported to the stat logger (`Stepping`): each step of its
+        scheduler reports, whether it prefilled, decoded or both."""
+        client = self._client
+        return client.engine_steps() if client is not None else 0
 
     def stats(self) -> EngineStats:
         client = self._client

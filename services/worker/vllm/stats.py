@@ -1,4 +1,5 @@
-"""vLLM's scheduler stats (running, waiting, KV-cache use) for the worker's heartbeat.
+"""vLLM's scheduler stats (running, waiting, KV-cache use) for the worker's heartbeat, and its
+steps counted.
 
 AsyncLLM hands SchedulerStats to every stat logger after each engine step. A small logger
 (`SchedulerStatsSink.logger_class`) keeps the latest snapshot; `engine_stats` turns it into
@@ -44,12 +45,16 @@ class SchedulerStatsSink:
 
     def __init__(self) -> None:
         self.latest: SchedulerSnapshot | None = None
+        # Engine steps reported: vLLM hands every step's stats over, a step that only
+        # prefilled (no token out yet) included.
+        self.steps = 0
         # Receives the KV connector's counts (a dict) whenever a step reports some.
         self.connector_callback: Callable[[dict[str, float]], None] | None = None
 
     def record(self, scheduler_stats: Any) -> None:
         if scheduler_stats is None:
             return
+        self.steps += 1
         self.latest = snapshot_of(scheduler_stats)
         counts = getattr(scheduler_stats, "kv_connector_stats", None)
         if counts and self.connector_callback is not None:

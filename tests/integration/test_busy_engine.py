@@ -1,0 +1,153 @@
+"""A first token late on a busy engine is not held against the request; on a wedged one it is.
+
+A mesh of three sim workers whose router quarantines a request at the first worker it costs
+(`max_workers_lost: 1`) and waits two seconds for a first token. All three run a hundred
+times slower than their profile: a long prompt's prefill takes several seconds, in chunks (a
+step each), and relays nothing. The request's first token is late on one worker, then on
+another; each worker's engine kept stepping, and said so over its Relay stream, so neither loss
+counts: the workers run at speed again, the third serves the request, and nothing is
+quarantined.
+(Without the engine's word, the router sees a worker that relayed it nothing for two seconds
+and quarantines the request at once.) Then every worker hangs: nothing steps, a request's first
+token is late, and it is quarantined at its first worker, as a query of death that wedged the
+engine would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import pytest
+
+from ballast.v1 import inference_pb2_grpc
+from services.cli.client import chat_request, collect, open_channel
+from services.cli.mesh import LOCAL_API_KEY, Mesh, MeshSpec
+from services.common.etcd_client import make_client
+from services.common.faults import REASON_KEY
+from services.config import load_config
+from services.worker.sim import faults_key
+from tests.integration.test_mesh import metric_value, registered_ids, scrape
+from tests.served import assert_served
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
+
+FIRST_TOKEN_TIMEOUT_S = 2.0
+# Every sim wait this many times longer: a 256-token prefill chunk takes half a second, a
+# prompt of some 1,500 tokens several seconds; the worker reports its engine's steps every 0.5 s.
+SLOWDOWN = 100
+LONG_PROMPT = " ".join(f"Parcel {i} left the depot at dawn and reached the hub by noon." for i in range(36))
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_model_dir):
+    spec = MeshSpec(
+        state_dir=tmp_path_factory.mktemp("busy-engine"),
+        model_dir=tiny_model_dir,
+        workers=3,
+        engine="sim",
+        worker_capacity=4,
+        overrides={
+            "worker": {"engine_progress_ms": 500},
+            "router": {
+                # A tier-A request waits for its first token the longer of the two.
+                "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
+                "stall": {"a_timeout_s": FIRST_TOKEN_TIMEOUT_S},
+                "quarantine": {"max_workers_lost": 1},
+                "retry": {"max_attempts": 8},
+                "scheduling": {"slow_start_s": 0},
+            },
+        },
+    )
+    running = Mesh(spec).start()
+    yield running
+    running.stop()
+
+
+def router_metrics_port(mesh) -> int:
+    return next(s for s in mesh.services if s.name == "router").metrics_port
+
+
+async def counter(mesh, name: str, **labels: str) -> float:
+    return metric_value(await scrape(router_metrics_port(mesh)), name, **labels)
+
+
+def faults_applied(mesh) -> int:
+    """How many times the workers took new fault knobs (each logs it)."""
+    return sum(worker.process.log_path.read_text(errors="replace").count("sim faults now") for worker in mesh.workers())
+
+
+async def set_faults(mesh, client, etcd, faults: dict | None) -> None:
+    """Sets (None: clears) every worker's fault knobs and waits until each took them."""
+    before = faults_applied(mesh)
+    for worker in mesh.workers():
+        key = faults_key(etcd.prefix, worker.name).encode()
+        if faults is None:
+            await client.delete(key)
+        else:
+            await client.put(key, json.dumps(faults).encode())
+    deadline = time.monotonic() + 30
+    while faults_applied(mesh) < before + len(mesh.workers()):
+        assert time.monotonic() < deadline, f"the workers never took the fault knobs {faults}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def knobs(mesh):
+    """The etcd settings and a client for the workers' fault knobs, cleared afterwards."""
+    etcd = load_config(mesh.config_path, environ={}).etcd
+    client = make_client(etcd)
+    deadline = time.monotonic() + 60
+    while {w.name for w in mesh.workers()} - await registered_ids(mesh):
+        assert time.monotonic() < deadline, "the workers never registered"
+        await asyncio.sleep(0.2)
+    try:
+        yield etcd, client
+    finally:
+        for worker in mesh.workers():
+            await client.delete(faults_key(etcd.prefix, worker.name).encode())
+        await client.close()
+
+
+async def wait_counter(mesh, answer: asyncio.Task, name: str, at_least: float, **labels: str) -> None:
+    """Until the router's counter `name` reaches `at_least`, while `answer` is still coming."""
+    deadline = time.monotonic() + 60
+    while await counter(mesh, name, **labels) < at_least:
+        if answer.done():
+            pytest.fail(f"the request ended before {name}{labels} reached {at_least}: {answer.result()}")
+        assert time.monotonic() < deadline, f"{name}{labels} never reached {at_least}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_late_first_token_on_a_busy_engine_moves_the_request_without_holding_it_against_it(mesh, knobs):
+    etcd, client = knobs
+    quarantined = await counter(mesh, "ballast_router_quarantine_total", event="quarantined")
+    stalled = await counter(mesh, "ballast_router_worker_retries_total", reason="stalled")
+    await set_faults(mesh, client, etcd, {"slowdown": SLOWDOWN})
+    async with open_channel(mesh.router_address) as channel:
+        router = inference_pb2_grpc.InferenceStub(channel)
+        request = chat_request(LONG_PROMPT, max_tokens=8, allow_degraded=False, request_id="long-prompt")
+        answer = asyncio.create_task(collect(router, request, LOCAL_API_KEY, timeout=120))
+        # Aimed by the router's own count: late on one worker, then on another; the third
+        # takes it once the workers run at speed again.
+        await wait_counter(mesh, answer, "ballast_router_worker_retries_total", stalled + 2, reason="stalled")
+        await set_faults(mesh, client, etcd, None)
+        assert_served(await answer)
+    assert await counter(mesh, "ballast_router_quarantine_total", event="quarantined") == quarantined
+
+
+async def test_a_late_first_token_on_a_hung_engine_quarantines_the_request_at_its_first_worker(mesh, knobs):
+    etcd, client = knobs
+    quarantined = await counter(mesh, "ballast_router_quarantine_total", event="quarantined")
+    await set_faults(mesh, client, etcd, {"hang": True})
+    async with open_channel(mesh.router_address) as channel:
+        router = inference_pb2_grpc.InferenceStub(channel)
+        request = chat_request("Which depot holds my parcel?", max_tokens=8, request_id="wedges")
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await collect(router, request, LOCAL_API_KEY, timeout=120)
+    error = raised.value
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(error.trailing_metadata() or ()).get(REASON_KEY) == "quarantined"
+    assert await counter(mesh, "ballast_router_quarantine_total", event="quarantined") == quarantined + 1
