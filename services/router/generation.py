@@ -137,8 +137,9 @@ class GenerationRunner:
         # Without etcd (a runner built on its own) no rollout is ever seen: plain routing.
         self.rollouts = rollouts or RolloutController(None, clients, models)
         self._observers: list[RunObserver] = []
-        # When each worker last relayed a token, for telling a wedged worker from a slow one.
-        self.progress = WorkerProgress(lease_quiet_s=lease_quiet_s)
+        # When each worker last relayed a token, for telling a wedged worker from a slow one
+        # (with the worker's own word that its engine moved, read from the attempt's call).
+        self.progress = WorkerProgress(lease_quiet_s=lease_quiet_s, engine_quiet_s=config.quarantine.engine_quiet_s)
         # Without etcd (a runner built on its own) the quarantine is this router's alone.
         self.quarantine = quarantine or RouterQuarantine(config.quarantine, counter=metrics.quarantine)
 

@@ -148,9 +148,12 @@ class Wakeable(Protocol):
 @runtime_checkable
 class Stepping(Protocol):
     """Counts the steps it has computed: each prefill chunk and each decode step (of a batch
-    or of one sequence). The count moves while a long or queued prefill produces no token and
-    stops when the engine hangs, so the worker can tell a router waiting for a first token that
-    the engine is busy, not wedged (services.worker.relay)."""
+    or of one sequence), never a step that computed nothing. The count moves while a long or
+    queued prefill produces no token and stops when the engine hangs, so the worker can tell a
+    router waiting for a first token that the engine is busy, not wedged
+    (services.worker.relay_progress). It is the engine's, not a request's: a request stuck on
+    its own while the engine computes for others (a grammar that never compiles) does not stop
+    it; such a request wedges no worker, and its waits end by the router's timeouts."""
 
     @property
     def steps(self) -> int: ...

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from services.common.telemetry import Telemetry
-from services.worker.engine import EngineStats
+from services.worker.engine import EngineStats, Stepping
 
 if TYPE_CHECKING:
     from services.worker.relay import RelayCounts
@@ -66,6 +66,19 @@ class WorkerMetrics:
             "ballast_worker_relay_events",
             callbacks=[events],
             description="Request events (tokens, ends, accepts, errors) sent on Relay streams.",
+        )
+
+    def observe_engine_steps(self, engine: Stepping) -> None:
+        """Exports the steps the engine computed (what Relay streams report as its progress)."""
+
+        def steps(_options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(engine.steps)
+
+        self._meter.create_observable_counter(
+            "ballast_worker_engine_steps",
+            callbacks=[steps],
+            description="Steps the engine computed (prefill chunks and decode steps): flat while requests "
+            "are in flight means a wedged engine.",
         )
 
     def observe_temperature(self, read: Callable[[], float | None]) -> None:

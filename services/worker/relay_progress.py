@@ -9,8 +9,9 @@ over a lost worker's streams, a hot GPU at half speed), relays nothing and is no
 So while a router has requests on the stream, once per interval in which the engine computed
 steps but none of that router's requests got a token, the worker sends the engine's step count
 (`RelayEvents.engine`). A hung engine's count stops and a stopped process sends nothing: both
-still read as silent. While tokens flow the router knows the worker is alive from them, and
-nothing more is sent: the report costs nothing on a streaming worker.
+still read as silent, and so does an engine whose last report came early in the router's wait
+(`router.quarantine.engine_quiet_s`). While tokens flow the router knows the worker is alive
+from them, and nothing more is sent: the report costs nothing on a streaming worker.
 """
 
 from __future__ import annotations

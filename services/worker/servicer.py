@@ -20,7 +20,7 @@ from services.common.accepted import ACCEPTED_METADATA
 from services.common.errors import Draining, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.sampling_pb import FINISH_TO_PB, sampling_from_pb
 from services.common.streams import MAX_FLUSH_INTERVAL_MS, Coalescer
-from services.worker.engine import Engine, EngineRequest, TokenDelta
+from services.worker.engine import Engine, EngineRequest, Stepping, TokenDelta
 from services.worker.metrics import WorkerMetrics
 from services.worker.relay import RelayCounts, RelayStream
 
@@ -141,7 +141,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         archive summary) needs no per-token delivery; fewer messages leave the router's CPU to
         the tiers that do. A request's own flush_interval_ms, when longer, wins.
         `engine_progress_s`: how often a Relay stream may report the engine's steps (see
-        services.worker.relay.ProgressReporter; 0: never)."""
+        services.worker.relay_progress; 0: never)."""
         self.engine = engine
         self.b_tier_flush_s = b_tier_flush_s
         self.engine_progress_s = engine_progress_s
@@ -153,6 +153,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.relay_counts = RelayCounts()
         self._relays: set[RelayStream] = set()
         metrics.observe_relay(self.relay_counts)
+        if isinstance(engine, Stepping):
+            metrics.observe_engine_steps(engine)
 
     async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfo:
         model = self.engine.model

@@ -144,6 +144,37 @@ async def test_steps_count_prefill_chunks_and_decode_steps_and_stand_still_while
     assert engine.steps > 6
 
 
+async def test_a_resumed_stream_waiting_for_a_slot_goes_before_a_fresh_one_of_its_tier(tiny_model_dir):
+    """Admission by `scheduling_priority`, as vLLM and the torch engine admit: a stream that
+    broke elsewhere (it carries generated ids) waits one tier ahead of its own."""
+    import asyncio
+    from dataclasses import replace
+
+    engine = SimEngine(tiny_model_dir, "admission", FAST, max_concurrency=1)
+    await engine.start()
+    running = engine.generate(_request(1000))
+    await anext(running)  # holds the one slot
+    fresh = engine.generate(_request(5))
+    resumed = engine.generate(replace(_request(5), request_id="resumed", generated_ids=(9, 10)))
+    order: list[str] = []
+
+    async def first(name: str, stream) -> None:
+        await anext(stream)
+        order.append(name)
+        await stream.aclose()  # the slot goes on to the next in line
+
+    waiters = [asyncio.create_task(first("fresh", fresh))]
+    for _ in range(5):  # the fresh one queues first
+        await asyncio.sleep(0)
+    waiters.append(asyncio.create_task(first("resumed", resumed)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert engine.stats().waiting == 2 and order == []
+    await running.aclose()
+    await asyncio.wait_for(asyncio.gather(*waiters), 10)
+    assert order == ["resumed", "fresh"]
+
+
 async def test_slowdown_scales_every_wait(tiny_model_dir, monkeypatch):
     import asyncio
 

@@ -232,20 +232,23 @@ def test_worker_progress_tells_a_silent_worker_from_a_busy_one():
 def test_an_engine_that_reported_moving_is_not_silent_though_it_relayed_nothing_here():
     """A worker busy prefilling (a burst it took over, a long prompt) relays no token to this
     router, but its engine's steps come over the Relay stream: a stall in that window is not a
-    wedged worker. The report counts for its window only, like a token."""
+    wedged worker. The report counts only from late in the window (`engine_quiet_s`): an
+    engine that moved early on and has stood still since is wedged, by the waiting request as
+    likely as by anything."""
     clock = FakeClock(100.0)
-    progress = WorkerProgress(clock=clock)
+    progress = WorkerProgress(clock=clock, engine_quiet_s=5.0)
     stalled = StreamStalled(10.0, 0)
     assert progress.silent("w1", stalled, engine_moved_at=None)
     assert not progress.silent("w1", stalled, engine_moved_at=clock() - 3.0)
-    assert progress.silent("w1", stalled, engine_moved_at=clock() - 11.0)  # moved, but before the window
+    assert progress.silent("w1", stalled, engine_moved_at=clock() - 6.0)  # in the window, but still since
+    assert progress.silent("w1", stalled, engine_moved_at=clock() - 11.0)
     progress.streamed("w1")
     clock.advance(12.0)
     # The later of the two is what counts: an old report does not hide a recent silence.
     assert not progress.silent("w1", stalled, engine_moved_at=clock() - 1.0)
     assert progress.silent("w1", stalled, engine_moved_at=clock() - 20.0)
     lapsed = WorkerLeaseLost("gone")
-    quiet = WorkerProgress(clock=clock, lease_quiet_s=2.0)
+    quiet = WorkerProgress(clock=clock, lease_quiet_s=2.0, engine_quiet_s=5.0)  # the shorter of the two
     assert not quiet.silent("w1", lapsed, engine_moved_at=clock() - 1.0)
     assert quiet.silent("w1", lapsed, engine_moved_at=clock() - 3.0)
     assert quiet.silent("w1", CONNECTION_LOST, engine_moved_at=clock())  # a dead connection is dead

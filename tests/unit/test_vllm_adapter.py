@@ -905,10 +905,13 @@ def test_scheduler_snapshots_and_engine_stats():
     sink = SchedulerStatsSink()
     sink.record(None)
     assert sink.latest is None and sink.steps == 0
-    # vLLM hands over every step's stats, a prefill-only step's too: each is a step counted.
+    # vLLM hands over every step's stats, a prefill-only step's too: each is a step counted...
     for _ in range(3):
         sink.logger_class(object)(None, 0).record(SimpleNamespace(num_running_reqs=1, num_waiting_reqs=4))
     assert sink.steps == 3 and sink.latest is not None and sink.latest.waiting == 4
+    # ...but not the empty loops of an engine whose requests all wait (a grammar compile, say).
+    sink.record(SimpleNamespace(num_running_reqs=0, num_waiting_reqs=1))
+    assert sink.steps == 3 and sink.latest.running == 0
 
 
 async def test_engine_stats_report_vllm_kv_use(model_dir, tokenizer):

@@ -32,7 +32,7 @@ from services.common.errors import (
 )
 from services.common.faults import classify
 from services.router.resilience.breaker import Outcome, is_connection_lost, outcome_of
-from services.router.resilience.quarantine import Implication, implication
+from services.router.resilience.quarantine import DEFAULT_ENGINE_QUIET_S, Implication, implication
 from services.router.resilience.retry_budget import Refusal
 from services.router.resilience.stall import StreamStalled
 
@@ -106,9 +106,11 @@ class AttemptFailure:
     # The client's deadline had passed when the attempt ended.
     deadline_passed: bool
     # The worker relayed no token for any stream during this attempt's stall window (or, for a
-    # lost lease, the quiet a frozen worker has at the least). A worker that kept streaming to
-    # others while this stream waited is slow (overloaded, a long queue), not wedged: its stall
-    # or its lapsed lease says nothing against the request.
+    # lost lease, the quiet a frozen worker has at the least), nor said that its engine moved
+    # late in it (WorkerProgress.silent). A worker that kept streaming to others, or whose
+    # engine kept computing (a long or queued prefill), while this stream waited is slow
+    # (overloaded, a long queue), not wedged: its stall or its lapsed lease says nothing
+    # against the request.
     worker_silent: bool = True
     # The attempt asked its worker to wait for this router's confirm of its accepted event
     # before the engine saw the request (a Relay call after a failed attempt, or of a request
@@ -143,21 +145,24 @@ class FailoverDecision:
 
 class WorkerProgress:
     """When each worker last relayed a token to this router (any stream), so that a stalled
-    stream, or a lease lost, can tell a wedged worker (silent for everyone) from a slow one
-    (with the worker's own word that its engine moved, see `silent`).
+    stream, or a lease lost, can tell a wedged worker (silent for everyone) from a slow one,
+    with the worker's own word that its engine moved (see `silent`).
     One entry per worker id seen, the stalest forgotten past `max_workers`. `clock`: monotonic
-    seconds; `lease_quiet_s`: see DEFAULT_LEASE_QUIET_S."""
+    seconds (the clock of RelayLink.engine_moved_at); `lease_quiet_s`: see
+    DEFAULT_LEASE_QUIET_S; `engine_quiet_s`: see QuarantineConfig.engine_quiet_s."""
 
     def __init__(
         self,
         max_workers: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         lease_quiet_s: float = DEFAULT_LEASE_QUIET_S,
+        engine_quiet_s: float = DEFAULT_ENGINE_QUIET_S,
     ) -> None:
         self._last: dict[str, float] = {}
         self._max = max_workers
         self._clock = clock
         self._lease_quiet_s = lease_quiet_s
+        self._engine_quiet_s = engine_quiet_s
 
     def last_token_at(self, worker_id: str) -> float | None:
         """When `worker_id` last relayed a token to this router (monotonic; None: not seen)."""
@@ -173,20 +178,22 @@ class WorkerProgress:
     def silent(self, worker_id: str, error: BaseException, engine_moved_at: float | None = None) -> bool:
         """Whether `worker_id` relayed nothing during the window of `error` (a stall's
         timeout, or for a lost lease the quiet a frozen worker has at the least), nor said that
-        its engine moved in it (`engine_moved_at`, on this object's clock: the worker's last
-        report that its engine computed steps while it had no token for this router, as a busy
-        engine prefilling does). True for any other error: a dead connection needs no telling
-        apart."""
+        its engine moved in the last `engine_quiet_s` of it (`engine_moved_at`, on this object's
+        clock: the worker's last report that its engine computed steps while it had no token
+        for this router, as an engine busy prefilling does). A report from early in the window
+        says nothing of an engine wedged since (by the very request that waited). True for any
+        other error: a dead connection needs no telling apart."""
         if isinstance(error, StreamStalled):
             window = error.timeout_s
         elif isinstance(error, WorkerLeaseLost):
             window = self._lease_quiet_s
         else:
             return True
+        now = self._clock()
         last = self._last.get(worker_id)
-        if engine_moved_at is not None and (last is None or engine_moved_at > last):
-            last = engine_moved_at
-        return last is None or last < self._clock() - window
+        if last is not None and last >= now - window:
+            return False
+        return engine_moved_at is None or engine_moved_at < now - min(window, self._engine_quiet_s)
 
 
 BudgetAsk = Callable[[], Refusal | None]
@@ -201,7 +208,8 @@ def worker_gone(error: BaseException) -> bool:
 
 def worker_died(error: BaseException, silent: bool = True) -> bool:
     """The worker's connection is lost, or it stalled or lost its lease while silent for every
-    stream (`silent`): if it had taken the request on, the request may be why. A worker that
+    stream and its engine still (`silent`): if it had taken the request on, the request may be
+    why. A worker that
     kept streaming to others until its lease lapsed was alive and serving: the lease went for
     want of CPU or etcd, and every request on it would be implicated for nothing (under an
     overload that starves the workers' keep-alives, the most popular prompt is on all of them)."""

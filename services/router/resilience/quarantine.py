@@ -2,8 +2,9 @@
 at most one more, then quarantined by fingerprint (see services.common.quarantine).
 
 A worker loss counts against a request only when the request may be the cause (`implication`):
-the worker died, or stalled or lost its lease while it relayed nothing to anyone (see
-services.router.resilience.failover.worker_died), before this attempt relayed a single token. That is
+the worker died, or stalled or lost its lease while it relayed nothing to anyone and did not say
+that its engine kept computing (see services.router.resilience.failover.worker_died and
+WorkerProgress.silent), before this attempt relayed a single token. That is
 where a query of death strikes (a schema that blows up the grammar compiler, a prompt that
 crashes prefill or runs the engine out of memory). A worker killed while it streams answers is
 the worker's fault, not each of its streams': those resume as before and are never quarantined.
@@ -72,6 +73,11 @@ from services.common.quarantine_etcd import QuarantinePublisher, QuarantineWatch
 log = logging.getLogger(__name__)
 
 
+# How long before a stall a worker's word that its engine moved still counts (engine_quiet_s):
+# above the workers' report interval (0.5 s) and the longest step of an engine on CPUs.
+DEFAULT_ENGINE_QUIET_S = 5.0
+
+
 class QuarantineConfig(Section):
     enabled: bool = Field(True, description="Quarantine requests that kill or stall the workers they run on.")
     max_workers_lost: int = Field(
@@ -92,6 +98,16 @@ class QuarantineConfig(Section):
         "ttl_s: it was most likely queued behind the prefill, not in it. Raise it for engines that "
         "prefill many short prompts in one step; a query of death taken for queued costs one more "
         "worker before its quarantine.",
+    )
+    engine_quiet_s: float = Field(
+        DEFAULT_ENGINE_QUIET_S,
+        gt=0,
+        le=600,
+        description="A worker that stalled a request's first token while it relayed nothing is still "
+        "busy, not wedged, when it said within this many seconds before the stall that its engine "
+        "computed steps (worker.engine_progress_ms): the loss is not counted. Keep it above the "
+        "workers' engine_progress_ms and their longest engine step; an engine wedged this long "
+        "before the stall reads as silent.",
     )
     ttl_s: float = Field(
         600.0,

@@ -1,7 +1,8 @@
 """SimEngine: `services.worker.engine.Engine` without a model.
 
 It validates requests as every engine does (`services.worker.validation`), admits at most
-`max_num_seqs` at once (the rest wait, lower priority value first: tier S before A before B),
+`max_num_seqs` at once (the rest wait, lower priority value first: tier S before A before B,
+a resumed stream one tier ahead, as `EngineRequest.scheduling_priority` ranks them),
 sleeps for prefill (shortened by prefix-cache hits of the same tenant; a long prompt in
 chunks, a step each) and for each decode step as the profile says, counting the steps, and streams token ids from `tokens` over the model folder's real
 tokenizer, with the same incremental detokenization and stop strings as the other engines.
@@ -210,7 +211,8 @@ class SimEngine(Stepping):
         prompt_key = self._tokens.prompt_key(request.prompt_ids)
         context = [*request.prompt_ids, *request.generated_ids]
         key = next(self._ids)
-        await self._slots.acquire(request.priority)
+        # As the other engines admit: by tier, a resumed stream one tier ahead (EngineRequest).
+        await self._slots.acquire(request.scheduling_priority)
         try:
             self._kv_tokens[key] = len(context)
             self._kv_total += len(context)

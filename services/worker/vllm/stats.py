@@ -45,8 +45,10 @@ class SchedulerStatsSink:
 
     def __init__(self) -> None:
         self.latest: SchedulerSnapshot | None = None
-        # Engine steps reported: vLLM hands every step's stats over, a step that only
-        # prefilled (no token out yet) included.
+        # Engine steps that computed: vLLM hands every step's stats over, a step that only
+        # prefilled (no token out yet) included, and also the empty steps it loops through
+        # while its only requests wait (for a grammar compile, for remote KV): those, with no
+        # request running, are not counted.
         self.steps = 0
         # Receives the KV connector's counts (a dict) whenever a step reports some.
         self.connector_callback: Callable[[dict[str, float]], None] | None = None
@@ -54,8 +56,9 @@ class SchedulerStatsSink:
     def record(self, scheduler_stats: Any) -> None:
         if scheduler_stats is None:
             return
-        self.steps += 1
         self.latest = snapshot_of(scheduler_stats)
+        if self.latest.running:
+            self.steps += 1
         counts = getattr(scheduler_stats, "kv_connector_stats", None)
         if counts and self.connector_callback is not None:
             self.connector_callback(dict(counts))
