@@ -30,6 +30,7 @@ from services.common.etcd_client import make_client
 from services.common.faults import REASON_KEY
 from services.config import load_config
 from services.worker.sim import SimProfile, faults_key
+from tests.integration.test_failover import router_metrics_port
 from tests.integration.test_mesh import metric_value, registered_ids, scrape
 from tests.served import assert_served
 
@@ -72,10 +73,6 @@ def mesh(tmp_path_factory, tiny_model_dir):
     running = Mesh(spec).start()
     yield running
     running.stop()
-
-
-def router_metrics_port(mesh) -> int:
-    return next(s for s in mesh.services if s.name == "router").metrics_port
 
 
 async def counter(mesh, name: str, **labels: str) -> float:

@@ -2,10 +2,11 @@
 
 It validates requests as every engine does (`services.worker.validation`), admits at most
 `max_num_seqs` at once (the rest wait, lower priority value first: tier S before A before B,
-a resumed stream one tier ahead, as `EngineRequest.scheduling_priority` ranks them),
-sleeps for prefill (shortened by prefix-cache hits of the same tenant; a long prompt in
-chunks, a step each) and for each decode step as the profile says, counting the steps, and streams token ids from `tokens` over the model folder's real
-tokenizer, with the same incremental detokenization and stop strings as the other engines.
+a resumed stream one tier ahead, as `EngineRequest.scheduling_priority` ranks them), sleeps
+for prefill (shortened by prefix-cache hits of the same tenant; a long prompt in chunks, a
+step each) and for each decode step as the profile says, counting the steps, and streams
+token ids from `tokens` over the model folder's real tokenizer, with the same incremental
+detokenization and stop strings as the other engines.
 Waiting is sleeping, so a sim worker uses almost no CPU: many of them measure Ballast, not
 model compute. EOS ids are never drawn; a stream ends at max_tokens or a stop string.
 A request with a JSON Schema (`response_format`) is drawn under the schema's grammar
