@@ -24,7 +24,9 @@ sending `--requests` greedy completions of `--max-tokens` tokens one after anoth
 the other front waits idle. The order alternates from round to round, so neither front has
 the machine's quieter moments to itself, and a drift over the run (other load, the cores'
 clocks) falls on both alike. A round's cost is the front's CPU (its own process's, not its
-engine's) from before its first request to after its last answer. The goal (the worker's
+engine's) from before its first request to after its last answer, counted to the nanosecond
+per thread (schedstat) and split by what runs on the threads: the event loop (the front's
+Python), gRPC's C core (the worker's), ZeroMQ's I/O to the engine (both), others. The goal (the worker's
 CPU per token no more than vLLM's own server's) is judged on the median round of each; each
 round's own ratio is recorded beside. After the rounds both fronts' idle CPU is measured
 over the same seconds. Prints a table and writes bench/results/worker_front.json; exits 1
@@ -86,16 +88,50 @@ async def _streams(send, streams: int, requests: int) -> int:
     return sum(await asyncio.gather(*(client(i) for i in range(streams))))
 
 
-def _task_cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of `pid`, to the nanosecond (schedstat: /proc/PID/stat counts
-    10 ms ticks, too coarse for an idle front's few milliseconds a second)."""
-    total_ns = 0
+def _thread_cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
+    """Each live thread of `pid`: (its name, its CPU nanoseconds so far) from schedstat, exact
+    where /proc/PID/stat counts 10 ms ticks (a few per cent of a round, too coarse for a goal
+    judged at 1x or for an idle front's few milliseconds a second)."""
+    threads: dict[int, tuple[str, int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            total_ns += int((task / "schedstat").read_text().split()[0])
+            cpu_ns = int((task / "schedstat").read_text().split()[0])
+            threads[int(task.name)] = ((task / "comm").read_text().strip(), cpu_ns)
         except (OSError, ValueError, IndexError):
             pass  # a thread that ended meanwhile
-    return total_ns / 1e9
+    return threads
+
+
+def _task_cpu_s(pid: int) -> float:
+    """CPU seconds of every live thread of `pid`, to the nanosecond."""
+    return sum(cpu_ns for _name, cpu_ns in _thread_cpu_ns(pid).values()) / 1e9
+
+
+# Threads by what runs on them: gRPC's C core (its event engine's pool, timer and
+# lifeguard threads; the worker front only: vLLM's server speaks HTTP from its event loop)
+# and ZeroMQ's I/O threads (both fronts reach their engine process over ZeroMQ).
+GRPC_CORE_THREADS = ("event_engine", "grpc_global_tim", "lifeguard")
+ZMQ_THREADS = ("ZMQbg/",)
+
+
+def _thread_group(pid: int, tid: int, name: str) -> str:
+    if tid == pid:
+        return "event loop (main thread)"
+    if name.startswith(GRPC_CORE_THREADS):
+        return "gRPC core threads"
+    if name.startswith(ZMQ_THREADS):
+        return "ZeroMQ threads"
+    return "other threads"
+
+
+def _round_cpu(pid: int, before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> dict[str, float]:
+    """CPU seconds of a round by thread group, from two `_thread_cpu_ns` snapshots (a thread
+    started meanwhile counts from 0)."""
+    groups: dict[str, float] = {}
+    for tid, (name, cpu_ns) in after.items():
+        group = _thread_group(pid, tid, name)
+        groups[group] = groups.get(group, 0.0) + (cpu_ns - before.get(tid, (name, 0))[1]) / 1e9
+    return groups
 
 
 Send = Callable[[str], Awaitable[int]]
@@ -114,16 +150,25 @@ class Front:
 
 
 async def _round(front: Front, streams: int, requests: int) -> dict:
-    """One measured round of one front: its CPU seconds and the tokens its streams got."""
+    """One measured round of one front: its CPU seconds (by thread group too) and the tokens
+    its streams got."""
     assert front.send is not None
-    # /proc/PID/stat's count (10 ms ticks, a few per cent of a round) holds the threads that
-    # ended during the round too, which schedstat's per-thread counts lose.
-    cpu_before, started = cpu_seconds(front.pid), time.perf_counter()
+    threads_before, ticks_before = _thread_cpu_ns(front.pid), cpu_seconds(front.pid)
+    started = time.perf_counter()
     tokens = await _streams(front.send, streams, requests)
-    cpu_s, wall_s = cpu_seconds(front.pid) - cpu_before, time.perf_counter() - started
+    wall_s = time.perf_counter() - started
+    threads_after, ticks_s = _thread_cpu_ns(front.pid), cpu_seconds(front.pid) - ticks_before
+    by_group = _round_cpu(front.pid, threads_before, threads_after)
+    # A thread that ended during the round took its CPU with it from schedstat's counts, not
+    # from /proc/PID/stat's: then the round is counted in ticks.
+    exact = threads_before.keys() <= threads_after.keys()
+    cpu_s = sum(by_group.values()) if exact else ticks_s
     return {
         "tokens": tokens,
         "front_cpu_s": cpu_s,
+        "cpu_counted_by": "schedstat, ns" if exact else "/proc/PID/stat, 10 ms ticks (a thread ended)",
+        "cpu_s_in_ticks": ticks_s,
+        "front_cpu_ms_per_token_by_thread": {group: 1000 * s / max(tokens, 1) for group, s in sorted(by_group.items())},
         "wall_s": wall_s,
         "front_cpu_ms_per_token": 1000 * cpu_s / max(tokens, 1),
         "tokens_per_s": tokens / wall_s,
@@ -311,6 +356,15 @@ def main(argv: list[str] | None = None) -> int:
                 (front.name, _median_round(front.rounds), front.start_cpu_s, front.idle_cpu_ms_per_s)
                 for front in (vllm_front, ballast_front)
             )
+        ],
+    )
+    print("\nwhere each front's CPU per token went, by thread (median round; CPU ms per token)")
+    groups = sorted({group for r in (vllm, ballast) for group in r["front_cpu_ms_per_token_by_thread"]})
+    print_table(
+        ["threads", "vLLM's server", "Ballast's worker"],
+        [
+            [group, *(r["front_cpu_ms_per_token_by_thread"].get(group, 0.0) for r in (vllm, ballast))]
+            for group in groups
         ],
     )
     print_goals(result)

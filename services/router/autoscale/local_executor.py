@@ -5,7 +5,10 @@ children (serving, or warm standby with `worker.standby`), each with the router'
 configuration (written once to a file under `autoscaler.local.state_dir`), its own id and a
 free port. A started worker counts as capacity on its way until it registers, so the next
 tick does not start it twice; one that neither registers within `start_timeout_s` nor stays
-alive is dropped. Extra replicas are stopped with SIGTERM (they drain), newest first, and
+alive is dropped, and the pool's next start waits (`start_backoff_initial_s`, doubling with
+each failed start in a row up to `start_backoff_max_s`, from the first again once a started
+worker registers): a worker that cannot start (a bad model path, a host too busy to load it)
+is not replaced by a fresh process every tick, each paying the model's load again. Extra replicas are stopped with SIGTERM (they drain), newest first, and
 only among the workers this executor started: others belong to whoever launched them.
 """
 
@@ -21,6 +24,7 @@ from typing import Callable, Mapping
 
 import yaml
 
+from services.common.backoff import BackoffPolicy, RestartBackoff
 from services.common.etcd_session import EtcdSession
 from services.common.membership import WorkerRecord
 from services.common.processes import ManagedProcess
@@ -64,6 +68,12 @@ class LocalExecutor(RoleExecutor):
         self._seq = 0
         self._config_path: Path | None = None
         self._stops: set[asyncio.Task] = set()
+        # Per pool: its failed starts in a row, and until when its next start waits.
+        self._start_backoff = BackoffPolicy(
+            initial_s=self.settings.start_backoff_initial_s, max_s=self.settings.start_backoff_max_s
+        )
+        self._failed_starts: dict[str, RestartBackoff] = {}
+        self._starts_held_until: dict[str, float] = {}
 
     # -- counting -----------------------------------------------------------------------
 
@@ -81,8 +91,9 @@ class LocalExecutor(RoleExecutor):
     def _reap(self, workers: Mapping[str, WorkerRecord]) -> None:
         now = self._clock()
         for worker_id, child in list(self.children.items()):
-            if worker_id in workers:
+            if worker_id in workers and not child.registered:
                 child.registered = True
+                self._start_succeeded(child.pool)
             if not child.process.alive():
                 if not child.stopping:
                     log.warning(
@@ -91,21 +102,45 @@ class LocalExecutor(RoleExecutor):
                         child.process.exit_status(),
                         child.process.log_path,
                     )
+                    if not child.registered:
+                        self._start_failed(child.pool)
                 del self.children[worker_id]
             elif not child.registered and not child.stopping and now - child.started_at > self.settings.start_timeout_s:
                 log.warning(
                     "worker %s did not register within %.0fs; stopping it", worker_id, self.settings.start_timeout_s
                 )
                 self._stop(child)
+                self._start_failed(child.pool)
+
+    # -- failed starts ----------------------------------------------------------------------
+
+    def _start_failed(self, pool: str) -> None:
+        backoff = self._failed_starts.setdefault(pool, RestartBackoff(self._start_backoff))
+        wait_s = backoff.next_delay(0.0)
+        self._starts_held_until[pool] = self._clock() + wait_s
+        log.warning(
+            "pool %s: %d failed worker starts in a row; the next start waits %.0fs", pool, backoff.streak, wait_s
+        )
+
+    def _start_succeeded(self, pool: str) -> None:
+        self._failed_starts.pop(pool, None)
+        self._starts_held_until.pop(pool, None)
+
+    def starts_held_s(self, pool: str) -> float:
+        """How long the pool's next start still waits after failed starts (0: none)."""
+        return max(0.0, self._starts_held_until.get(pool, 0.0) - self._clock())
 
     # -- acting ---------------------------------------------------------------------------
 
     async def apply(self, decision: ScaleDecision, members: PoolMembers) -> RolePlan:
         plan = await super().apply(decision, members)
-        for _ in range(plan.start_serving):
-            self.start_worker(decision.pool, SERVING)
-        for _ in range(plan.start_standby):
-            self.start_worker(decision.pool, STANDBY)
+        # Promotions and stops go ahead; starts wait out the pool's failed-start backoff (said
+        # once, when it began, not at every tick).
+        if not self.starts_held_s(decision.pool):
+            for _ in range(plan.start_serving):
+                self.start_worker(decision.pool, SERVING)
+            for _ in range(plan.start_standby):
+                self.start_worker(decision.pool, STANDBY)
         self._stop_extra(decision.pool, SERVING, plan.stop_serving, members)
         self._stop_extra(decision.pool, STANDBY, plan.stop_standby, members)
         return plan

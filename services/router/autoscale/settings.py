@@ -14,6 +14,20 @@ class AutoscalerLocalConfig(Section):
     state_dir: str = Field(".ballast/autoscale", description="Logs and config of the workers it starts.")
     start_timeout_s: float = Field(120.0, gt=0, description="A started worker not registered by then is stopped.")
     stop_grace_s: float = Field(30.0, gt=0, description="Time a stopped worker gets to drain before SIGKILL.")
+    start_backoff_initial_s: float = Field(
+        10.0,
+        gt=0,
+        description="After a worker it started exits or is stopped before registering, the pool's next "
+        "start waits this long, doubling with each such failure in a row (a crash loop, or a host "
+        "too busy to load a model, is not fed a new process every tick).",
+    )
+    start_backoff_max_s: float = Field(300.0, gt=0, description="The longest wait between failed starts.")
+
+    @model_validator(mode="after")
+    def _valid_backoff(self) -> "AutoscalerLocalConfig":
+        if self.start_backoff_max_s < self.start_backoff_initial_s:
+            raise ValueError("start_backoff_max_s must be at least start_backoff_initial_s")
+        return self
 
 
 class AutoscalerKubernetesConfig(Section):
