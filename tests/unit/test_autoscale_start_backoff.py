@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from services.common.config import ConfigError
 from services.common.membership import WorkerRecord
 from services.common.worker_roles import SERVING
 from services.config import load_config
@@ -107,3 +110,17 @@ async def test_another_pools_failures_hold_nothing_here(tmp_path):
 
     assert executor.starts_held_s("light") == 10
     assert executor.starts_held_s(POOL) == 0
+
+
+def test_a_cap_below_the_first_wait_is_refused():
+    def backoff(initial: str, cap: str):
+        return load_config(
+            environ={
+                "BALLAST__AUTOSCALER__LOCAL__START_BACKOFF_INITIAL_S": initial,
+                "BALLAST__AUTOSCALER__LOCAL__START_BACKOFF_MAX_S": cap,
+            }
+        )
+
+    assert backoff("30", "30").autoscaler.local.start_backoff_max_s == 30
+    with pytest.raises(ConfigError):
+        backoff("30", "10")
