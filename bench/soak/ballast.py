@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import ContextManager
 
@@ -227,6 +228,49 @@ class BallastSide:
             if w.process.alive()
         ]
         return [v for v in values if v is not None]
+
+    def stalls(self) -> dict[str, dict[str, float]]:
+        """What each worker and router still running says it waited on (see
+        `stall_counts`), by process name; processes that do not answer are left out."""
+        found = {}
+        for service in [*self.mesh.workers(), *self.mesh.routers()]:
+            if not service.process.alive():
+                continue
+            if service in self.mesh.workers():
+                self.mesh.refresh_ready(service)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=2.0) as reply:
+                    found[service.name] = stall_counts(reply.read().decode())
+            except OSError:
+                continue
+        return found
+
+
+def _histogram_over(text: str, name: str, bound: str) -> float:
+    """Observations of the histogram `name` above its bucket boundary `bound`."""
+    count = bucket = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"{name}_count"):
+            count += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"{name}_bucket{{") and f'le="{bound}"' in line:
+            bucket += float(line.rsplit(" ", 1)[1])
+    return count - bucket
+
+
+def stall_counts(text: str) -> dict[str, float]:
+    """A process's own count, from its metrics' `text`, of the waits that leave a stream
+    without tokens: its event loop running a due timer 1 s or 5 s late or more, and (a worker)
+    its engine computing no step for 5 s or more while requests waited (the routers' stall
+    timeout for tier A)."""
+    lag = "ballast_event_loop_lag_milliseconds"
+    gap = "ballast_worker_engine_step_gap_milliseconds"
+    counts = {
+        "loop_lags_over_1s": _histogram_over(text, lag, "1000"),
+        "loop_lags_over_5s": _histogram_over(text, lag, "5000"),
+    }
+    if f"{gap}_count" in text:
+        counts["engine_gaps_over_5s"] = _histogram_over(text, gap, "5000")
+    return counts
 
 
 class PromotionWatch:

@@ -56,6 +56,9 @@ class PhaseOutcome:
     # CPU seconds by part over the soak's window, and the share of the machine's cores busy.
     cpu_s: dict[str, float] = field(default_factory=dict)
     busy_share: float = math.nan
+    # Ballast only: each process still running at the end, its own count of the waits that
+    # leave streams without tokens (bench.soak.ballast.stall_counts).
+    stalls: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def scale_out_s(self) -> float | None:

@@ -93,7 +93,12 @@ async def _ballast_async(plan: Plan, mesh, side) -> PhaseOutcome:
                 await asyncio.sleep(0.05)
             return watch.first_new_at
 
-        return await drive_phase("ballast", plan, send, side, scale_out, lambda: watch.decided_at, side.fragmentation)
+        outcome = await drive_phase(
+            "ballast", plan, send, side, scale_out, lambda: watch.decided_at, side.fragmentation
+        )
+        outcome.stalls = await asyncio.to_thread(side.stalls)
+        print(f"[ballast] waits each process counted itself: {outcome.stalls}", flush=True)
+        return outcome
     finally:
         await channel.close()
         await watch.stop()
@@ -192,6 +197,9 @@ def run_benchmark(
         "timeline": {"baseline": timeline(baseline.samples), "ballast": timeline(ballast.samples)},
         "table": [list(line) for line in table_lines(baseline_row, ballast_row)],
         "baseline_kinds": list(WORKER_FAULTS),
+        # Each Ballast process alive at the end: its event loop's lags and its engine's gaps
+        # (see bench.soak.ballast.stall_counts); the processes' logs name each one.
+        "ballast_stalls": ballast.stalls,
     }
     result.update(judge(goals, measured_for_goals(baseline_row, ballast_row)))
     print_goals(result)

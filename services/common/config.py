@@ -298,6 +298,17 @@ class TelemetryConfig(Section):
     metrics_port: int = Field(0, ge=0, le=65535, description="Port of /metrics; 0 picks one.")
     enabled: bool = Field(True, description="Serve Prometheus metrics.")
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="Distributed traces (OTLP).")
+    loop_lag_interval_s: float = Field(
+        0.25,
+        gt=0,
+        le=10,
+        description="How often the event loop's lag is measured (a timer that reports how late it fired).",
+    )
+    loop_lag_warn_ms: float = Field(
+        1000,
+        gt=0,
+        description="An event-loop lag this long or longer is logged (at most one line a minute).",
+    )
 
 
 class ConfigError(Exception):

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from services.common import tracing
 from services.common.config import TelemetryConfig
 from services.common.grpc_server import malformed_requests
+from services.common.loop_lag import LoopLagMonitor
 
 # Latency buckets in milliseconds: fine below 10 ms (relay overhead), coarse up to a minute.
 LATENCY_BUCKETS_MS = (
@@ -41,6 +42,11 @@ LATENCY_BUCKETS_MS = (
     30000,
     60000,
 )
+
+
+# The worst event-loop lag is reported over this window (ballast_event_loop_lag_worst_ms), and
+# a lag worth a warning is logged at most once in it.
+LOOP_LAG_WINDOW_S = 60.0
 
 
 class DependencyStatus:
@@ -107,6 +113,15 @@ class Telemetry:
         self._http = None
         self.port = 0
         self.tracer_provider = tracing.install(service, config.tracing)
+        self.loop_lag = LoopLagMonitor(
+            self.meter,
+            self.latency_histogram(
+                "ballast_event_loop_lag", "How late the event loop ran a timer that was due (starved loop)."
+            ),
+            interval_s=config.loop_lag_interval_s,
+            window_s=LOOP_LAG_WINDOW_S,
+            warn_ms=config.loop_lag_warn_ms,
+        )
 
     def latency_histogram(self, name: str, description: str):
         return self.meter.create_histogram(
@@ -117,7 +132,12 @@ class Telemetry:
         )
 
     def start(self) -> int:
-        """Serves /metrics; returns the port (useful when the config asks for port 0)."""
+        """Serves /metrics and, called on the service's event loop, starts measuring its lag;
+        returns the port (useful when the config asks for port 0)."""
+        try:
+            self.loop_lag.start()
+        except RuntimeError:
+            pass  # no running loop (a service driven synchronously, in tests): nothing to measure
         if not self.config.enabled or self._http is not None:
             return self.port
         self._http, _thread = start_http_server(
@@ -131,6 +151,7 @@ class Telemetry:
         return generate_latest(self.registry).decode()
 
     def stop(self) -> None:
+        self.loop_lag.stop()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

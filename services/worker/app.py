@@ -28,7 +28,8 @@ from services.common.grpc_server import add_health_and_reflection, bind, bind_he
 from services.common.membership import WorkerRecord, WorkerRegistration
 from services.common.tls.credentials import server_credentials
 from services.common.telemetry import Telemetry
-from services.worker.engine import Engine
+from services.worker.engine import Engine, Stepping
+from services.worker.engine_watch import EngineStallWatch
 from services.worker.kv import SessionKV, start_session_kv
 from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import FaultInjector, WorkerServicer, WorkerState
@@ -99,6 +100,8 @@ class WorkerApp:
     standby: StandbyControl | None = None
     # A sim worker's fault knobs; None for real engines.
     sim_faults: SimFaultControl | None = None
+    # Gaps between engine steps while requests wait (None: an engine that does not count steps).
+    engine_watch: EngineStallWatch | None = None
     # The Worker service, whose Relay streams the stop ends itself (routers keep them open).
     servicer: WorkerServicer | None = None
     # Published in every record: fixed for the process, so an unchanged worker's record is
@@ -167,6 +170,8 @@ class WorkerApp:
             # The drained streams queued their sessions' KV; write it before the engine goes.
             await _bounded("KV save flush", self.session_kv.stop(flush_timeout_s=5.0), 10.0)
             self.session_kv = None
+        if self.engine_watch is not None:
+            self.engine_watch.stop()
         await _bounded("engine stop", self.engine.stop(), 15.0)
         self.telemetry.stop()
         if self.owns_etcd:
@@ -245,6 +250,15 @@ async def create_server(
     )
     await server.start()
     telemetry.start()
+    if isinstance(engine, Stepping):
+        app.engine_watch = EngineStallWatch(
+            engine,
+            lambda: state.in_flight,
+            telemetry,
+            interval_s=config.worker.engine_watch_interval_s,
+            warn_s=config.worker.engine_stall_warn_s,
+        )
+        app.engine_watch.start()
     await set_serving(health, [SERVICE_NAME], True)
     if config.worker.engine == "sim":
         from services.worker.sim.control import SimFaultControl

@@ -66,6 +66,19 @@ class WorkerConfig(Section):
         "its engine moved, so a first token's stall on a busy engine is not held against the request "
         "(0: never). Keep it well under the routers' shortest stall timeout.",
     )
+    engine_stall_warn_s: float = Field(
+        5.0,
+        gt=0,
+        description="Requests in flight waiting this long or longer for an engine step are logged (at most "
+        "one line a minute); the gaps are exported as ballast_worker_engine_step_gap either way.",
+    )
+    engine_watch_interval_s: float = Field(
+        0.25,
+        gt=0,
+        le=10,
+        description="How often the engine's step count is read for ballast_worker_engine_step_gap and "
+        "ballast_worker_engine_stalled_ms.",
+    )
     max_concurrency: int = Field(8, ge=1, description="Sequences generated at once (capacity).")
     max_queue: int = Field(16, ge=0, description="Requests allowed to wait for a slot.")
     temperature_file: str = Field("", description="File holding a GPU temperature in C, read instead of NVML (tests).")
