@@ -231,19 +231,39 @@ class BallastSide:
 
     def stalls(self) -> dict[str, dict[str, float]]:
         """What each worker and router still running says it waited on (see
-        `stall_counts`), by process name; processes that do not answer are left out."""
-        found = {}
+        `stall_counts`), by process name, the workers the autoscaler started (the promoted
+        standby among them) included; processes that do not answer are left out."""
+        ports = {}
         for service in [*self.mesh.workers(), *self.mesh.routers()]:
-            if not service.process.alive():
-                continue
-            if service in self.mesh.workers():
-                self.mesh.refresh_ready(service)
+            if service.process.alive():
+                if service in self.mesh.workers():
+                    self.mesh.refresh_ready(service)
+                ports[service.name] = service.metrics_port
+        ports.update(autoscaled_metrics_ports(self.mesh.state_dir / AUTOSCALED_LOGS))
+        found = {}
+        for name, port in ports.items():
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=2.0) as reply:
-                    found[service.name] = stall_counts(reply.read().decode())
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2.0) as reply:
+                    found[name] = stall_counts(reply.read().decode())
             except OSError:
                 continue
         return found
+
+
+# Where the routers' local autoscaler executor (its state_dir, relative to a router's working
+# folder: the mesh's state folder) writes the logs of the workers it starts.
+AUTOSCALED_LOGS = Path(".ballast") / "autoscale" / "logs"
+
+
+def autoscaled_metrics_ports(logs: Path) -> dict[str, int]:
+    """The metrics port of each worker the autoscaler started, from the last READY line of
+    its log (`READY worker <address> metrics=<port>`), by worker id."""
+    ports = {}
+    for log in sorted(logs.glob("*.log")):
+        ready = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("READY worker ")]
+        if ready:
+            ports[log.stem] = int(ready[-1].rsplit("metrics=", 1)[1])
+    return ports
 
 
 def _histogram_over(text: str, name: str, bound: str) -> float:

@@ -25,3 +25,15 @@ def test_a_router_has_no_engine_gaps():
     counts = stall_counts(telemetry.render())
     telemetry.stop()
     assert counts == {"loop_lags_over_1s": 0, "loop_lags_over_5s": 0}
+
+
+def test_autoscaled_workers_are_found_by_their_last_ready_line(tmp_path):
+    from bench.soak.ballast import autoscaled_metrics_ports
+
+    (tmp_path / "primary-r1-1.log").write_text(
+        "loading\nREADY worker 127.0.0.1:4001 metrics=5001\nrestarted by its keeper\n"
+        "READY worker 127.0.0.1:4002 metrics=5002\n"
+    )
+    (tmp_path / "primary-r1-2.log").write_text("loading, never ready\n")
+    assert autoscaled_metrics_ports(tmp_path) == {"primary-r1-1": 5002}
+    assert autoscaled_metrics_ports(tmp_path / "absent") == {}
